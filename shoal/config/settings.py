@@ -1,0 +1,88 @@
+"""Settings from SHOAL_* environment variables and an optional TOML file, through pydantic-settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+def _config_file() -> Path | None:
+    """The TOML file named by SHOAL_CONFIG, else ./shoal.toml when present."""
+    named = os.environ.get("SHOAL_CONFIG")
+    if named:
+        return Path(named)
+    local = Path("shoal.toml")
+    return local if local.is_file() else None
+
+
+class Settings(BaseSettings):
+    """Everything Shoal can be told. Environment beats the config file, which beats the defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="forbid")
+
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("shoal")),
+        description="Home of the embedded servers and of local storage.",
+    )
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL of the catalog; unset starts an embedded Postgres."
+    )
+    redis_url: str | None = Field(
+        default=None, description="Redis URL of the broker; unset starts an embedded Valkey."
+    )
+    storage_uri: str | None = Field(
+        default=None, description="Local directory or s3://bucket/prefix; unset means DATA_DIR/storage."
+    )
+    s3_endpoint_url: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_region: str = "us-east-1"
+    tenant: str = Field(default="default", description="Tenant of the Python API and CLI.")
+    max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
+    group_commit_max_points: int = Field(
+        default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
+    )
+    commit_retries: int = Field(default=3, ge=1, description="Attempts at a commit whose outcome is unknown.")
+    lock_timeout_ms: int = Field(default=30_000, ge=1, description="Catalog lock wait before giving up.")
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @property
+    def resolved_storage_uri(self) -> str:
+        """Where the log lives: the configured URI or the data directory's storage folder."""
+        return self.storage_uri or str(self.data_dir / "storage")
+
+    def describe(self) -> dict[str, Any]:
+        """Settings as shown to an operator, secrets masked."""
+        shown = self.model_dump(mode="json")
+        if shown.get("s3_secret_key"):
+            shown["s3_secret_key"] = "***"
+        return shown

@@ -1,0 +1,64 @@
+"""Every error Shoal raises on purpose. Callers catch these, never library internals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ShoalError(Exception):
+    """Base of all Shoal errors."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: where (point position, attribute) and what."""
+
+    rule: str
+    position: int | None = None
+    attribute: str | None = None
+
+    def __str__(self) -> str:
+        where = []
+        if self.position is not None:
+            where.append(f"point {self.position}")
+        if self.attribute is not None:
+            where.append(f"attribute {self.attribute!r}")
+        return f"{', '.join(where)}: {self.rule}" if where else self.rule
+
+
+class ValidationError(ShoalError):
+    """Input broke one or more rules; nothing was written."""
+
+    def __init__(self, problems: list[Problem] | Problem | str) -> None:
+        if isinstance(problems, str):
+            problems = [Problem(problems)]
+        elif isinstance(problems, Problem):
+            problems = [problems]
+        self.problems: list[Problem] = problems
+        shown = "; ".join(str(p) for p in problems[:10])
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        super().__init__(f"invalid input, nothing written: {shown}{more}")
+
+
+class InvalidNameError(ValidationError):
+    """A tenant, data source or version name breaks the naming rules."""
+
+
+class BatchTooLargeError(ValidationError):
+    """A batch holds more points than the configured maximum."""
+
+
+class NotFoundError(ShoalError):
+    """The named tenant or data source does not exist."""
+
+
+class AlreadyExistsError(ShoalError):
+    """A data source with that name and version exists already (with another definition)."""
+
+
+class ConfigurationError(ShoalError):
+    """Settings are inconsistent or a configured server cannot be reached."""
+
+
+class CommitError(ShoalError):
+    """A batch could not be committed after bounded retries; it was not acknowledged."""

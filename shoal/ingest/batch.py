@@ -1,0 +1,375 @@
+"""Validation of a batch against its data source, and its conversion to the log's Arrow schema.
+
+All or nothing: a batch either becomes one Arrow table or raises ValidationError listing the broken rules,
+each naming the point's position in the batch, the attribute and the rule.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shoal.errors import BatchTooLargeError, Problem, ValidationError
+from shoal.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+
+OP = "__op"
+KEY = "__key"
+VECTOR = "__vector"
+SPARSE_INDICES = "__sparse_indices"
+SPARSE_VALUES = "__sparse_values"
+SEQ_OFFSET = "__seq_offset"
+INGESTED_AT = "__ingested_at"
+SEQ = "__seq"  # absolute seq: never stored, added by the reader from the segment's first seq
+UPSERT = "upsert"
+DELETE = "delete"
+MAX_PROBLEMS = 100  # report this many broken rules at most; the batch is rejected either way
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+ARROW_TYPES: dict[AttributeType, pa.DataType] = {
+    AttributeType.BOOL: pa.bool_(),
+    AttributeType.INT64: pa.int64(),
+    AttributeType.FLOAT64: pa.float64(),
+    AttributeType.STRING: pa.string(),
+    AttributeType.GUID: pa.string(),  # canonical lower-case hyphenated text: readable by any Parquet reader
+    AttributeType.DATETIME: pa.timestamp("us", tz="UTC"),
+}
+
+
+def batch_schema(spec: DataSourceSpec) -> pa.Schema:
+    """The schema of a validated batch: op, key, vector column(s), one typed column per attribute."""
+    fields = [pa.field(OP, pa.string(), nullable=False), pa.field(KEY, pa.string(), nullable=False)]
+    if spec.vectors_are_sparse:
+        fields += [pa.field(SPARSE_INDICES, pa.list_(pa.int32())), pa.field(SPARSE_VALUES, pa.list_(pa.float32()))]
+    else:
+        fields.append(pa.field(VECTOR, pa.list_(pa.float32(), spec.vector_dimension)))
+    for name, kind in spec.attribute_types.items():
+        fields.append(pa.field(name, ARROW_TYPES[kind], metadata={"shoal.type": kind.value}))
+    return pa.schema(fields)
+
+
+def segment_schema(spec: DataSourceSpec) -> pa.Schema:
+    """The schema of a log segment file: a batch's columns plus seq offset and ingestion time."""
+    base = batch_schema(spec)
+    return base.insert(0, pa.field(SEQ_OFFSET, pa.int64(), nullable=False)).append(
+        pa.field(INGESTED_AT, pa.timestamp("us", tz="UTC"), nullable=False)
+    )
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[Problem] = []
+
+    def add(self, rule: str, position: int | None = None, attribute: str | None = None) -> None:
+        if len(self.items) < MAX_PROBLEMS:
+            self.items.append(Problem(rule, position, attribute))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise ValidationError(self.items)
+
+
+def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
+    """Normalise one attribute value of type `kind`; return (value, None) or (None, the rule it breaks)."""
+    if value is None:
+        return None, "value is missing (null)"
+    if kind is AttributeType.BOOL:
+        return (value, None) if isinstance(value, bool | np.bool_) else (None, f"expected bool, got {_tname(value)}")
+    if kind is AttributeType.INT64:
+        if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+            return None, f"expected int64, got {_tname(value)}"
+        if not INT64_MIN <= int(value) <= INT64_MAX:
+            return None, "int64 value out of range"
+        return int(value), None
+    if kind is AttributeType.FLOAT64:
+        if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
+            return None, f"expected float64, got {_tname(value)}"
+        if not math.isfinite(float(value)):
+            return None, "float64 value must be finite"
+        return float(value), None
+    if kind is AttributeType.STRING:
+        return (value, None) if isinstance(value, str) else (None, f"expected string, got {_tname(value)}")
+    if kind is AttributeType.GUID:
+        if isinstance(value, uuid.UUID):
+            return str(value), None
+        if isinstance(value, str):
+            try:
+                return str(uuid.UUID(value)), None
+            except ValueError:
+                return None, f"not a guid: {value[:50]!r}"
+        return None, f"expected guid, got {_tname(value)}"
+    if kind is AttributeType.DATETIME:
+        if not isinstance(value, dt.datetime):
+            return None, f"expected datetime, got {_tname(value)}"
+        # Naive datetimes are taken as UTC; everything is stored in UTC.
+        return (value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)), None
+    raise AssertionError(kind)
+
+
+def _tname(value: Any) -> str:
+    return type(value).__name__
+
+
+def _check_points(spec: DataSourceSpec, items: Sequence[DataPoint | Tombstone], max_points: int) -> None:
+    if len(items) == 0:
+        raise ValidationError("batch is empty")
+    if len(items) > max_points:
+        raise BatchTooLargeError(
+            Problem(f"batch holds {len(items)} points, more than the configured maximum {max_points}")
+        )
+
+
+def points_to_table(
+    spec: DataSourceSpec, items: Sequence[DataPoint | Tombstone], max_points: int
+) -> pa.Table:
+    """Validate a batch of DataPoints and Tombstones, in order, and return it as one Arrow table."""
+    _check_points(spec, items, max_points)
+    problems = _Problems()
+    attrs = spec.attribute_types
+    permanent = set(spec.permanent_attributes)
+    n, dim = len(items), spec.vector_dimension
+    columns: dict[str, list[Any]] = {name: [None] * n for name in attrs}
+    ops: list[str] = [UPSERT] * n
+    dense = None if spec.vectors_are_sparse else np.zeros((n, dim), dtype=np.float32)
+    present = np.ones(n, dtype=bool)
+    sparse_idx: list[Any] = [None] * n
+    sparse_val: list[Any] = [None] * n
+
+    for pos, item in enumerate(items):
+        if isinstance(item, DataPoint):
+            values, expected = item.attributes, attrs.keys()
+        elif isinstance(item, Tombstone):
+            values, expected = item.key, permanent
+            ops[pos] = DELETE
+            present[pos] = False
+        else:
+            problems.add(f"expected a DataPoint or a Tombstone, got {_tname(item)}", pos)
+            continue
+        if not isinstance(values, Mapping):
+            problems.add(f"attributes must be a mapping, got {_tname(values)}", pos)
+            continue
+        for name in expected:
+            if name not in values:
+                problems.add("missing attribute" if ops[pos] == UPSERT else "missing key attribute", pos, name)
+        for name, raw in values.items():
+            if name not in expected:
+                rule = (
+                    "unknown attribute (not in the data source)"
+                    if name not in attrs
+                    else "a tombstone carries only the permanent (key) attributes"
+                )
+                problems.add(rule, pos, str(name))
+                continue
+            value, err = check_value(attrs[name], raw)
+            if err:
+                problems.add(err, pos, name)
+            else:
+                columns[name][pos] = value
+        if isinstance(item, DataPoint):
+            if spec.vectors_are_sparse:
+                got = _check_sparse(item.vector, dim, pos, problems)
+                if got is not None:
+                    sparse_idx[pos], sparse_val[pos] = got
+            else:
+                row = _check_dense(item.vector, dim, pos, problems)
+                if row is not None and dense is not None:
+                    dense[pos] = row
+    problems.raise_if_any()
+
+    arrays: dict[str, pa.Array] = {OP: pa.array(ops, pa.string())}
+    if dense is not None:
+        arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(
+            pa.array(dense.reshape(-1)), dim, mask=pa.array(~present)
+        )
+    else:
+        arrays[SPARSE_INDICES] = pa.array(sparse_idx, pa.list_(pa.int32()))
+        arrays[SPARSE_VALUES] = pa.array(sparse_val, pa.list_(pa.float32()))
+    for name, kind in attrs.items():
+        arrays[name] = pa.array(columns[name], ARROW_TYPES[kind])
+    return _finish(spec, arrays)
+
+
+def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.ndarray | None:
+    if isinstance(vector, SparseVector):
+        problems.add("the data source holds dense vectors, got a sparse one", pos, "vector")
+        return None
+    try:
+        row = np.asarray(vector, dtype=np.float32)
+    except (TypeError, ValueError):
+        problems.add("vector must be a sequence of numbers", pos, "vector")
+        return None
+    if row.shape != (dim,):
+        problems.add(f"wrong dimension: expected {dim}, got {row.shape[0] if row.ndim == 1 else row.shape}", pos, "vector")
+        return None
+    if not np.isfinite(row).all():
+        bad = int(np.flatnonzero(~np.isfinite(row))[0])
+        problems.add(f"coordinates must be finite (NaN or infinity at index {bad})", pos, "vector")
+        return None
+    return row
+
+
+def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple[list[int], list[float]] | None:
+    if not isinstance(vector, SparseVector):
+        problems.add("the data source holds sparse vectors: give a SparseVector", pos, "vector")
+        return None
+    try:
+        idx = np.asarray(vector.indices, dtype=np.int64)
+        val = np.asarray(vector.values, dtype=np.float32)
+    except (TypeError, ValueError):
+        problems.add("sparse indices and values must be numbers", pos, "vector")
+        return None
+    if idx.ndim != 1 or idx.shape != val.shape:
+        problems.add("sparse vector needs as many values as indices", pos, "vector")
+        return None
+    if idx.size and (idx.min() < 0 or idx.max() >= dim):
+        problems.add(f"sparse index out of range 0..{dim - 1}", pos, "vector")
+        return None
+    if np.unique(idx).size != idx.size:
+        problems.add("sparse vector repeats an index", pos, "vector")
+        return None
+    if not np.isfinite(val).all():
+        problems.add("coordinates must be finite (NaN or infinity found)", pos, "vector")
+        return None
+    return idx.astype(np.int32).tolist(), val.tolist()
+
+
+def columns_to_table(
+    spec: DataSourceSpec,
+    vectors: np.ndarray | None,
+    attributes: Mapping[str, Sequence[Any] | np.ndarray | pa.Array],
+    max_points: int,
+    *,
+    delete: bool = False,
+) -> pa.Table:
+    """Validate a columnar batch (upserts: vectors [n, dim] plus one column per attribute; or, with
+    `delete`, tombstones: one column per permanent attribute) and return it as one Arrow table.
+
+    The fast path for large batches: vectors are checked as one NumPy array, not point by point.
+    """
+    problems = _Problems()
+    expected = list(spec.permanent_attributes) if delete else list(spec.attribute_types)
+    for name in expected:
+        if name not in attributes:
+            problems.add("missing attribute column" if not delete else "missing key attribute column", None, name)
+    for name in attributes:
+        if name not in expected:
+            rule = "unknown attribute (not in the data source)" if name not in spec.attribute_types else (
+                "tombstones carry only the permanent (key) attributes"
+            )
+            problems.add(rule, None, str(name))
+    problems.raise_if_any()
+    lengths = {name: len(attributes[name]) for name in expected}
+    n = next(iter(lengths.values()))
+    if not delete:
+        if spec.vectors_are_sparse:
+            raise ValidationError("the data source holds sparse vectors: upload them as DataPoints with SparseVector")
+        if vectors is None:
+            raise ValidationError(Problem("vectors are required for upserts", attribute="vector"))
+        vectors = np.asarray(vectors)
+        if vectors.ndim != 2 or vectors.shape[1] != spec.vector_dimension:
+            raise ValidationError(
+                Problem(f"wrong dimension: expected [n, {spec.vector_dimension}], got {list(vectors.shape)}",
+                        attribute="vector")
+            )
+        n = vectors.shape[0]
+    for name, count in lengths.items():
+        if count != n:
+            problems.add(f"column has {count} values, expected {n}", None, name)
+    problems.raise_if_any()
+    if n == 0:
+        raise ValidationError("batch is empty")
+    if n > max_points:
+        raise BatchTooLargeError(Problem(f"batch holds {n} points, more than the configured maximum {max_points}"))
+
+    arrays: dict[str, pa.Array] = {OP: pa.array(np.full(n, DELETE if delete else UPSERT, dtype=object), pa.string())}
+    if delete:
+        if spec.vectors_are_sparse:
+            arrays[SPARSE_INDICES] = pa.nulls(n, pa.list_(pa.int32()))
+            arrays[SPARSE_VALUES] = pa.nulls(n, pa.list_(pa.float32()))
+        else:
+            arrays[VECTOR] = pa.nulls(n, pa.list_(pa.float32(), spec.vector_dimension))
+    else:
+        assert vectors is not None
+        flat = np.ascontiguousarray(vectors, dtype=np.float32)
+        finite = np.isfinite(flat).all(axis=1)
+        if not finite.all():
+            for pos in np.flatnonzero(~finite)[:MAX_PROBLEMS]:
+                problems.add("coordinates must be finite (NaN or infinity found)", int(pos), "vector")
+        arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), spec.vector_dimension)
+    for name, kind in spec.attribute_types.items():
+        if name in expected:
+            arrays[name] = _column(name, kind, attributes[name], problems)
+        else:
+            arrays[name] = pa.nulls(n, ARROW_TYPES[kind])
+    problems.raise_if_any()
+    return _finish(spec, arrays)
+
+
+_FAST_NUMPY_KINDS = {AttributeType.BOOL: "b", AttributeType.INT64: "iu", AttributeType.FLOAT64: "fiu"}
+
+
+def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) -> pa.Array:
+    target = ARROW_TYPES[kind]
+    # Fast paths: typed NumPy or Arrow columns need no per-value checks beyond nulls and NaN.
+    if isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
+        arr = pa.array(values.astype(np.float64 if kind is AttributeType.FLOAT64 else values.dtype), target)
+    elif isinstance(values, pa.ChunkedArray | pa.Array) and values.type == target and kind is not AttributeType.GUID:
+        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    else:
+        out: list[Any] = []
+        for pos, raw in enumerate(values.to_pylist() if isinstance(values, pa.Array | pa.ChunkedArray) else values):
+            value, err = check_value(kind, raw)
+            if err:
+                problems.add(err, pos, name)
+            out.append(value)
+        return pa.array(out, target) if not problems.items else pa.nulls(len(out), target)
+    if arr.null_count:
+        for pos in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[:MAX_PROBLEMS]:
+            problems.add("value is missing (null)", int(pos), name)
+    if kind is AttributeType.FLOAT64:
+        nan = pc.invert(pc.is_finite(arr)).to_numpy(zero_copy_only=False)
+        for pos in np.flatnonzero(nan)[:MAX_PROBLEMS]:
+            problems.add("float64 value must be finite", int(pos), name)
+    return arr
+
+
+def _finish(spec: DataSourceSpec, arrays: dict[str, pa.Array]) -> pa.Table:
+    arrays[KEY] = encode_keys([arrays[name] for name in spec.permanent_attributes])
+    schema = batch_schema(spec)
+    return pa.Table.from_arrays([arrays[f.name] for f in schema], schema=schema)
+
+
+def encode_keys(columns: list[pa.Array]) -> pa.Array:
+    """The key of each row: its permanent attribute values as one unambiguous string.
+
+    Each value is written `length:text` and values are joined by `|`, so no two different keys can
+    produce the same string whatever characters the values hold.
+    """
+    parts = []
+    for col in columns:
+        text = col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
+        parts.append(pc.binary_join_element_wise(pc.cast(pc.utf8_length(text), pa.string()), text, ":"))
+    if len(parts) == 1:
+        return parts[0]
+    return pc.binary_join_element_wise(*parts, "|")
+
+
+def key_strings(spec: DataSourceSpec, keys: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Encode keys given as {permanent attribute: value} mappings, as the log encodes them."""
+    cols = []
+    for name in spec.permanent_attributes:
+        kind = spec.attribute_types[name]
+        vals = []
+        for k in keys:
+            value, err = check_value(kind, k.get(name))
+            if err:
+                raise ValidationError(Problem(err, attribute=name))
+            vals.append(value)
+        cols.append(pa.array(vals, ARROW_TYPES[kind]))
+    return encode_keys(cols).to_pylist()

@@ -1,0 +1,50 @@
+"""Reading a data source's log between two seqs, and folding it to the latest state per key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.ingest.batch import KEY, OP, SEQ, SEQ_OFFSET, UPSERT
+from shoal.ingest.segment import decode_segment
+from shoal.storage import Storage
+
+
+def read_log(
+    catalog: Catalog, storage: Storage, source: SourceRecord, after_seq: int = 0, up_to_seq: int | None = None
+) -> Iterator[pa.RecordBatch]:
+    """Yield the log entries with seq in (after_seq, up_to_seq] in seq order, each with its absolute `__seq`.
+
+    `up_to_seq` defaults to the head when the call starts, so a concurrent commit never shows half way.
+    Every segment is checked against its recorded checksum before any of it is yielded.
+    """
+    if up_to_seq is None:
+        up_to_seq = catalog.get_data_source(source.spec.name, source.spec.version).head_seq
+    for seg in catalog.segments(source.id, after_seq, up_to_seq):
+        table = decode_segment(storage.read(seg.path), seg.checksum, seg.path)
+        seqs = pc.add(table[SEQ_OFFSET], pa.scalar(seg.first_seq, pa.int64()))
+        table = table.append_column(SEQ, seqs)
+        if seg.first_seq <= after_seq or seg.last_seq > up_to_seq:
+            mask = pc.and_(pc.greater(seqs, after_seq), pc.less_equal(seqs, up_to_seq))
+            table = table.filter(mask)
+        yield from table.to_batches()
+
+
+def fold(batches: Iterable[pa.RecordBatch], schema: pa.Schema | None = None) -> pa.Table:
+    """The latest state per key: for each key its last entry wins, and a tombstone removes the key.
+
+    Returns the surviving upserts, one row per key, in seq order (an empty `schema` table when none).
+    """
+    parts = [pa.Table.from_batches([b]) for b in batches if b.num_rows]
+    if not parts:
+        return schema.empty_table() if schema is not None else pa.table({})
+    table = pa.concat_tables(parts)
+    latest = table.group_by(KEY, use_threads=False).aggregate([(SEQ, "max")])
+    winners = pc.is_in(table[SEQ], value_set=latest[f"{SEQ}_max"])
+    table = table.filter(pc.and_(winners, pc.equal(table[OP], UPSERT)))
+    order = np.argsort(table[SEQ].to_numpy(), kind="stable")
+    return table.take(pa.array(order))

@@ -1,0 +1,118 @@
+"""Group commit: concurrent uploads to one data source share one segment file and one transaction.
+
+Whichever uploading thread finds no commit in flight becomes the leader: it takes every queued batch (up
+to a point limit), commits them together and wakes their callers. Batches that arrive meanwhile queue up
+for the next leader, so the batch size grows with the load and no timer adds latency when idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import pyarrow as pa
+from sqlalchemy import Engine
+
+from shoal.catalog.commit import BatchSlot, WrittenSegment, commit_group
+from shoal.catalog.repo import SourceRecord
+from shoal.ingest.segment import build_segment_table, count_ops, encode_segment
+from shoal.storage import Storage, segment_path
+
+
+@dataclass
+class _Request:
+    table: pa.Table
+    batch_id: str | None
+    done: bool = False
+    token: int | None = None
+    error: BaseException | None = None
+
+
+class LogWriter:
+    """Appends validated batches to one data source's log, sharing commits between concurrent callers."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        storage: Storage,
+        source: SourceRecord,
+        *,
+        group_max_points: int,
+        retries: int,
+        lock_timeout_ms: int,
+    ) -> None:
+        self.engine = engine
+        self.storage = storage
+        self.source = source
+        self.group_max_points = group_max_points
+        self.retries = retries
+        self.lock_timeout_ms = lock_timeout_ms
+        self._cv = threading.Condition()
+        self._queue: deque[_Request] = deque()
+        self._busy = False
+        self.commits = 0  # how many transactions this writer made (observable group-commit effect)
+
+    def submit(self, table: pa.Table, batch_id: str | None = None) -> int:
+        """Append one validated batch; block until it is durable and committed; return its last seq."""
+        req = _Request(table, batch_id)
+        with self._cv:
+            self._queue.append(req)
+        while True:
+            with self._cv:
+                while not req.done and self._busy:
+                    self._cv.wait()
+                if req.done:
+                    break
+                self._busy = True
+                group = self._take_group()
+            try:
+                self._commit(group)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        if req.error is not None:
+            raise req.error
+        assert req.token is not None
+        return req.token
+
+    def _take_group(self) -> list[_Request]:
+        group = [self._queue.popleft()]
+        points = group[0].table.num_rows
+        while self._queue and points + self._queue[0].table.num_rows <= self.group_max_points:
+            req = self._queue.popleft()
+            points += req.table.num_rows
+            group.append(req)
+        return group
+
+    def _commit(self, group: list[_Request]) -> None:
+        src = self.source
+
+        def write(first_seq: int, keep: list[int]) -> WrittenSegment:
+            table = build_segment_table([group[i].table for i in keep])
+            buf, digest = encode_segment(table)
+            seg_id = uuid.uuid4()
+            path = segment_path(src.tenant, src.spec.name, src.spec.version, first_seq, seg_id)
+            self.storage.write_atomic(path, buf)
+            upserts, tombstones = count_ops(table)
+            return WrittenSegment(seg_id, path, buf.size, digest, upserts, tombstones)
+
+        try:
+            tokens = commit_group(
+                self.engine,
+                src.id,
+                [BatchSlot(r.table.num_rows, r.batch_id) for r in group],
+                write,
+                self.storage.delete_quietly,
+                retries=self.retries,
+                lock_timeout_ms=self.lock_timeout_ms,
+            )
+        except BaseException as exc:  # every caller in the group learns the same failure
+            for r in group:
+                r.error, r.done = exc, True
+            return
+        self.commits += 1
+        for r, token in zip(group, tokens, strict=True):
+            r.token, r.done = token, True

@@ -1,0 +1,167 @@
+"""The records every layer shares: data source definitions, data points, tombstones, write tokens.
+
+Plain data with the naming and consistency rules of Vektonn's data model; no I/O here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from shoal.errors import InvalidNameError, Problem, ValidationError
+
+MAX_VECTOR_DIMENSION = 10_000
+
+# Data source names and versions as Vektonn writes them ("QuickStart.Source", "1.0"). The first character
+# must be a letter or digit, so "." and ".." (or a hidden file) can never be formed and no name can leave
+# its folder in the storage layout.
+SOURCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+TENANT_NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")
+# Attribute keys become Parquet column names; the "__" prefix is reserved for the log's own columns.
+ATTRIBUTE_NAME_RE = re.compile(r"^(?!__)[A-Za-z0-9_.-]{1,100}$")
+
+
+class AttributeType(StrEnum):
+    """The value types an attribute may hold (Vektonn's AttributeValue kinds)."""
+
+    BOOL = "bool"
+    INT64 = "int64"
+    FLOAT64 = "float64"
+    STRING = "string"
+    GUID = "guid"
+    DATETIME = "datetime"
+
+
+AttributeValue = bool | int | float | str | uuid.UUID | dt.datetime
+
+
+def check_name(kind: str, value: str, pattern: re.Pattern[str] = SOURCE_NAME_RE) -> str:
+    """Return `value` unchanged if it is a legal `kind` name, else raise InvalidNameError naming the rule."""
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise InvalidNameError(
+            Problem(f"invalid {kind} {value!r}: must match {pattern.pattern}", attribute=None)
+        )
+    return value
+
+
+def check_tenant_name(value: str) -> str:
+    """Return `value` if it is a legal tenant name (lower-case letters, digits, `_`, `-`)."""
+    return check_name("tenant name", value, TENANT_NAME_RE)
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    """A sparse vector: `values[i]` is the coordinate at dimension `indices[i]`; indices are unique."""
+
+    indices: Sequence[int]
+    values: Sequence[float]
+
+
+@dataclass(frozen=True)
+class DataPoint:
+    """An upsert: a vector (dense array or SparseVector) and a value for every attribute of the source."""
+
+    attributes: Mapping[str, AttributeValue]
+    vector: Sequence[float] | np.ndarray | SparseVector
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A deletion: the values of the data source's permanent attributes, nothing else."""
+
+    key: Mapping[str, AttributeValue]
+
+
+@dataclass(frozen=True, order=True)
+class WriteToken:
+    """Proof of a durable write: the seq of the batch's last entry in its data source's log.
+
+    A search may require a token to see every write up to it (read-your-writes).
+    """
+
+    seq: int
+    data_source: str = field(compare=False, default="")
+    version: str = field(compare=False, default="")
+
+    def __str__(self) -> str:
+        return f"{self.data_source}/{self.version}@{self.seq}"
+
+
+@dataclass(frozen=True)
+class DataSourceSpec:
+    """The definition of a data source (Vektonn's DataSourceMeta plus description and custom metadata)."""
+
+    name: str
+    version: str
+    vector_dimension: int
+    attribute_types: Mapping[str, AttributeType]
+    permanent_attributes: Sequence[str]
+    vectors_are_sparse: bool = False
+    description: str = ""
+    custom_metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Normalise collections so specs compare by value and attribute types are enums.
+        try:
+            types = {str(k): AttributeType(v) for k, v in dict(self.attribute_types).items()}
+        except ValueError as exc:
+            allowed = ", ".join(t.value for t in AttributeType)
+            raise ValidationError(Problem(f"unknown attribute type ({exc}); allowed: {allowed}")) from None
+        object.__setattr__(self, "attribute_types", types)
+        object.__setattr__(self, "permanent_attributes", tuple(self.permanent_attributes))
+        object.__setattr__(self, "custom_metadata", dict(self.custom_metadata))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValidationError listing every rule this definition breaks (Vektonn's consistency rules)."""
+        check_name("data source name", self.name)
+        check_name("data source version", self.version)
+        problems: list[Problem] = []
+        dim = self.vector_dimension
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_VECTOR_DIMENSION:
+            problems.append(Problem(f"vector dimension must be an integer in 1..{MAX_VECTOR_DIMENSION}, got {dim!r}"))
+        for name in self.attribute_types:
+            if not ATTRIBUTE_NAME_RE.fullmatch(name):
+                problems.append(
+                    Problem(f"attribute name must match {ATTRIBUTE_NAME_RE.pattern}", attribute=name)
+                )
+        if not self.permanent_attributes:
+            problems.append(Problem("permanent attributes must not be empty"))
+        if len(set(self.permanent_attributes)) != len(self.permanent_attributes):
+            problems.append(Problem("permanent attributes must not repeat"))
+        for name in self.permanent_attributes:
+            if name not in self.attribute_types:
+                problems.append(Problem("permanent attribute has no attribute value type", attribute=name))
+        if not isinstance(self.description, str):
+            problems.append(Problem("description must be a string"))
+        if problems:
+            raise ValidationError(problems)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this definition (the catalog stores it this way)."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "vector_dimension": self.vector_dimension,
+            "vectors_are_sparse": self.vectors_are_sparse,
+            "attribute_types": {k: v.value for k, v in self.attribute_types.items()},
+            "permanent_attributes": list(self.permanent_attributes),
+            "description": self.description,
+            "custom_metadata": dict(self.custom_metadata),
+        }
+
+    def same_definition(self, other: DataSourceSpec) -> bool:
+        """True when both define the same log schema (description and metadata aside)."""
+        return (
+            self.vector_dimension == other.vector_dimension
+            and self.vectors_are_sparse == other.vectors_are_sparse
+            and dict(self.attribute_types) == dict(other.attribute_types)
+            and tuple(self.permanent_attributes) == tuple(other.permanent_attributes)
+        )
