@@ -1,0 +1,139 @@
+"""Shared fixtures: one real Postgres (embedded) and one S3-compatible server (moto) per test session.
+
+Every test gets its own tenant and its own storage root, so tests never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shoal import Shoal
+from shoal.config.embedded import ensure_postgres, stop_embedded
+from shoal.config.settings import Settings
+
+HERE = Path(__file__).resolve().parent
+S3_BUCKET = "shoal-test"
+
+
+@pytest.fixture(scope="session")
+def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Postgres: SHOAL_TEST_DATABASE_URL if given, else an embedded one stopped after the session."""
+    given = os.environ.get("SHOAL_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    data_dir = tmp_path_factory.mktemp("pg")
+    try:
+        yield ensure_postgres(data_dir)
+    finally:
+        stop_embedded(data_dir)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible server (moto in server mode) on loopback, with the test bucket created."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+    ).create_bucket(Bucket=S3_BUCKET)
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_kind(request: pytest.FixtureRequest) -> str:
+    """Run the test once on a local directory and once on S3."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_settings(
+    pg_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Callable[..., Settings]:
+    """Build Settings for a fresh tenant and storage root; `kind` picks local or S3 storage."""
+
+    def make(kind: str = "local", **overrides: object) -> Settings:
+        tenant = "t" + uuid.uuid4().hex[:12]
+        values: dict[str, object] = {
+            "data_dir": tmp_path / "data",
+            "database_url": pg_url,
+            "redis_url": "redis://127.0.0.1:1/0",  # never used by the log; must not start a server
+            "tenant": tenant,
+        }
+        if kind == "s3":
+            endpoint = request.getfixturevalue("s3_endpoint")
+            values.update(
+                storage_uri=f"s3://{S3_BUCKET}/{tenant}",
+                s3_endpoint_url=endpoint,
+                s3_access_key="test",
+                s3_secret_key="test",
+            )
+        else:
+            values["storage_uri"] = str(tmp_path / "storage")
+        values.update(overrides)
+        return Settings(**values)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def shoal(make_settings: Callable[..., Settings], storage_kind: str) -> Iterator[Shoal]:
+    """A Shoal client on a fresh tenant, once per storage kind."""
+    client = Shoal(make_settings(storage_kind))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def local_shoal(make_settings: Callable[..., Settings]) -> Iterator[Shoal]:
+    """A Shoal client on a fresh tenant with local storage (for tests about validation, not storage)."""
+    client = Shoal(make_settings("local"))
+    yield client
+    client.close()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes a child process build the same Settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"SHOAL_{name.upper()}"] = str(value)
+    return env
+
+
+def run_helper(script: str, args: list[str], settings: Settings, **kwargs: object) -> subprocess.Popen[str]:
+    """Start tests/helpers/<script> in a child Python process with the settings in its environment."""
+    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
+        [sys.executable, str(HERE / "helpers" / script), *args],
+        env=settings_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `predicate` until true; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
