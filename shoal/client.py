@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import make_engine, migrate, resolve_database_url
 from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord
-from shoal.config.settings import Settings
-from shoal.errors import ValidationError
+from shoal.config.settings import Settings, mask_url
+from shoal.errors import ConfigurationError, ValidationError
 from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
 from shoal.ingest.reader import fold, read_log
 from shoal.ingest.writer import LogWriter
@@ -29,12 +30,17 @@ class Shoal:
     def __init__(self, settings: Settings | None = None, *, tenant: str | None = None) -> None:
         self.settings = settings or Settings()
         url = resolve_database_url(self.settings)
-        with _migrate_lock:
-            if url not in _migrated:
-                migrate(url)
-                _migrated.add(url)
         self.engine = make_engine(url)
-        self.catalog = Catalog(self.engine, tenant or self.settings.tenant)
+        try:
+            with _migrate_lock:
+                if url not in _migrated:
+                    migrate(url)
+                    _migrated.add(url)
+            self.catalog = Catalog(self.engine, tenant or self.settings.tenant)
+        except OperationalError as exc:
+            self.engine.dispose()
+            reason = str(exc.orig or exc).strip().splitlines()[0]
+            raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {reason}") from exc
         self.storage = Storage.from_settings(self.settings)
         self._writers: dict[int, LogWriter] = {}
         self._writers_lock = threading.Lock()

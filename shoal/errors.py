@@ -29,6 +29,8 @@ class Problem:
 class ValidationError(ShoalError):
     """Input broke one or more rules; nothing was written."""
 
+    prefix = "invalid input, nothing written"
+
     def __init__(self, problems: list[Problem] | Problem | str) -> None:
         if isinstance(problems, str):
             problems = [Problem(problems)]
@@ -37,11 +39,13 @@ class ValidationError(ShoalError):
         self.problems: list[Problem] = problems
         shown = "; ".join(str(p) for p in problems[:10])
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        super().__init__(f"invalid input, nothing written: {shown}{more}")
+        super().__init__(f"{self.prefix}: {shown}{more}")
 
 
 class InvalidNameError(ValidationError):
     """A tenant, data source or version name breaks the naming rules."""
+
+    prefix = "invalid name"
 
 
 class BatchTooLargeError(ValidationError):

@@ -48,3 +48,14 @@ def test_concurrent_processes_migrate_once(fresh_db: str) -> None:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()
     command.check(alembic_config(fresh_db))
+
+
+def test_an_unreachable_catalog_is_a_clear_configuration_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from shoal import Shoal
+    from shoal.config.settings import Settings
+    from shoal.errors import ConfigurationError
+
+    settings = Settings(database_url="postgresql://shoal:s3cret@127.0.0.1:1/shoal", data_dir=tmp_path)
+    with pytest.raises(ConfigurationError, match=r"cannot reach the catalog at .*shoal:\*\*\*@127.0.0.1:1") as err:
+        Shoal(settings)
+    assert "s3cret" not in str(err.value)

@@ -161,6 +161,8 @@ def test_segments_are_plain_parquet_readable_by_duckdb(shoal: Shoal) -> None:
 def test_create_get_list_drop(shoal: Shoal) -> None:
     a = shoal.create_data_source(SPEC)
     assert shoal.create_data_source(SPEC, exist_ok=True).id == a.id
+    # The attribute order is the definition's (it is the column order of every segment).
+    assert list(shoal.get_data_source(SPEC.name, SPEC.version).spec.attribute_types) == list(SPEC.attribute_types)
     with pytest.raises(AlreadyExistsError, match="already exists"):
         shoal.create_data_source(SPEC)
     other = DataSourceSpec(SPEC.name, SPEC.version, 8, {"id": "int64"}, ["id"])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
+from typing import TYPE_CHECKING
+
 from sqlalchemy import Engine, create_engine
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 from shoal.config.settings import Settings
 
@@ -33,6 +36,8 @@ def make_engine(url: str) -> Engine:
 
 def alembic_config(url: str) -> Config:
     """An Alembic config for the catalog at `url`, independent of the working directory."""
+    from alembic.config import Config  # imported here: alembic costs start-up time of every CLI call
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -41,4 +46,6 @@ def alembic_config(url: str) -> Config:
 
 def migrate(url: str) -> None:
     """Bring the catalog at `url` to the newest schema; safe to call from many processes at once."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), "head")

