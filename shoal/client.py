@@ -112,13 +112,13 @@ class Shoal:
         self, name: str, version: str, after_seq: int = 0, up_to_seq: int | None = None
     ) -> Iterator[pa.RecordBatch]:
         """Log entries with seq in (after_seq, up_to_seq], in order, as Arrow record batches."""
-        return read_log(self.catalog, self.storage, self.get_data_source(name, version), after_seq, up_to_seq)
+        return read_log(self.engine, self.storage, self.get_data_source(name, version).id, after_seq, up_to_seq)
 
     def fold(self, name: str, version: str, up_to_seq: int | None = None) -> pa.Table:
         """The data source's state at `up_to_seq` (default: head): the live data point per key."""
         record = self.get_data_source(name, version)
         schema = segment_schema(record.spec).append(pa.field(SEQ, pa.int64()))
-        return fold(read_log(self.catalog, self.storage, record, 0, up_to_seq), schema)
+        return fold(read_log(self.engine, self.storage, record.id, 0, up_to_seq), schema)
 
     def log_dir(self, name: str, version: str) -> str:
         """The data source's log folder, relative to the storage root."""

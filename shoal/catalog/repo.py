@@ -146,8 +146,26 @@ class Catalog:
 
     def segments(self, source_id: int, after_seq: int = 0, up_to_seq: int | None = None) -> list[SegmentRecord]:
         """Committed segments holding any seq in (after_seq, up_to_seq], in seq order."""
-        with Session(self.engine) as s:
-            q = select(LogSegment).where(LogSegment.data_source_id == source_id, LogSegment.last_seq > after_seq)
-            if up_to_seq is not None:
-                q = q.where(LogSegment.first_seq <= up_to_seq)
-            return [_segment(r) for r in s.scalars(q.order_by(LogSegment.first_seq))]
+        return list_segments(self.engine, source_id, after_seq, up_to_seq)
+
+
+def list_segments(
+    engine: Engine, source_id: int, after_seq: int = 0, up_to_seq: int | None = None
+) -> list[SegmentRecord]:
+    """Committed segments of a data source holding any seq in (after_seq, up_to_seq], in seq order."""
+    with Session(engine) as s:
+        q = select(LogSegment).where(LogSegment.data_source_id == source_id, LogSegment.last_seq > after_seq)
+        if up_to_seq is not None:
+            q = q.where(LogSegment.first_seq <= up_to_seq)
+        return [_segment(r) for r in s.scalars(q.order_by(LogSegment.first_seq))]
+
+
+def head_of(engine: Engine, source_id: int) -> tuple[int, dt.datetime | None]:
+    """The data source's head seq and when it last moved; NotFoundError if the source is gone."""
+    with Session(engine) as s:
+        row = s.execute(
+            select(DataSource.head_seq, DataSource.head_committed_at).where(DataSource.id == source_id)
+        ).one_or_none()
+        if row is None:
+            raise NotFoundError(f"data source {source_id} not found")
+        return int(row[0]), row[1]

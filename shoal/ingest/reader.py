@@ -7,15 +7,16 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from sqlalchemy import Engine
 
-from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.catalog.repo import head_of, list_segments
 from shoal.ingest.batch import KEY, OP, SEQ, SEQ_OFFSET, UPSERT
 from shoal.ingest.segment import decode_segment
 from shoal.storage import Storage
 
 
 def read_log(
-    catalog: Catalog, storage: Storage, source: SourceRecord, after_seq: int = 0, up_to_seq: int | None = None
+    engine: Engine, storage: Storage, source_id: int, after_seq: int = 0, up_to_seq: int | None = None
 ) -> Iterator[pa.RecordBatch]:
     """Yield the log entries with seq in (after_seq, up_to_seq] in seq order, each with its absolute `__seq`.
 
@@ -23,8 +24,8 @@ def read_log(
     Every segment is checked against its recorded checksum before any of it is yielded.
     """
     if up_to_seq is None:
-        up_to_seq = catalog.get_data_source(source.spec.name, source.spec.version).head_seq
-    for seg in catalog.segments(source.id, after_seq, up_to_seq):
+        up_to_seq = head_of(engine, source_id)[0]
+    for seg in list_segments(engine, source_id, after_seq, up_to_seq):
         table = decode_segment(storage.read(seg.path), seg.checksum, seg.path)
         seqs = pc.add(table[SEQ_OFFSET], pa.scalar(seg.first_seq, pa.int64()))
         table = table.append_column(SEQ, seqs)
