@@ -1,0 +1,55 @@
+"""The `shoal` command line: data sources, bulk import, the log, the embedded servers, settings, the demo.
+
+Every command reads its settings from SHOAL_* environment variables (and SHOAL_CONFIG or ./shoal.toml);
+`--tenant` overrides the tenant. Errors Shoal raises on purpose are printed as one red line on stderr with
+exit code 1; bad usage exits with 2. This module only assembles `app` (the `shoal` console script) from
+the command modules beside it.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Annotated
+
+import typer
+
+from shoal.cli.common import fit_consoles, typer_app
+from shoal.cli.demo import demo
+from shoal.cli.imports import import_file
+from shoal.cli.logview import log
+from shoal.cli.server import server_app, settings_command
+from shoal.cli.sources import source_app
+
+__all__ = ["app"]
+
+app = typer_app("Shoal: an event-driven ingestion pipeline for vector data.")
+app.add_typer(source_app, name="source")
+app.add_typer(server_app, name="server")
+app.command("import")(import_file)
+app.command("log")(log)
+app.command("settings")(settings_command)
+app.command("demo")(demo)
+
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"shoal {package_version('shoal')}")
+        except PackageNotFoundError:  # pragma: no cover - only when run from a source tree
+            typer.echo("shoal (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Shoal: an event-driven ingestion pipeline for vector data.
+
+    Settings come from SHOAL_* environment variables and an optional TOML file (SHOAL_CONFIG, else
+    ./shoal.toml); see `shoal settings`.
+    """
+    fit_consoles()

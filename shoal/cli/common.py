@@ -1,0 +1,124 @@
+"""What every command shares: the consoles, error reporting, the Typer factory, shared options, settings.
+
+Errors Shoal raises on purpose are printed as one red line on stderr with exit status 1; bad usage exits
+with 2 (Typer's own convention).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import pydantic
+import redis
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from shoal.client import Shoal
+from shoal.config.settings import Settings
+from shoal.errors import ConfigurationError, ShoalError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+PIPE_WIDTH = 200  # columns of piped or captured output
+
+Tenant = Annotated[
+    str | None, typer.Option("--tenant", help="Tenant to work in (default: SHOAL_TENANT, else 'default').")
+]
+Name = Annotated[str, typer.Argument(help="Data source name.")]
+Version = Annotated[str, typer.Argument(help="Data source version.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fit_consoles() -> None:
+    """Keep a terminal's own width; give piped or captured output PIPE_WIDTH columns instead of 80."""
+    for console in (out, err):
+        console.width = console.width if console.is_terminal or "COLUMNS" in os.environ else PIPE_WIDTH
+
+
+def fail(message: str) -> NoReturn:
+    """Print `message` as one red line on stderr and exit with status 1."""
+    err.print(Text("error: " + " ".join(message.split()), style="bold red"), soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (of the driver's error, for SQLAlchemy), else its type."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def reporting_errors(func: F) -> F:
+    """Wrap a command so Shoal's own errors (and an unreachable broker) end it with one line and status 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ShoalError as exc:
+            fail(str(exc))
+        except redis.exceptions.ConnectionError as exc:
+            fail(f"cannot reach the broker: {first_line(exc)}")
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ShoalTyper(typer.Typer):
+    """A Typer whose commands report ShoalError as a message, never a traceback."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:  # type: ignore[override]
+        register = super().command(*args, **kwargs)
+
+        def decorator(func: F) -> F:
+            register(reporting_errors(func))
+            return func
+
+        return decorator
+
+
+def typer_app(help_text: str) -> ShoalTyper:
+    """A command group with Shoal's conventions: help when called bare, no locals in tracebacks."""
+    # Locals are never shown: they may hold settings with secrets.
+    return ShoalTyper(
+        help=help_text, no_args_is_help=True, pretty_exceptions_show_locals=False, rich_markup_mode="markdown"
+    )
+
+
+def load_settings() -> Settings:
+    """The effective settings; ConfigurationError listing every invalid one (instead of pydantic's report)."""
+    try:
+        return Settings()
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigurationError(f"invalid settings: {problems}") from None
+
+
+@contextlib.contextmanager
+def open_shoal(tenant: str | None, settings: Settings | None = None) -> Iterator[Shoal]:
+    """A Shoal on the given (else the configured) tenant, closed when the block ends."""
+    with Shoal(settings or load_settings(), tenant=tenant) as shoal:
+        yield shoal
+
+
+def split_all(values: list[str] | None) -> list[str]:
+    """Repeated options that may also be comma-separated, as one flat list without blanks."""
+    return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
+
+
+def split_pairs(values: list[str] | None, sep: str, form: str, option: str) -> list[tuple[str, str]]:
+    """Items of split_all written LEFT<sep>RIGHT, stripped; a usage error naming `form` for any other item."""
+    pairs = []
+    for item in split_all(values):
+        left, found, right = item.partition(sep)
+        if not found or not left.strip() or not right.strip():
+            raise typer.BadParameter(f"{item!r} is not {form}", param_hint=option)
+        pairs.append((left.strip(), right.strip()))
+    return pairs

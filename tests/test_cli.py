@@ -1,0 +1,296 @@
+"""The `shoal` command line against a real Postgres: data sources, import, log, servers, settings, demo.
+
+The module runs on its own data directory (embedded Postgres and Valkey, stopped at the end) unless the
+session names a catalog with SHOAL_DATABASE_URL (or SHOAL_TEST_DATABASE_URL); every test works in its own
+tenant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner, Result
+
+from shoal import Shoal
+from shoal.cli import app
+from shoal.config.embedded import stop_embedded
+from shoal.config.settings import mask_url
+from shoal.demo import DEMO_SPEC, load_demo
+
+runner = CliRunner()
+DIM = 384
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """SHOAL_* variables for this module: a fresh data dir and storage; servers stopped at teardown."""
+    data_dir = tmp_path_factory.mktemp("cli")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(data_dir)  # no stray ./shoal.toml is read
+        mp.delenv("SHOAL_CONFIG", raising=False)
+        mp.setenv("SHOAL_DATA_DIR", str(data_dir))
+        mp.setenv("SHOAL_STORAGE_URI", str(data_dir / "storage"))
+        given = os.environ.get("SHOAL_DATABASE_URL") or os.environ.get("SHOAL_TEST_DATABASE_URL")
+        if given:
+            mp.setenv("SHOAL_DATABASE_URL", given)
+        try:
+            yield data_dir
+        finally:
+            stop_embedded(data_dir)
+
+
+@pytest.fixture
+def tenant(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh tenant, set as SHOAL_TENANT for in-process and child-process calls."""
+    name = "cli" + uuid.uuid4().hex[:12]
+    monkeypatch.setenv("SHOAL_TENANT", name)
+    return name
+
+
+def shoal_cli(*args: str, code: int = 0, input: str | None = None) -> Result:
+    """Run `shoal ARGS` in process; assert the exit code and that no traceback was printed."""
+    result = runner.invoke(app, list(args), input=input)
+    assert result.exit_code == code, f"exit {result.exit_code}\n{result.output}\n{result.exception!r}"
+    assert "Traceback" not in result.output
+    if code == 1:
+        assert isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def create_packages(name: str) -> None:
+    shoal_cli("source", "create", name, "1", "--dim", str(DIM), "--attr", "id:int64,package:string",
+              "--attr", "section:string", "--permanent", "id")
+
+
+def fold(name: str, version: str = "1") -> pa.Table:
+    with Shoal() as client:
+        return client.fold(name, version)
+
+
+def head(name: str, version: str = "1") -> int:
+    with Shoal() as client:
+        return client.get_data_source(name, version).head_seq
+
+
+# -- data sources ---------------------------------------------------------------------------------------
+
+
+def test_source_create_get_list_drop(tenant: str) -> None:
+    created = shoal_cli(
+        "source", "create", "docs.v", "2.0", "--dim", "8", "--attr", "id:int64", "--attr", "title:string",
+        "--attr", "at:datetime", "--permanent", "id", "--description", "test docs", "--metadata", '{"team": "x"}',
+    )
+    assert "created" in created.stdout and tenant in created.stdout
+
+    got = json.loads(shoal_cli("source", "get", "docs.v", "2.0", "--json").stdout)
+    assert got["tenant"] == tenant
+    assert got["vector_dimension"] == 8 and got["vectors_are_sparse"] is False
+    assert got["attribute_types"] == {"id": "int64", "title": "string", "at": "datetime"}
+    assert got["permanent_attributes"] == ["id"]
+    assert got["custom_metadata"] == {"team": "x"} and got["description"] == "test docs"
+    assert got["head_seq"] == 0
+    table = shoal_cli("source", "get", "docs.v", "2.0").stdout
+    assert "docs.v/2.0" in table and "title: string" in table and "id: int64 (permanent)" in table
+
+    shoal_cli("source", "create", "other", "1", "--dim", "3", "--attr", "k:guid", "--permanent", "k", "--sparse")
+    listed = json.loads(shoal_cli("source", "list", "--json").stdout)
+    assert [(r["name"], r["version"], r["vectors_are_sparse"]) for r in listed] == [
+        ("docs.v", "2.0", False),
+        ("other", "1", True),
+    ]
+    table = shoal_cli("source", "list").stdout
+    assert "docs.v" in table and "other" in table and "k:guid" in table
+    # Another tenant sees none of them.
+    assert "No data sources" in shoal_cli("source", "list", "--tenant", tenant + "-b").stdout
+
+    again = shoal_cli("source", "create", "docs.v", "2.0", "--dim", "8", "--attr", "id:int64", "--permanent", "id",
+                      code=1)
+    assert "already exists" in again.stderr
+    same = shoal_cli("source", "create", "other", "1", "--dim", "3", "--attr", "k:guid", "--permanent", "k",
+                     "--sparse", "--exist-ok")
+    assert "exists already" in same.stdout
+
+    refused = shoal_cli("source", "drop", "docs.v", "2.0", input="n\n", code=1)
+    assert "Drop data source docs.v/2.0" in refused.output
+    assert shoal_cli("source", "get", "docs.v", "2.0", "--json").exit_code == 0
+    dropped = shoal_cli("source", "drop", "docs.v", "2.0", "--yes")
+    assert "Dropped data source docs.v/2.0" in dropped.stdout
+    missing = shoal_cli("source", "get", "docs.v", "2.0", code=1)
+    assert missing.stdout == ""
+    assert missing.stderr.startswith("error: ") and "not found" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_invalid_input_is_one_line_and_exit_1(tenant: str) -> None:
+    bad_name = shoal_cli("source", "create", "../x", "1", "--dim", "3", "--attr", "id:int64", "--permanent", "id",
+                         code=1)
+    assert "invalid data source name '../x'" in bad_name.stderr
+    assert "must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$" in bad_name.stderr
+    assert len(bad_name.stderr.strip().splitlines()) == 1
+
+    bad_type = shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id:integer", "--permanent", "id",
+                         code=1)
+    assert "allowed: bool, int64, float64, string, guid, datetime" in bad_type.stderr
+    bad_key = shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id:int64", "--permanent", "name",
+                        code=1)
+    assert "'name'" in bad_key.stderr and "permanent attribute" in bad_key.stderr
+    bad_dim = shoal_cli("source", "create", "s", "1", "--dim", "0", "--attr", "id:int64", "--permanent", "id", code=1)
+    assert "vector dimension" in bad_dim.stderr
+    bad_tenant = shoal_cli("source", "list", "--tenant", "Not/A/Tenant", code=1)
+    assert "invalid tenant name" in bad_tenant.stderr
+    # Malformed options are usage errors (Typer's exit code 2).
+    shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id", "--permanent", "id", code=2)
+    shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id:int64", "--permanent", "id",
+              "--metadata", "[1]", code=2)
+    assert json.loads(shoal_cli("source", "list", "--json").stdout) == []
+
+
+# -- import ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, pa.Table, Path]:
+    """The demo sample as float16 vectors and attributes, plus a folder for files made from it."""
+    vectors, table = load_demo(1200)
+    return vectors.astype(np.float16), table, tmp_path_factory.mktemp("files")
+
+
+def test_import_parquet_with_extra_columns_is_idempotent(tenant: str, sample: tuple) -> None:
+    vectors16, table, folder = sample
+    path = folder / "packages.parquet"
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(vectors16.reshape(-1), pa.float16()), DIM)
+    pq.write_table(table.append_column("emb", emb), path)  # extra columns: priority, version, description...
+    create_packages("pk")
+
+    first = shoal_cli("import", "pk", "1", str(path), "--vectors-column", "emb", "--batch-size", "500")
+    assert "Imported 1,200 points" in first.stdout and "points/s" in first.stdout
+    assert "Last write token: pk/1@1200" in first.stdout
+    state = fold("pk")
+    assert state.num_rows == 1200
+    assert state["id"].to_pylist() == table["id"].to_pylist()
+    assert state["package"].to_pylist() == table["package"].to_pylist()
+    got = np.asarray(state["__vector"].combine_chunks().flatten().to_numpy(), dtype=np.float32).reshape(-1, DIM)
+    np.testing.assert_array_equal(got, vectors16.astype(np.float32))
+
+    again = shoal_cli("import", "pk", "1", str(path), "--vectors-column", "emb", "--batch-size", "500")
+    assert "3 of 3 batches were imported before" in again.stdout
+    assert "Last write token: pk/1@1200" in again.stdout
+    assert head("pk") == 1200
+
+    # A variable-length list column, a smaller batch and a limit: new batch ids, last write wins.
+    lists = pa.ListArray.from_arrays(pa.array(np.arange(0, 1201 * DIM, DIM, dtype=np.int32)),
+                                     pa.array(vectors16.astype(np.float32).reshape(-1)))
+    path2 = folder / "lists.parquet"
+    pq.write_table(table.select(["id", "package", "section"]).append_column("vector", lists), path2)
+    shoal_cli("import", "pk", "1", str(path2), "--limit", "250", "--batch-size", "100")
+    assert head("pk") == 1450 and fold("pk").num_rows == 1200
+
+
+def test_import_npy_with_attributes_file(tenant: str, sample: tuple) -> None:
+    vectors16, table, folder = sample
+    npy, attrs = folder / "vectors.npy", folder / "attrs.parquet"
+    np.save(npy, vectors16)
+    pq.write_table(table.rename_columns(["key" if c == "id" else c for c in table.column_names]), attrs)
+    create_packages("np")
+
+    missing = shoal_cli("import", "np", "1", str(npy), "--attributes", str(attrs), code=1)
+    assert "no column for attribute(s) id" in missing.stderr and "--attr-map" in missing.stderr
+    assert head("np") == 0
+
+    args = ["import", "np", "1", str(npy), "--attributes", str(attrs), "--attr-map", "key=id", "--limit", "700",
+            "--batch-size", "300"]
+    done = shoal_cli(*args)
+    assert "Imported 700 points from vectors.npy" in done.stdout
+    state = fold("np")
+    assert state["id"].to_pylist() == list(range(700))
+    got = np.asarray(state["__vector"].combine_chunks().flatten().to_numpy(), dtype=np.float32).reshape(-1, DIM)
+    np.testing.assert_array_equal(got, vectors16[:700].astype(np.float32))
+    again = shoal_cli(*args)
+    assert "were imported before" in again.stdout
+    assert head("np") == 700
+
+    shoal_cli("import", "np", "1", str(npy), code=2)  # a .npy file needs --attributes
+    short = folder / "short.parquet"
+    pq.write_table(table.slice(0, 10), short)
+    mismatch = shoal_cli("import", "np", "1", str(npy), "--attributes", str(short), code=1)
+    assert "row i must belong to vector i" in mismatch.stderr
+
+
+def test_import_rejects_bad_rows_naming_the_file_row(tenant: str, sample: tuple) -> None:
+    vectors16, table, folder = sample
+    vectors = vectors16[:30].astype(np.float32)
+    vectors[25, 3] = np.nan
+    path = folder / "bad.parquet"
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), DIM)
+    pq.write_table(table.slice(0, 30).append_column("vector", emb), path)
+    create_packages("bad")
+    result = shoal_cli("import", "bad", "1", str(path), "--batch-size", "10", code=1)
+    assert "point 25" in result.stderr and "finite" in result.stderr
+    assert "20 rows before row 20 were imported" in result.stderr
+    assert head("bad") == 20
+
+
+# -- log, servers, settings, demo ---------------------------------------------------------------------------
+
+
+def test_log_shows_head_segments_and_state(tenant: str, sample: tuple) -> None:
+    vectors16, table, _ = sample
+    create_packages("lg")
+    with Shoal() as client:
+        producer = client.producer("lg", "1")
+        cols = {c: table[c].slice(0, 50) for c in ("id", "package", "section")}
+        producer.upload_columns(vectors16[:50], cols)
+        producer.delete({"id": [0, 1]})
+    text = shoal_cli("log", "lg", "1", "--segments", "--show", "3").stdout
+    for expected in ("head seq", "52", "segments", "upserts", "tombstones", "live points", "48", "384-d"):
+        assert expected in text
+    assert text.count(".parquet") == 2
+    assert "libhypre64-dev" not in text  # id 0 is deleted; the state starts at id 2
+    plain = shoal_cli("log", "lg", "1").stdout
+    assert "head seq" in plain and "live points" not in plain and ".parquet" not in plain
+
+
+def test_demo_runs_and_reruns_write_nothing(tenant: str) -> None:
+    shoal_bin = Path(sys.executable).parent / "shoal"
+    command = [str(shoal_bin)] if shoal_bin.exists() else [sys.executable, "-m", "shoal.cli"]
+    # An explicit environment: the test process may have a COLUMNS set outside os.environ (curses' putenv).
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    first = subprocess.run([*command, "demo"], capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "head seq" in first.stdout and "2,005" in first.stdout
+    assert "2,000 new" in first.stdout and "deleted ids 0, 400, 800, 1200, 1600" in first.stdout
+    assert "live points" in first.stdout and "1,995" in first.stdout
+    second = subprocess.run([*command, "demo"], capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert second.returncode == 0, second.stderr
+    assert "(0 new)" in second.stdout and "already deleted" in second.stdout
+    assert head(DEMO_SPEC.name, DEMO_SPEC.version) == 2005
+
+
+def test_server_status_and_settings(cli_env: Path, tenant: str) -> None:
+    shoal_cli("source", "list")  # makes sure the catalog is up
+    status = shoal_cli("server", "status").stdout
+    assert "catalog" in status and "broker" in status and "storage" in status
+    assert "running" in status or "reachable" in status
+    shown = json.loads(shoal_cli("settings", "--json").stdout)
+    assert shown["data_dir"] == str(cli_env) and shown["tenant"] == tenant
+    assert "SHOAL_TENANT" in shoal_cli("settings").stdout
+    secret = runner.invoke(app, ["settings", "--json"], env={"SHOAL_REDIS_URL": "redis://u:hunter2@host:6379/0",
+                                                             "SHOAL_S3_SECRET_KEY": "hunter3"})
+    assert secret.exit_code == 0 and "hunter2" not in secret.stdout and "hunter3" not in secret.stdout
+    bad = runner.invoke(app, ["source", "list"], env={"SHOAL_MAX_BATCH_POINTS": "many"})
+    assert bad.exit_code == 1 and "invalid settings: max_batch_points" in bad.stderr
+
+
+def test_mask_url() -> None:
+    assert mask_url("postgresql://u:pw@db.example:5432/shoal") == "postgresql://u:***@db.example:5432/shoal"
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
