@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import make_engine, migrate, resolve_database_url
-from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord
+from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
+from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError, ValidationError
 from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
 from shoal.ingest.reader import fold, read_log
 from shoal.ingest.writer import LogWriter
-from shoal.records import DataPoint, DataSourceSpec, Tombstone, WriteToken, check_name
+from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
 from shoal.storage import Storage, source_log_dir
+
+if TYPE_CHECKING:
+    from shoal.searcher.searcher import Searcher
 
 _migrated: set[str] = set()
 _migrate_lock = threading.Lock()
@@ -27,8 +34,9 @@ _migrate_lock = threading.Lock()
 class Shoal:
     """Entry point: connects to the catalog (embedded unless configured), migrates it, opens storage."""
 
-    def __init__(self, settings: Settings | None = None, *, tenant: str | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, *, tenant: str | None = None, notify: bool = True) -> None:
         self.settings = settings or Settings()
+        self.notify = notify  # queue index materialization after each commit
         url = resolve_database_url(self.settings)
         self.engine = make_engine(url)
         try:
@@ -42,8 +50,13 @@ class Shoal:
             reason = str(exc.orig or exc).strip().splitlines()[0]
             raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {reason}") from exc
         self.storage = Storage.from_settings(self.settings)
+        self.indexes = IndexCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
+        self.shards = ShardCatalog(self.engine)
         self._writers: dict[int, LogWriter] = {}
         self._writers_lock = threading.Lock()
+        self._redis: Any = None  # broker client and Celery producer, made on the first notification
+        self._celery: Any = None
+        self._shards_of: dict[int, tuple[float, list[int]]] = {}
 
     @property
     def tenant(self) -> str:
@@ -52,11 +65,9 @@ class Shoal:
 
     def broker_url(self) -> str:
         """The Redis URL of the broker: configured, or the embedded Valkey (started if needed)."""
-        if self.settings.redis_url:
-            return self.settings.redis_url
-        from shoal.config.embedded import ensure_valkey
+        from shoal.config.celery_app import broker_url
 
-        return ensure_valkey(self.settings.data_dir)
+        return broker_url(self.settings)
 
     # -- data sources -------------------------------------------------------------------------------
 
@@ -99,8 +110,96 @@ class Shoal:
                     retries=self.settings.commit_retries,
                     lock_timeout_ms=self.settings.lock_timeout_ms,
                 )
+                writer.after_commit = self._after_commit
                 self._writers[record.id] = writer
         return Producer(record, writer, self.settings.max_batch_points)
+
+    def _after_commit(self, source_id: int) -> None:
+        if not self.notify:
+            return
+        cached = self._shards_of.get(source_id)
+        # Index definitions change rarely; a short cache saves a catalog query per commit.
+        if cached is None or time.monotonic() - cached[0] > 2.0:
+            cached = (time.monotonic(), self.shards.shards_of_source(source_id))
+            self._shards_of[source_id] = cached
+        if not cached[1]:
+            return
+        from shoal.workers.triggers import notify_indexers, producer_app
+
+        if self._redis is None:
+            import redis
+
+            broker = self.broker_url()
+            self._celery = producer_app(broker)
+            self._redis = redis.Redis.from_url(broker, socket_connect_timeout=2, socket_timeout=2)
+        notify_indexers(self._redis, self._celery, cached[1], self.settings.pending_ttl_s)
+
+    # -- indexes ----------------------------------------------------------------------------------
+
+    def create_index(self, spec: IndexSpec, *, exist_ok: bool = False) -> IndexRecord:
+        """Create an index over an existing data source, checked by Vektonn's rules; its shards start empty
+        and the workers build them (the sweep or the next commit queues the work)."""
+        from shoal.indexing.spec import resolve_index
+
+        source = self.get_data_source(spec.source_name, spec.source_version)
+        resolved = resolve_index(spec, source.spec)
+        record = self.indexes.create_index(resolved, source, exist_ok=exist_ok)
+        self._shards_of.pop(source.id, None)
+        if self.notify and source.head_seq > 0:
+            self._after_commit(source.id)
+        return record
+
+    def get_index(self, name: str, version: str) -> IndexRecord:
+        """The index definition and its shards; NotFoundError if absent."""
+        return self.indexes.get_index(check_name("index name", name), check_name("index version", version))
+
+    def list_indexes(self) -> list[IndexRecord]:
+        """All indexes of this tenant."""
+        return self.indexes.list_indexes()
+
+    def drop_index(self, name: str, version: str) -> int:
+        """Delete an index with all its versions, then its files; return how many files went."""
+        from shoal.artifacts.segment import segment_files
+
+        manifests = self.indexes.drop_index(name, version)
+        paths = {p for m in manifests for seg in m["segments"] for p in segment_files(seg)}
+        for path in paths:
+            self.storage.delete_quietly(path)
+        return len(paths)
+
+    def index_status(self, name: str, version: str) -> list[ShardStatus]:
+        """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds."""
+        index = self.get_index(name, version)
+        head, _ = head_of(self.engine, index.source_id)
+        out = []
+        now = dt.datetime.now(dt.UTC)
+        for shard in index.shards:
+            lag_seconds = 0.0
+            if shard.served_watermark < head:
+                first_unserved = list_segments(self.engine, index.source_id, shard.served_watermark, None)
+                if first_unserved:
+                    lag_seconds = max(0.0, (now - first_unserved[0].committed_at).total_seconds())
+            active = self.shards.active_version(shard.id) if shard.active_version_id else None
+            out.append(
+                ShardStatus(
+                    index=f"{index.spec.name}/{index.spec.version}",
+                    shard=shard.shard_no,
+                    head=head,
+                    built_watermark=shard.built_watermark,
+                    served_watermark=shard.served_watermark,
+                    lag_seqs=head - shard.served_watermark,
+                    lag_seconds=lag_seconds,
+                    segments=len(active.manifest["segments"]) if active else 0,
+                    version_id=shard.active_version_id,
+                )
+            )
+        return out
+
+    def searcher(self, *, follow: bool = True, poll_interval: float = 1.0) -> Searcher:
+        """A searcher over this tenant's indexes (follows new versions unless `follow` is False)."""
+        from shoal.searcher.searcher import Searcher
+
+        return Searcher(self, follow=follow, poll_interval=poll_interval)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -133,6 +232,21 @@ class Shoal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """Freshness of one index shard (DESIGN.md invariant 8)."""
+
+    index: str
+    shard: int
+    head: int
+    built_watermark: int
+    served_watermark: int
+    lag_seqs: int
+    lag_seconds: float
+    segments: int
+    version_id: int | None
 
 
 class Producer:

@@ -66,3 +66,11 @@ class ConfigurationError(ShoalError):
 
 class CommitError(ShoalError):
     """A batch could not be committed after bounded retries; it was not acknowledged."""
+
+
+class CorruptSegmentError(ShoalError):
+    """A log segment's bytes do not match the checksum the catalog recorded."""
+
+
+class CorruptArtifactError(ShoalError):
+    """An index artifact is missing or does not match the checksum its manifest recorded."""

@@ -18,6 +18,7 @@ import numpy as np
 from shoal.errors import InvalidNameError, Problem, ValidationError
 
 MAX_VECTOR_DIMENSION = 10_000
+MAX_SHARDS = 1024
 
 # Data source names and versions as Vektonn writes them ("QuickStart.Source", "1.0"). The first character
 # must be a letter or digit, so "." and ".." (or a hidden file) can never be formed and no name can leave
@@ -165,3 +166,40 @@ class DataSourceSpec:
             and dict(self.attribute_types) == dict(other.attribute_types)
             and tuple(self.permanent_attributes) == tuple(other.permanent_attributes)
         )
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """An index over one data source: algorithm, metric, and which attributes identify, split, shard and
+    travel with each result."""
+
+    name: str
+    version: str
+    source_name: str
+    source_version: str
+    algorithm: str = "flat"
+    metric: str = "cosine"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    id_attributes: Sequence[str] = ()
+    split_attributes: Sequence[str] = ()
+    shard_attributes: Sequence[str] = ()
+    payload_attributes: Sequence[str] | None = None  # None: every attribute of the data source
+    shard_count: int = 1
+
+    def __post_init__(self) -> None:
+        check_name("index name", self.name)
+        check_name("index version", self.version)
+        for name in ("id_attributes", "split_attributes", "shard_attributes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.payload_attributes is not None:
+            object.__setattr__(self, "payload_attributes", tuple(self.payload_attributes))
+        object.__setattr__(self, "params", dict(self.params))
+
+    @property
+    def key_attributes(self) -> tuple[str, ...]:
+        """Attributes every result carries besides the payload: id and split attributes."""
+        return tuple(dict.fromkeys([*self.id_attributes, *self.split_attributes]))
+
+    def stored_attributes(self) -> tuple[str, ...]:
+        """Attributes an index segment stores per row: id, split and payload attributes, in that order."""
+        return tuple(dict.fromkeys([*self.key_attributes, *(self.payload_attributes or ())]))

@@ -38,6 +38,18 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis-protocol server (embedded Valkey), stopped after the session."""
+    from shoal.config.embedded import ensure_valkey
+
+    data_dir = tmp_path_factory.mktemp("valkey")
+    try:
+        yield ensure_valkey(data_dir)
+    finally:
+        stop_embedded(data_dir)
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """An S3-compatible server (moto in server mode) on loopback, with the test bucket created."""
     import boto3
@@ -115,6 +127,32 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[f"SHOAL_{name.upper()}"] = str(value)
     return env
+
+
+def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str) -> subprocess.Popen[str]:
+    """A real Celery worker process (solo pool: the task runs in the process a test may SIGKILL)."""
+    args = [sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "worker", "--pool", "solo",
+            "--loglevel", "INFO", "--without-gossip", "--without-mingle", *extra]
+    if beat:
+        args.append("--beat")
+        args += ["--schedule", str(settings.data_dir / f"beat-{uuid.uuid4().hex[:6]}")]
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
+    log = open(path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(args, env=settings_env(settings) | env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = path  # type: ignore[attr-defined]
+    return proc
+
+
+def stop_process(proc: subprocess.Popen[str], timeout: float = 20) -> None:
+    """Terminate a child, killing it if it does not exit in time."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
 
 
 def run_helper(script: str, args: list[str], settings: Settings, **kwargs: object) -> subprocess.Popen[str]:

@@ -11,7 +11,6 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
-import pytest
 from conftest import run_helper
 from helpers.workload import CRASH_SPEC, crash_batch_size
 

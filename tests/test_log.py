@@ -13,8 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shoal import DataPoint, DataSourceSpec, Shoal, SparseVector, Tombstone
-from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.ingest.segment import CorruptSegmentError
+from shoal.errors import AlreadyExistsError, CorruptSegmentError, NotFoundError
 
 SPEC = DataSourceSpec(
     "Docs.Chunks", "1.0", 4,

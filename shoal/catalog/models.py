@@ -112,3 +112,62 @@ class ProducerBatch(Base):
         UUID(as_uuid=True), ForeignKey("log_segments.id", ondelete="CASCADE"), index=True
     )
     committed_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class Index(Base):
+    """An index definition: a queryable materialization of one data source, split into shards."""
+
+    __tablename__ = "indexes"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", "version", name="uq_indexes_tenant_name_version"),
+        CheckConstraint("shard_count BETWEEN 1 AND 1024", name="shard_count_range"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    data_source_id: Mapped[int] = mapped_column(ForeignKey("data_sources.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    version: Mapped[str] = mapped_column(String(100))
+    algorithm: Mapped[str] = mapped_column(String(40))
+    metric: Mapped[str] = mapped_column(String(40))
+    params: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    # JSON (ordered lists); the order of id and split attributes is part of the definition.
+    id_attributes: Mapped[list[str]] = mapped_column(JSON)
+    split_attributes: Mapped[list[str]] = mapped_column(JSON)
+    shard_attributes: Mapped[list[str]] = mapped_column(JSON)
+    payload_attributes: Mapped[list[str]] = mapped_column(JSON)
+    shard_count: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(Integer, server_default="1")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class IndexShard(Base):
+    """One shard of an index: its active pointer (moved only by compare-and-swap), freshness and lease."""
+
+    __tablename__ = "index_shards"
+    __table_args__ = (UniqueConstraint("index_id", "shard_no", name="uq_index_shards_index_shard_no"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"))
+    shard_no: Mapped[int] = mapped_column(Integer)
+    # No foreign key: versions reference their shard, and a cycle would complicate dropping an index.
+    active_version_id: Mapped[int | None] = mapped_column(BigInteger)
+    built_watermark: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    served_watermark: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    served_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class IndexVersion(Base):
+    """An immutable manifest of one shard: its segments, their deletions, and the watermark it reflects."""
+
+    __tablename__ = "index_versions"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("index_shards.id", ondelete="CASCADE"), index=True)
+    parent_id: Mapped[int | None] = mapped_column(BigInteger)
+    generation: Mapped[int] = mapped_column(Integer)
+    watermark: Mapped[int] = mapped_column(BigInteger)
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -55,6 +55,14 @@ class Settings(BaseSettings):
     )
     commit_retries: int = Field(default=3, ge=1, description="Attempts at a commit whose outcome is unknown.")
     lock_timeout_ms: int = Field(default=30_000, ge=1, description="Catalog lock wait before giving up.")
+    sweep_interval_s: float = Field(default=10.0, gt=0, description="How often beat sweeps for lagging shards.")
+    lease_seconds: float = Field(default=600.0, gt=0, description="How long a shard build lease lasts.")
+    task_visibility_timeout_s: float = Field(
+        default=3600.0, gt=0, description="Broker redelivers an unacknowledged task after this long."
+    )
+    pending_ttl_s: float = Field(default=120.0, gt=0, description="How long a queued-task mark coalesces commits.")
+    max_segments: int = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
+    max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
 
     @field_validator("data_dir")
     @classmethod

@@ -205,7 +205,8 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
         problems.add("vector must be a sequence of numbers", pos, "vector")
         return None
     if row.shape != (dim,):
-        problems.add(f"wrong dimension: expected {dim}, got {row.shape[0] if row.ndim == 1 else row.shape}", pos, "vector")
+        got = row.shape[0] if row.ndim == 1 else row.shape
+        problems.add(f"wrong dimension: expected {dim}, got {got}", pos, "vector")
         return None
     if not np.isfinite(row).all():
         bad = int(np.flatnonzero(~np.isfinite(row))[0])

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import queue
+import threading
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shoal.errors import ShoalError
+from shoal.errors import CorruptSegmentError
 from shoal.ingest.batch import INGESTED_AT, OP, SEQ_OFFSET, SPARSE_INDICES, SPARSE_VALUES, UPSERT, VECTOR
-
-
-class CorruptSegmentError(ShoalError):
-    """A segment's bytes do not match the checksum the catalog recorded."""
 
 
 def build_segment_table(tables: list[pa.Table]) -> pa.Table:
@@ -32,24 +31,91 @@ def count_ops(table: pa.Table) -> tuple[int, int]:
     return upserts, table.num_rows - upserts
 
 
-def encode_segment(table: pa.Table) -> tuple[pa.Buffer, str]:
-    """The Parquet bytes of a segment table and their checksum (`sha256:<hex>`)."""
-    sink = pa.BufferOutputStream()
+def _encoding(table: pa.Table) -> dict[str, Any]:
     vector_columns = {VECTOR, SPARSE_INDICES, SPARSE_VALUES}
     others = [f.name for f in table.schema if f.name not in vector_columns]
     # Embedding floats neither dictionary-encode nor compress usefully; skipping both for the vector
     # column keeps encoding close to memcpy speed. Attribute columns keep both, and statistics for
     # pruning by seq offset and attribute values.
-    pq.write_table(
-        table,
-        sink,
-        compression={name: "snappy" for name in others} | {name: "none" for name in vector_columns & set(table.column_names)},
-        use_dictionary=[name for name in others if name not in (SEQ_OFFSET,)],
-        write_statistics=others,
-        row_group_size=max(table.num_rows, 1),
-    )
+    return {
+        "compression": {name: "snappy" for name in others}
+        | {name: "none" for name in vector_columns & set(table.column_names)},
+        "use_dictionary": [name for name in others if name not in (SEQ_OFFSET,)],
+        "write_statistics": others,
+        "row_group_size": max(table.num_rows, 1),
+    }
+
+
+def encode_segment(table: pa.Table) -> tuple[pa.Buffer, str]:
+    """The Parquet bytes of a segment table and their checksum (`sha256:<hex>`)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, **_encoding(table))
     buf = sink.getvalue()
     return buf, checksum(buf)
+
+
+# Below this many rows a segment is hashed inline: a helper thread would cost more than it saves.
+_THREADED_HASH_ROWS = 2_000
+
+
+class _HashingSink:
+    """A file-like sink for pq.write_table: passes the bytes on to `out` and sha256-hashes them.
+
+    For large segments the hashing runs on a helper thread (hashlib releases the GIL), so it overlaps
+    the encoding and the file writes instead of adding ~0.65 ms per MB after them.
+    """
+
+    def __init__(self, out: Any, *, threaded: bool) -> None:
+        self._out = out
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+        self._chunks: queue.SimpleQueue[bytes | None] | None = None
+        if threaded:
+            self._chunks = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="shoal-segment-checksum", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        assert self._chunks is not None
+        while (chunk := self._chunks.get()) is not None:
+            self._hash.update(chunk)
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)  # pyarrow passes bytes (then this is no copy); keep them immutable for the thread
+        self._out.write(chunk)
+        if self._chunks is not None:
+            self._chunks.put(chunk)
+        else:
+            self._hash.update(chunk)
+        self.size += len(chunk)
+        return len(chunk)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def finish(self) -> str:
+        if self._chunks is not None:
+            self._chunks.put(None)
+            self._thread.join()
+            self._chunks = None
+        return "sha256:" + self._hash.hexdigest()
+
+
+def write_segment(table: pa.Table, out: Any) -> tuple[int, str]:
+    """Stream the Parquet bytes of a segment table into the file-like `out`; return (size, checksum).
+
+    The same bytes and checksum as `encode_segment`, without ever holding the whole file in memory.
+    """
+    sink = _HashingSink(out, threaded=table.num_rows >= _THREADED_HASH_ROWS)
+    try:
+        pq.write_table(table, sink, **_encoding(table))
+    finally:
+        digest = sink.finish()
+    return sink.size, digest
 
 
 def checksum(buf: pa.Buffer | bytes) -> str:

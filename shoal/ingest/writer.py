@@ -7,9 +7,11 @@ for the next leader, so the batch size grows with the load and no timer adds lat
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -17,8 +19,10 @@ from sqlalchemy import Engine
 
 from shoal.catalog.commit import BatchSlot, WrittenSegment, commit_group
 from shoal.catalog.repo import SourceRecord
-from shoal.ingest.segment import build_segment_table, count_ops, encode_segment
+from shoal.ingest.segment import build_segment_table, count_ops, encode_segment, write_segment
 from shoal.storage import Storage, segment_path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +57,8 @@ class LogWriter:
         self._queue: deque[_Request] = deque()
         self._busy = False
         self.commits = 0  # how many transactions this writer made (observable group-commit effect)
+        # Called after each commit that wrote something (never before: DESIGN.md's flow, step 4).
+        self.after_commit: Callable[[int], None] | None = None
 
     def submit(self, table: pa.Table, batch_id: str | None = None) -> int:
         """Append one validated batch; block until it is durable and committed; return its last seq."""
@@ -92,12 +98,19 @@ class LogWriter:
 
         def write(first_seq: int, keep: list[int]) -> WrittenSegment:
             table = build_segment_table([group[i].table for i in keep])
-            buf, digest = encode_segment(table)
             seg_id = uuid.uuid4()
             path = segment_path(src.tenant, src.spec.name, src.spec.version, first_seq, seg_id)
-            self.storage.write_atomic(path, buf)
+            if self.storage.local:
+                # Encode straight into the temp file, hashing on the way: no second copy of the segment
+                # in memory, and the checksum overlaps the writes (about +25% points/s at 10,000 x 384-d,
+                # +35% at 1536-d, bench/ingest.py).
+                size, digest = self.storage.write_atomic_with(path, lambda out: write_segment(table, out))
+            else:
+                buf, digest = encode_segment(table)
+                self.storage.write_atomic(path, buf)
+                size = buf.size
             upserts, tombstones = count_ops(table)
-            return WrittenSegment(seg_id, path, buf.size, digest, upserts, tombstones)
+            return WrittenSegment(seg_id, path, size, digest, upserts, tombstones)
 
         try:
             tokens = commit_group(
@@ -116,3 +129,8 @@ class LogWriter:
         self.commits += 1
         for r, token in zip(group, tokens, strict=True):
             r.token, r.done = token, True
+        if self.after_commit is not None:
+            try:
+                self.after_commit(src.id)
+            except Exception:  # noqa: BLE001 - the batch is durable; indexers also catch up by sweeping
+                log.exception("after-commit notification failed")

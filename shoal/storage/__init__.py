@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import PurePosixPath
+from typing import BinaryIO, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -16,6 +18,8 @@ import pyarrow.fs as pafs
 
 from shoal.config.settings import Settings
 from shoal.errors import ConfigurationError
+
+T = TypeVar("T")
 
 
 class Storage:
@@ -75,6 +79,30 @@ class Storage:
         except BaseException:
             self.delete_quietly(tmp, absolute=True)
             raise
+
+    def write_atomic_with(self, relative: str, produce: Callable[[BinaryIO], T]) -> T:
+        """Like `write_atomic`, but `produce(file)` streams the bytes into the temp file; return its result.
+
+        Local storage only: pyarrow's S3 streams publish on close even after an error, so object stores
+        must get a finished buffer through `write_atomic`.
+        """
+        if not self.local:
+            raise ValueError("streamed atomic writes need local storage; use write_atomic")
+        final = self.path(relative)
+        parent = str(PurePosixPath(final).parent)
+        self.fs.create_dir(parent, recursive=True)
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as out:
+                result = produce(out)
+                out.flush()
+                os.fsync(out.fileno())
+            self.fs.move(tmp, final)
+            _fsync_path(parent)  # the rename itself is durable only once the directory is synced
+        except BaseException:
+            self.delete_quietly(tmp, absolute=True)
+            raise
+        return result
 
     def read(self, relative: str) -> pa.Buffer:
         """The whole object at `relative`."""

@@ -1,0 +1,215 @@
+"""Index segments on storage: an immutable folder of one rows table plus one engine file per split.
+
+A segment covers a set of data points of one shard (the upserts of one materialization, or the survivors of
+a merge). Its rows are sorted by split, so each split's engine labels are a contiguous row range. Every file
+is written once under a uuid-named folder and its sha256 recorded in the manifest entry; loading verifies
+them. Deletions never touch a segment: a version lists deleted row numbers in a separate immutable file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shoal.engines import Engine, get_engine
+from shoal.engines.metrics import Metric
+from shoal.engines.sparse import SparseRows
+from shoal.errors import CorruptArtifactError
+from shoal.indexing.sharding import split_keys
+from shoal.ingest.batch import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
+from shoal.records import IndexSpec
+from shoal.storage import Storage
+
+SPLIT = "__split"
+ROWS_FILE = "rows.parquet"
+
+
+def _digest(data: bytes | pa.Buffer) -> str:
+    return "sha256:" + hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def _write(storage: Storage, path: str, data: bytes | pa.Buffer) -> str:
+    buf = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    storage.write_atomic(path, buf)
+    return _digest(buf)
+
+
+def _read(storage: Storage, path: str, checksum: str) -> pa.Buffer:
+    try:
+        buf = storage.read(path)
+    except (FileNotFoundError, OSError) as exc:
+        raise CorruptArtifactError(f"index artifact {path} cannot be read: {exc}") from exc
+    if _digest(buf) != checksum:
+        raise CorruptArtifactError(f"index artifact {path} does not match its recorded checksum")
+    return buf
+
+
+def json_value(value: Any) -> Any:
+    """An attribute value as a manifest stores it (datetimes as ISO text)."""
+    return value.isoformat() if isinstance(value, dt.datetime) else value
+
+
+def vectors_of(rows: pa.Table, sparse: bool, dim: int, start: int = 0, end: int | None = None) -> Any:
+    """The vectors of rows[start:end] as the engines take them: float32 [n, dim] or SparseRows."""
+    end = rows.num_rows if end is None else end
+    if sparse:
+        idx = rows[SPARSE_INDICES].slice(start, end - start).combine_chunks()
+        val = rows[SPARSE_VALUES].slice(start, end - start).combine_chunks()
+        return SparseRows.from_lists(idx.to_pylist(), val.to_pylist(), dim)
+    col = rows[VECTOR].slice(start, end - start).combine_chunks()
+    flat = col.flatten().to_numpy(zero_copy_only=False)
+    return np.ascontiguousarray(flat, dtype=np.float32).reshape(end - start, dim)
+
+
+def build_segment(
+    storage: Storage, shard_dir: str, index: IndexSpec, sparse: bool, dim: int, rows: pa.Table
+) -> dict[str, Any]:
+    """Write a segment for `rows` (live upserts: key, seq, attributes, vector) and return its manifest entry."""
+    seg_id = uuid.uuid4()
+    folder = f"{shard_dir}/{seg_id}"
+    vector_cols = [SPARSE_INDICES, SPARSE_VALUES] if sparse else [VECTOR]
+    table = rows.select([KEY, SEQ, *index.stored_attributes(), *vector_cols])
+    table = table.append_column(SPLIT, split_keys(table, index.split_attributes))
+    table = table.take(pc.sort_indices(table, sort_keys=[(SPLIT, "ascending"), (SEQ, "ascending")]))
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], row_group_size=max(table.num_rows, 1))
+    rows_checksum = _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+
+    engine_cls = get_engine(index.algorithm)
+    metric = Metric(index.metric)
+    splits: list[dict[str, Any]] = []
+    split_col = table[SPLIT].to_numpy(zero_copy_only=False)
+    bounds = np.flatnonzero(split_col[1:] != split_col[:-1]) + 1 if len(split_col) else np.array([], dtype=np.int64)
+    starts = [0, *bounds.tolist()] if len(split_col) else []
+    ends = [*bounds.tolist(), len(split_col)] if len(split_col) else []
+    for i, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        engine = engine_cls.build(vectors_of(table, sparse, dim, start, end), metric, index.params)
+        name = f"split-{i}.bin"
+        checksum = _write(storage, f"{folder}/{name}", engine.to_bytes())
+        first = table.slice(start, 1).to_pylist()[0]
+        splits.append(
+            {
+                "key": str(split_col[start]),
+                "values": {a: json_value(first[a]) for a in index.split_attributes},
+                "start": start,
+                "end": end,
+                "file": name,
+                "checksum": checksum,
+            }
+        )
+    seqs = table[SEQ].to_numpy()
+    return {
+        "id": str(seg_id),
+        "dir": folder,
+        "rows": table.num_rows,
+        "min_seq": int(seqs.min()) if len(seqs) else 0,
+        "max_seq": int(seqs.max()) if len(seqs) else 0,
+        "rows_checksum": rows_checksum,
+        "splits": splits,
+        "deleted": None,
+    }
+
+
+def write_deletions(storage: Storage, entry: dict[str, Any], deleted: np.ndarray) -> dict[str, Any]:
+    """A copy of `entry` whose deletions are the sorted row numbers `deleted`, written as a new file."""
+    if len(deleted) == 0:
+        return {**entry, "deleted": None}
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(np.sort(deleted), dtype=np.int64), allow_pickle=False)
+    path = f"{entry['dir']}/deleted-{uuid.uuid4()}.npy"
+    checksum = _write(storage, path, buf.getvalue())
+    return {**entry, "deleted": {"path": path, "count": int(len(deleted)), "checksum": checksum}}
+
+
+def read_deletions(storage: Storage, entry: dict[str, Any]) -> np.ndarray:
+    """The deleted row numbers of a manifest entry (empty when none)."""
+    info = entry.get("deleted")
+    if not info:
+        return np.zeros(0, dtype=np.int64)
+    return np.load(io.BytesIO(_read(storage, info["path"], info["checksum"]).to_pybytes()), allow_pickle=False)
+
+
+@dataclass(frozen=True)
+class LoadedSplit:
+    """One split of a loaded segment: its values, row range and engine."""
+
+    key: str
+    values: dict[str, Any]
+    start: int
+    end: int
+    engine: Engine
+
+
+@dataclass(frozen=True)
+class LoadedSegment:
+    """A segment's immutable content in memory (deletions are per version, kept apart)."""
+
+    id: str
+    rows: pa.Table
+    keys: np.ndarray  # object array of encoded keys, row order
+    seqs: np.ndarray
+    splits: tuple[LoadedSplit, ...]
+
+
+class SegmentCache:
+    """Loaded segments by id, least recently used evicted first. Segments are immutable, so sharing is safe."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, LoadedSegment] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
+        """The segment of `entry`, from cache or storage (checksums verified)."""
+        with self._lock:
+            hit = self._items.get(entry["id"])
+            if hit is not None:
+                self._items.move_to_end(entry["id"])
+                return hit
+        loaded = load_segment(storage, entry, index)
+        with self._lock:
+            self._items[entry["id"]] = loaded
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        return loaded
+
+
+def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
+    """Read and verify a segment's rows and engines."""
+    rows = pq.read_table(pa.BufferReader(_read(storage, f"{entry['dir']}/{ROWS_FILE}", entry["rows_checksum"])))
+    engine_cls = get_engine(index.algorithm)
+    metric = Metric(index.metric)
+    splits = tuple(
+        LoadedSplit(
+            s["key"],
+            s["values"],
+            s["start"],
+            s["end"],
+            engine_cls.from_bytes(
+                _read(storage, f"{entry['dir']}/{s['file']}", s["checksum"]).to_pybytes(), metric, index.params
+            ),
+        )
+        for s in entry["splits"]
+    )
+    keys = rows[KEY].to_numpy(zero_copy_only=False)
+    return LoadedSegment(entry["id"], rows, keys, rows[SEQ].to_numpy(), splits)
+
+
+def segment_files(entry: dict[str, Any]) -> list[str]:
+    """Every storage path a manifest entry references."""
+    files = [f"{entry['dir']}/{ROWS_FILE}", *(f"{entry['dir']}/{s['file']}" for s in entry["splits"])]
+    if entry.get("deleted"):
+        files.append(entry["deleted"]["path"])
+    return files

@@ -1,0 +1,307 @@
+"""Catalog access for indexes: definitions, shards (active pointer, lease, freshness) and versions."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, Tenant
+from shoal.catalog.repo import SourceRecord, _record
+from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.records import IndexSpec
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One index shard as the catalog holds it."""
+
+    id: int
+    index_id: int
+    shard_no: int
+    active_version_id: int | None
+    built_watermark: int
+    served_watermark: int
+    served_at: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class IndexRecord:
+    """An index definition with its identity, data source and shards."""
+
+    id: int
+    tenant: str
+    spec: IndexSpec
+    source_id: int
+    generation: int
+    shards: tuple[ShardRecord, ...]
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """An immutable index version: the manifest of one shard at a watermark."""
+
+    id: int
+    shard_id: int
+    parent_id: int | None
+    generation: int
+    watermark: int
+    manifest: dict[str, Any]
+    created_at: dt.datetime
+
+
+def _shard(row: IndexShard) -> ShardRecord:
+    return ShardRecord(
+        row.id,
+        row.index_id,
+        row.shard_no,
+        row.active_version_id,
+        row.built_watermark,
+        row.served_watermark,
+        row.served_at,
+    )
+
+
+def _version(row: IndexVersion) -> VersionRecord:
+    return VersionRecord(
+        row.id, row.shard_id, row.parent_id, row.generation, row.watermark, row.manifest, row.created_at
+    )
+
+
+def _index(s: Session, row: Index, tenant: str) -> IndexRecord:
+    source = s.get(DataSource, row.data_source_id)
+    assert source is not None
+    spec = IndexSpec(
+        name=row.name,
+        version=row.version,
+        source_name=source.name,
+        source_version=source.version,
+        algorithm=row.algorithm,
+        metric=row.metric,
+        params=row.params,
+        id_attributes=row.id_attributes,
+        split_attributes=row.split_attributes,
+        shard_attributes=row.shard_attributes,
+        payload_attributes=row.payload_attributes,
+        shard_count=row.shard_count,
+    )
+    shards = s.scalars(select(IndexShard).where(IndexShard.index_id == row.id).order_by(IndexShard.shard_no))
+    return IndexRecord(row.id, tenant, spec, row.data_source_id, row.generation, tuple(_shard(r) for r in shards))
+
+
+class IndexCatalog:
+    """Index definitions of one tenant, plus the by-id operations the workers use."""
+
+    def __init__(self, engine: Engine, tenant_id: int, tenant: str) -> None:
+        self.engine = engine
+        self.tenant_id = tenant_id
+        self.tenant = tenant
+
+    # -- definitions (tenant scoped) ------------------------------------------------------------------
+
+    def create_index(self, spec: IndexSpec, source: SourceRecord, *, exist_ok: bool = False) -> IndexRecord:
+        """Create the index and its shards; `spec` must already be resolved against `source`."""
+        with Session(self.engine) as s, s.begin():
+            index_id = s.execute(
+                insert(Index)
+                .values(
+                    tenant_id=self.tenant_id,
+                    data_source_id=source.id,
+                    name=spec.name,
+                    version=spec.version,
+                    algorithm=spec.algorithm,
+                    metric=spec.metric,
+                    params=dict(spec.params),
+                    id_attributes=list(spec.id_attributes),
+                    split_attributes=list(spec.split_attributes),
+                    shard_attributes=list(spec.shard_attributes),
+                    payload_attributes=list(spec.payload_attributes or ()),
+                    shard_count=spec.shard_count,
+                )
+                .on_conflict_do_nothing(constraint="uq_indexes_tenant_name_version")
+                .returning(Index.id)
+            ).scalar_one_or_none()
+            if index_id is not None:
+                s.execute(insert(IndexShard), [{"index_id": index_id, "shard_no": n} for n in range(spec.shard_count)])
+        record = self.get_index(spec.name, spec.version)
+        if index_id is None:
+            if not exist_ok:
+                raise AlreadyExistsError(f"index {spec.name!r} version {spec.version!r} already exists")
+            if record.spec != spec:
+                raise AlreadyExistsError(f"index {spec.name!r} version {spec.version!r} exists with another definition")
+        return record
+
+    def _row(self, s: Session, name: str, version: str) -> Index:
+        row = s.scalars(
+            select(Index).where(Index.tenant_id == self.tenant_id, Index.name == name, Index.version == version)
+        ).one_or_none()
+        if row is None:
+            raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {self.tenant!r}")
+        return row
+
+    def get_index(self, name: str, version: str) -> IndexRecord:
+        """The index, or NotFoundError."""
+        with Session(self.engine) as s:
+            return _index(s, self._row(s, name, version), self.tenant)
+
+    def list_indexes(self, source_id: int | None = None) -> list[IndexRecord]:
+        """The tenant's indexes (of one data source when `source_id` is given), by name and version."""
+        with Session(self.engine) as s:
+            q = select(Index).where(Index.tenant_id == self.tenant_id)
+            if source_id is not None:
+                q = q.where(Index.data_source_id == source_id)
+            return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]
+
+    def drop_index(self, name: str, version: str) -> list[dict[str, Any]]:
+        """Delete the index with its shards and versions; return the manifests whose files may now go."""
+        with Session(self.engine) as s, s.begin():
+            row = self._row(s, name, version)
+            manifests = list(
+                s.scalars(
+                    select(IndexVersion.manifest)
+                    .join(IndexShard, IndexShard.id == IndexVersion.shard_id)
+                    .where(IndexShard.index_id == row.id)
+                )
+            )
+            s.execute(delete(Index).where(Index.id == row.id))
+        return manifests
+
+
+class ShardCatalog:
+    """By-id access to shards for workers and searchers (ids come from tenant-scoped calls)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def shard_context(self, shard_id: int) -> tuple[ShardRecord, IndexRecord, SourceRecord]:
+        """The shard, its index and its data source; NotFoundError when the shard is gone."""
+        with Session(self.engine) as s:
+            shard = s.get(IndexShard, shard_id)
+            if shard is None:
+                raise NotFoundError(f"index shard {shard_id} not found")
+            index = s.get(Index, shard.index_id)
+            assert index is not None
+            tenant = s.scalars(select(Tenant.name).where(Tenant.id == index.tenant_id)).one()
+            source = s.get(DataSource, index.data_source_id)
+            assert source is not None
+            return _shard(shard), _index(s, index, tenant), _record(source, tenant)
+
+    def shards_of_source(self, source_id: int) -> list[int]:
+        """Ids of every shard of every index over the data source."""
+        with Session(self.engine) as s:
+            return list(
+                s.scalars(
+                    select(IndexShard.id)
+                    .join(Index, Index.id == IndexShard.index_id)
+                    .where(Index.data_source_id == source_id)
+                )
+            )
+
+    def all_shards(self) -> list[tuple[int, int, int]]:
+        """(shard id, built watermark, data source head) of every shard, for the sweep."""
+        with Session(self.engine) as s:
+            rows = s.execute(
+                select(IndexShard.id, IndexShard.built_watermark, DataSource.head_seq)
+                .join(Index, Index.id == IndexShard.index_id)
+                .join(DataSource, DataSource.id == Index.data_source_id)
+            )
+            return [(r[0], r[1], r[2]) for r in rows]
+
+    def version(self, version_id: int) -> VersionRecord:
+        """An index version by id; NotFoundError if absent."""
+        with Session(self.engine) as s:
+            row = s.get(IndexVersion, version_id)
+            if row is None:
+                raise NotFoundError(f"index version {version_id} not found")
+            return _version(row)
+
+    def active_version(self, shard_id: int) -> VersionRecord | None:
+        """The version the shard's active pointer names, or None before the first materialization."""
+        with Session(self.engine) as s:
+            row = s.scalars(
+                select(IndexVersion)
+                .join(IndexShard, IndexShard.active_version_id == IndexVersion.id)
+                .where(IndexShard.id == shard_id)
+            ).one_or_none()
+            return _version(row) if row is not None else None
+
+    def acquire_lease(self, shard_id: int, owner: str, seconds: float) -> bool:
+        """Take (or renew) the shard's build lease; False when another owner holds an unexpired one."""
+        with Session(self.engine) as s, s.begin():
+            now = func.clock_timestamp()
+            taken = s.execute(
+                update(IndexShard)
+                .where(
+                    IndexShard.id == shard_id,
+                    or_(
+                        IndexShard.lease_owner.is_(None),
+                        IndexShard.lease_owner == owner,
+                        IndexShard.lease_expires_at < now,
+                    ),
+                )
+                .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=seconds))
+            ).rowcount
+            return taken == 1
+
+    def release_lease(self, shard_id: int, owner: str) -> None:
+        """Give the lease back if `owner` still holds it."""
+        with Session(self.engine) as s, s.begin():
+            s.execute(
+                update(IndexShard)
+                .where(IndexShard.id == shard_id, IndexShard.lease_owner == owner)
+                .values(lease_owner=None, lease_expires_at=None)
+            )
+
+    def publish_version(
+        self,
+        shard_id: int,
+        expected_active: int | None,
+        generation: int,
+        watermark: int,
+        manifest: dict[str, Any],
+    ) -> int | None:
+        """Insert a version and move the shard's active pointer to it by compare-and-swap.
+
+        Returns the new version id, or None when the pointer no longer names `expected_active` (someone
+        else published first; nothing was changed).
+        """
+        with Session(self.engine) as s:
+            version_id = s.execute(
+                insert(IndexVersion)
+                .values(
+                    shard_id=shard_id,
+                    parent_id=expected_active,
+                    generation=generation,
+                    watermark=watermark,
+                    manifest=manifest,
+                )
+                .returning(IndexVersion.id)
+            ).scalar_one()
+            pointer = (
+                IndexShard.active_version_id.is_(None)
+                if expected_active is None
+                else IndexShard.active_version_id == expected_active
+            )
+            moved = s.execute(
+                update(IndexShard)
+                .where(IndexShard.id == shard_id, pointer)
+                .values(active_version_id=version_id, built_watermark=watermark)
+            ).rowcount
+            if moved != 1:
+                s.rollback()  # the version row goes too: it was never active
+                return None
+            s.commit()
+            return int(version_id)
+
+    def mark_served(self, shard_id: int, watermark: int) -> None:
+        """Record that a searcher now serves the shard at `watermark` (never moves it backwards)."""
+        with Session(self.engine) as s, s.begin():
+            s.execute(
+                update(IndexShard)
+                .where(IndexShard.id == shard_id, IndexShard.served_watermark <= watermark)
+                .values(served_watermark=watermark, served_at=func.clock_timestamp())
+            )

@@ -1,0 +1,55 @@
+"""The Celery app: broker from settings (the embedded Valkey by default), tasks, routes and beat schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_process_init
+
+from shoal.config.settings import Settings
+
+app = Celery("shoal", include=["shoal.workers.tasks"])
+
+
+def broker_url(settings: Settings) -> str:
+    """The configured Redis URL, or the embedded Valkey's (started if needed)."""
+    if settings.redis_url:
+        return settings.redis_url
+    from shoal.config.embedded import ensure_valkey
+
+    return ensure_valkey(settings.data_dir)
+
+
+@app.on_configure.connect
+def _configure(sender: Celery, **_: Any) -> None:
+    settings = Settings()
+    sender.conf.update(
+        broker_url=broker_url(settings),
+        # Tasks take ids and are idempotent: acknowledge after the work, redeliver if the worker dies.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        task_default_queue="shoal",
+        broker_connection_retry_on_startup=True,
+        # A materialization of a big shard may take minutes: redeliver only after a long silence.
+        broker_transport_options={"visibility_timeout": settings.task_visibility_timeout_s},
+        beat_schedule={
+            "sweep-lagging-shards": {
+                "task": "shoal.workers.tasks.sweep",
+                "schedule": settings.sweep_interval_s,
+            },
+        },
+        worker_hijack_root_logger=False,
+    )
+
+
+@worker_process_init.connect
+def _fresh_connections(**_: Any) -> None:
+    # Forked pool processes must not share the parent's database connections.
+    from shoal.workers.context import reset
+
+    reset()

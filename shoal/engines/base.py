@@ -1,0 +1,207 @@
+"""The one interface every kNN engine offers, and the registry of engines by algorithm name.
+
+An engine indexes the n vectors of one split of one immutable index segment; their labels are the row
+positions 0..n-1. Engines are immutable once built, so one may serve searches from several threads.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self, TypeVar
+
+import numpy as np
+
+from shoal.engines import envelope
+from shoal.engines.metrics import Metric, as_metric, worst_distance
+from shoal.engines.params import reject_unknown
+from shoal.engines.sparse import SparseRows
+from shoal.errors import ValidationError
+
+Vectors = np.ndarray | SparseRows
+
+
+def available_cores() -> int:
+    """The number of cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _dense(what: str, data: Any, dim: int | None = None) -> np.ndarray:
+    arr = np.asarray(data)
+    if arr.ndim != 2 or arr.shape[1] < 1 or arr.dtype.kind not in "fiu":
+        raise ValidationError(f"{what} must be a 2-d numeric array [rows, dim] with dim >= 1 (got {arr.shape})")
+    if dim is not None and arr.shape[1] != dim:
+        raise ValidationError(f"{what} have dimension {arr.shape[1]}, the index has {dim}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    # min and max propagate NaN and expose inf without allocating an n x d mask.
+    if arr.size and not (np.isfinite(arr.min()) and np.isfinite(arr.max())):
+        raise ValidationError(f"{what} must be finite float32 values")
+    return arr
+
+
+def _sparse(what: str, data: Any, dim: int | None = None) -> SparseRows:
+    if not isinstance(data, SparseRows):
+        raise ValidationError(f"{what} must be SparseRows for a sparse algorithm (got {type(data).__name__})")
+    if dim is not None and data.dim != dim:
+        raise ValidationError(f"{what} have dimension {data.dim}, the index has {dim}")
+    return data
+
+
+class Engine(ABC):
+    """A kNN index over n vectors: build, search, serialize. Subclasses implement the underscored hooks."""
+
+    algorithm: ClassVar[str]
+    supported_metrics: ClassVar[frozenset[Metric]]
+    sparse: ClassVar[bool] = False
+
+    def __init__(self, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
+        self.metric = metric
+        self._params = dict(params)
+        self.dim = dim
+        self._count = count
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The effective parameters (defaults filled, values fitted to the data); a copy: engines are immutable."""
+        return dict(self._params)
+
+    # ---- parameters and metrics -------------------------------------------------------------------------
+
+    @classmethod
+    def normalize_params(cls, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The parameters with defaults filled in; unknown keys or bad values raise ValidationError.
+
+        Idempotent: normalizing normalized parameters returns them unchanged. The base takes no parameters.
+        """
+        reject_unknown(cls.algorithm, params or {}, ())
+        return {}
+
+    @classmethod
+    def check_metric(cls, metric: Metric | str) -> Metric:
+        """The metric, if this algorithm supports it; otherwise ValidationError (never a silent fallback)."""
+        m = as_metric(metric)
+        if m not in cls.supported_metrics:
+            supported = ", ".join(sorted(x.value for x in cls.supported_metrics))
+            raise ValidationError(
+                f"algorithm {cls.algorithm!r} does not support metric {m.value!r} (supported: {supported})"
+            )
+        return m
+
+    # ---- building and searching -------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls, vectors: Vectors, metric: Metric | str, params: Mapping[str, Any] | None, *, threads: int | None = None
+    ) -> Self:
+        """An engine over `vectors` (float32 [n, d], or SparseRows for sparse engines; n may be 0).
+
+        `threads` bounds the cores used while building; None means every core this process may use.
+        """
+        m = cls.check_metric(metric)
+        p = cls.normalize_params(params)
+        data = _sparse("vectors", vectors) if cls.sparse else _dense("vectors", vectors)
+        return cls._build(data, m, p, max(1, threads or available_cores()))
+
+    def search(self, queries: Vectors, k: int, *, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The k nearest rows of each query: (distances float32 [q, k], labels int64 [q, k]).
+
+        Nearest first in the metric's own distance (dot_product: decreasing score, others increasing), so
+        results of several engines merge by distance. Missing results have label -1 and the metric's worst
+        distance (+inf, or -inf for dot_product). `threads` bounds the cores used by this call (the searcher
+        parallelises across segments, hence 1 by default); the flat engines use numpy's BLAS threads.
+        """
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+            raise ValidationError(f"k must be a non-negative integer (got {k!r})")
+        k = int(k)
+        q = _sparse("queries", queries, self.dim) if self.sparse else _dense("queries", queries, self.dim)
+        distances = np.full((len(q), k), worst_distance(self.metric), dtype=np.float32)
+        labels = np.full((len(q), k), -1, dtype=np.int64)
+        k_eff = min(k, len(self))
+        if len(q) and k_eff:
+            d, lab = self._search(q, k_eff, max(1, int(threads)))
+            distances[:, :k_eff] = np.where(lab >= 0, d, worst_distance(self.metric))
+            labels[:, :k_eff] = lab
+        return distances, labels
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.algorithm}/{self.metric.value} n={len(self)} dim={self.dim}>"
+
+    # ---- serialization ----------------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The engine as bytes that `from_bytes` restores to identical search results."""
+        header = {
+            "algorithm": self.algorithm,
+            "metric": self.metric.value,
+            "dim": self.dim,
+            "count": len(self),
+            "params": self._params,
+            **self._header(),
+        }
+        return envelope.pack(header, self._sections())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, metric: Metric | str, params: Mapping[str, Any] | None) -> Self:
+        """The engine `to_bytes` wrote; its algorithm and metric must be this class's and `metric`.
+
+        Structural parameters come from the data (what was built); query-time ones (ef_search, nprobe) from
+        `params`, so they can be tuned without rebuilding.
+        """
+        header, sections = envelope.unpack(data)
+        m = cls.check_metric(metric)
+        if header.get("algorithm") != cls.algorithm or header.get("metric") != m.value:
+            raise ValidationError(
+                f"serialized engine is {header.get('algorithm')}/{header.get('metric')}, "
+                f"expected {cls.algorithm}/{m.value}"
+            )
+        return cls._load(header, sections, m, cls.normalize_params(params))
+
+    # ---- hooks ------------------------------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def _build(cls, vectors: Any, metric: Metric, params: dict[str, Any], threads: int) -> Self:
+        """Build from checked vectors (float32 C-contiguous, or SparseRows) and normalized params."""
+
+    @abstractmethod
+    def _search(self, queries: Any, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+        """Search checked queries for 1 <= k <= len(self); labels -1 mark missing results."""
+
+    def _header(self) -> dict[str, Any]:
+        """Extra JSON-able header fields for `_load`."""
+        return {}
+
+    @abstractmethod
+    def _sections(self) -> list[bytes | memoryview]:
+        """The binary payload."""
+
+    @classmethod
+    @abstractmethod
+    def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
+        """Restore from `to_bytes` output (header and sections as written)."""
+
+
+ENGINES: dict[str, type[Engine]] = {}
+E = TypeVar("E", bound=type[Engine])
+
+
+def register(cls: E) -> E:
+    """Class decorator: make an engine reachable by its algorithm name."""
+    ENGINES[cls.algorithm] = cls
+    return cls
+
+
+def get_engine(algorithm: str) -> type[Engine]:
+    """The engine class of an algorithm name; unknown names raise ValidationError listing the known ones."""
+    try:
+        return ENGINES[algorithm]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(ENGINES))
+        raise ValidationError(f"unknown algorithm {algorithm!r} (known: {known})") from None

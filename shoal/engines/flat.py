@@ -1,0 +1,205 @@
+"""Exact search over dense vectors: the production exactness reference, so it must be both exact and fast.
+
+Speed comes from float32 matrix products (BLAS) over row blocks; exactness from a float64 rerank plus a
+certificate. Per query we keep the kc best rows by the float32 approximation and remember the best
+approximate key we dropped. A float32 product of d terms is off by at most ~d * 2^-24 * |q| * |v|, so with
+that bound as a margin, the kept rows contain the true top k once the k-th exact (float64) key is below the
+best dropped key minus the margin. Queries whose certificate fails (many near-ties) retry with more
+candidates and finally fall back to a streaming float64 scan, so the answer always equals `exact_top_k`
+(up to genuine floating-point ties).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+import numpy as np
+
+from shoal.engines.base import Engine, register
+from shoal.engines.envelope import array_section
+from shoal.engines.metrics import Metric, exact_distances, from_products, top_k_of
+
+_U = 2.0**-24  # float32 unit roundoff
+_SCORE_BYTES = 32 << 20  # float32 scratch for one (query batch x row block) score matrix
+_GATHER_BYTES = 64 << 20  # float64 scratch for one rerank gather or one exact-scan block
+_QUERY_BATCH = 256
+_MAX_CANDIDATES = 8192  # beyond this (or beyond a quarter of the rows) a float64 scan is cheaper
+
+
+def _row_blocks(n: int, rows: int) -> list[tuple[int, int]]:
+    rows = max(1, rows)
+    return [(s, min(n, s + rows)) for s in range(0, n, rows)]
+
+
+def _keep_smallest(keys: np.ndarray, labels: np.ndarray, kc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kc smallest keys per row (unordered) with their labels, and the smallest key left out (inf if none)."""
+    if keys.shape[1] <= kc:
+        return keys, labels, np.full(len(keys), np.inf)
+    part = np.argpartition(keys, kc, axis=1)
+    # After partitioning, position kc holds the (kc+1)-th smallest key: the best one we drop.
+    dropped = np.take_along_axis(keys, part[:, kc : kc + 1], axis=1)[:, 0].astype(np.float64)
+    keep = part[:, :kc]
+    return np.take_along_axis(keys, keep, axis=1), np.take_along_axis(labels, keep, axis=1), dropped
+
+
+@register
+class FlatEngine(Engine):
+    """Exact kNN over dense float32 vectors; every metric."""
+
+    algorithm = "flat"
+    supported_metrics = frozenset(Metric)
+    sparse = False
+
+    def __init__(self, vectors: np.ndarray, metric: Metric, params: dict[str, Any]) -> None:
+        super().__init__(metric, params, int(vectors.shape[1]), len(vectors))
+        self._vectors = vectors
+        n, d = vectors.shape
+        self._sq_norms = np.empty(n, dtype=np.float64)
+        l1 = np.empty(n, dtype=np.float64) if metric is Metric.MANHATTAN else None
+        for s, e in _row_blocks(n, _GATHER_BYTES // (8 * d)):
+            block = vectors[s:e].astype(np.float64)
+            self._sq_norms[s:e] = np.einsum("ij,ij->i", block, block)
+            if l1 is not None:
+                l1[s:e] = np.abs(block).sum(axis=1)
+        norms = np.sqrt(self._sq_norms)
+        self._max_norm = float(norms.max()) if n else 0.0
+        self._max_l1 = float(l1.max()) if l1 is not None and n else 0.0
+        self._sq_norms32 = self._sq_norms.astype(np.float32)
+        self._inv_norms32 = np.divide(1.0, norms, out=np.zeros(n), where=norms > 0).astype(np.float32)
+        # Bound (with a factor 2 to spare) on the rounding error of a float32 d-term dot product or L1 sum,
+        # relative to the magnitudes involved.
+        self._c = 2.0 * (d + 8) * _U
+
+    @classmethod
+    def _build(cls, vectors: np.ndarray, metric: Metric, params: dict[str, Any], threads: int) -> Self:
+        return cls(vectors, metric, params)
+
+    def _sections(self) -> list[bytes | memoryview]:
+        return [array_section(self._vectors, "<f4")]
+
+    @classmethod
+    def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
+        vectors = np.frombuffer(sections[0], dtype="<f4").reshape(int(header["count"]), int(header["dim"]))
+        return cls(vectors.astype(np.float32, copy=False), metric, params)
+
+    # ---- search -----------------------------------------------------------------------------------------
+
+    def _search(self, queries: np.ndarray, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+        out_d = np.empty((len(queries), k), dtype=np.float32)
+        out_l = np.empty((len(queries), k), dtype=np.int64)
+        for s, e in _row_blocks(len(queries), _QUERY_BATCH):
+            d, lab = self._search_batch(queries[s:e], k)
+            out_d[s:e], out_l[s:e] = d, lab
+        return out_d, out_l
+
+    def _search_batch(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self)
+        res_d = np.empty((len(queries), k), dtype=np.float64)
+        res_l = np.empty((len(queries), k), dtype=np.int64)
+        pending = np.arange(len(queries))
+        if self.metric is Metric.COSINE:
+            # A zero query is at distance 1 from every row: all tie, so the answer is the lowest labels.
+            # Answered here because such total ties would otherwise defeat the certificate every time.
+            zero = ~queries[pending].any(axis=1)
+            res_d[zero], res_l[zero] = 1.0, np.arange(k)
+            pending = pending[~zero]
+        kc = k + max(k, 16)
+        while len(pending):
+            q = queries[pending]
+            if kc >= n // 4 or kc > max(_MAX_CANDIDATES, 2 * k):
+                res_d[pending], res_l[pending] = self._scan_exact(q, k)
+                break
+            cand, dropped = self._candidates(q, kc)
+            d, lab = top_k_of(self.metric, self._rerank(q, cand), cand, k)
+            ok = dropped - self._margins(q) > self._approx_key(d[:, k - 1])
+            res_d[pending[ok]], res_l[pending[ok]] = d[ok], lab[ok]
+            pending = pending[~ok]
+            kc *= 8
+        return res_d.astype(np.float32), res_l
+
+    def _candidates(self, queries: np.ndarray, kc: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kc rows with the best float32 keys per query, and per query the best key not kept."""
+        keys = np.empty((len(queries), 0), dtype=np.float32)
+        labels = np.empty((len(queries), 0), dtype=np.int64)
+        dropped = np.full(len(queries), np.inf)
+        rows = max(kc + 1, _SCORE_BYTES // (4 * len(queries)))
+        for s, e in _row_blocks(len(self), rows):
+            block_keys = self._approx_keys(queries, s, e)
+            block_labels = np.broadcast_to(np.arange(s, e, dtype=np.int64), block_keys.shape)
+            bk, bl, bd = _keep_smallest(block_keys, block_labels, kc)
+            keys, labels, md = _keep_smallest(np.hstack([keys, bk]), np.hstack([labels, bl]), kc)
+            dropped = np.minimum(dropped, np.minimum(bd, md))
+        return labels, dropped
+
+    def _approx_keys(self, q: np.ndarray, s: int, e: int) -> np.ndarray:
+        """float32 keys (smaller is nearer) of rows s:e for each query."""
+        v = self._vectors[s:e]
+        m = self.metric
+        if m is Metric.MANHATTAN:
+            out = np.empty((len(q), e - s), dtype=np.float32)
+            sub = max(1, _SCORE_BYTES // (4 * len(q) * self.dim))
+            for a, b in _row_blocks(e - s, sub):
+                out[:, a:b] = np.abs(q[:, None, :] - v[None, a:b, :]).sum(axis=2)
+            return out
+        prod = q @ v.T
+        if m is Metric.DOT_PRODUCT:
+            np.negative(prod, out=prod)
+        elif m is Metric.COSINE:
+            q_norms = np.linalg.norm(q.astype(np.float64), axis=1)
+            inv_q = np.divide(1.0, q_norms, out=np.zeros(len(q)), where=q_norms > 0).astype(np.float32)
+            prod *= -inv_q[:, None]
+            prod *= self._inv_norms32[None, s:e]
+        else:  # squared L2 for both L2 metrics: |q|^2 + |v|^2 - 2 q.v
+            prod *= -2.0
+            prod += self._sq_norms32[None, s:e]
+            prod += np.einsum("ij,ij->i", q, q)[:, None]
+        return prod
+
+    def _margins(self, q: np.ndarray) -> np.ndarray:
+        """Per query, a bound on |float32 key - exact key| over all rows."""
+        q64 = q.astype(np.float64)
+        m, c = self.metric, self._c
+        if m is Metric.DOT_PRODUCT:
+            return c * np.linalg.norm(q64, axis=1) * self._max_norm
+        if m is Metric.COSINE:
+            # c for the product of unit-scaled vectors, plus roundings of the two float32 inverse norms.
+            return np.full(len(q), c + 8 * _U)
+        if m is Metric.MANHATTAN:
+            return c * (np.abs(q64).sum(axis=1) + self._max_l1)
+        return 2 * c * (np.linalg.norm(q64, axis=1) + self._max_norm) ** 2
+
+    def _approx_key(self, distances: np.ndarray) -> np.ndarray:
+        """Exact distances expressed in the key space of `_approx_keys`."""
+        m = self.metric
+        if m is Metric.DOT_PRODUCT:
+            return -distances
+        if m is Metric.COSINE:
+            return distances - 1.0
+        if m is Metric.EUCLIDEAN:
+            return distances * distances
+        return distances
+
+    def _rerank(self, queries: np.ndarray, cand: np.ndarray) -> np.ndarray:
+        """float64 distances of each query to its candidate rows (same formulas as `exact_distances`)."""
+        out = np.empty(cand.shape, dtype=np.float64)
+        q64 = queries.astype(np.float64)
+        q_sq = np.einsum("ij,ij->i", q64, q64)
+        per_batch = _GATHER_BYTES // (8 * cand.shape[1] * self.dim)
+        for s, e in _row_blocks(len(queries), per_batch):
+            g = self._vectors[cand[s:e]].astype(np.float64)
+            if self.metric is Metric.MANHATTAN:
+                out[s:e] = np.abs(g - q64[s:e, None, :]).sum(axis=2)
+            else:
+                dots = np.einsum("bd,bkd->bk", q64[s:e], g)
+                out[s:e] = from_products(self.metric, dots, q_sq[s:e, None], self._sq_norms[cand[s:e]])
+        return out
+
+    def _scan_exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The exact top k by a streaming float64 scan (the fallback when near-ties defeat the certificate)."""
+        best_d = np.empty((len(queries), 0), dtype=np.float64)
+        best_l = np.empty((len(queries), 0), dtype=np.int64)
+        for s, e in _row_blocks(len(self), _GATHER_BYTES // (8 * (len(queries) + self.dim))):
+            dist = exact_distances(self.metric, queries, self._vectors[s:e])
+            labels = np.broadcast_to(np.arange(s, e, dtype=np.int64), dist.shape)
+            best_d, best_l = top_k_of(self.metric, np.hstack([best_d, dist]), np.hstack([best_l, labels]), k)
+        return best_d, best_l

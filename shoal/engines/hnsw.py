@@ -1,0 +1,131 @@
+"""Approximate search with an HNSW graph (hnswlib).
+
+hnswlib's spaces return their own distances; they are converted to Shoal's definitions: 'cosine' is already
+1 - cos, 'ip' returns 1 - ip (the score is 1 - d), and 'l2' returns the squared L2 distance (euclidean takes
+the square root). Manhattan has no hnswlib space and is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any, Self
+
+import numpy as np
+
+from shoal.engines.base import Engine, register
+from shoal.engines.flat import FlatEngine
+from shoal.engines.metrics import Metric, top_k_of
+from shoal.engines.params import int_param, reject_unknown
+from shoal.errors import ValidationError
+
+DEFAULTS = {"M": 16, "ef_construction": 200, "ef_search": 64}
+_LIMITS = {"M": (2, 512), "ef_construction": (1, 1 << 16), "ef_search": (1, 1 << 16)}
+_SPACES = {Metric.COSINE: "cosine", Metric.DOT_PRODUCT: "ip", Metric.EUCLIDEAN: "l2", Metric.L2_SQUARED: "l2"}
+# Fixed so that a single-threaded build is reproducible (a multi-threaded one depends on insertion timing).
+SEED = 20261122
+
+
+def _hnswlib() -> Any:
+    import hnswlib  # imported late: only processes that build or load HNSW indexes pay for it
+
+    return hnswlib
+
+
+@register
+class HnswEngine(Engine):
+    """HNSW over dense float32 vectors: cosine, dot_product, euclidean, l2_squared."""
+
+    algorithm = "hnsw"
+    supported_metrics = frozenset(_SPACES)
+    sparse = False
+
+    def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
+        super().__init__(metric, params, dim, count)
+        self._index = index  # None when there are no rows
+        # hnswlib keeps ef on the index, not per call: serialize "set ef, query" so concurrent searches with
+        # different k cannot run with each other's ef.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def normalize_params(cls, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """M, ef_construction, ef_search: all given or none (then 16, 200, 64)."""
+        params = dict(params or {})
+        reject_unknown(cls.algorithm, params, DEFAULTS)
+        if not params:
+            return dict(DEFAULTS)
+        missing = [p for p in DEFAULTS if p not in params]
+        if missing:
+            raise ValidationError(
+                f"HNSW parameters must be given all or none: missing {', '.join(missing)} "
+                f"(given {', '.join(p for p in DEFAULTS if p in params)})"
+            )
+        return {p: int_param(p, params[p], *_LIMITS[p]) for p in DEFAULTS}
+
+    @classmethod
+    def _build(cls, vectors: np.ndarray, metric: Metric, params: dict[str, Any], threads: int) -> Self:
+        n, dim = vectors.shape
+        index = None
+        if n:
+            index = _hnswlib().Index(space=_SPACES[metric], dim=dim)
+            index.init_index(max_elements=n, M=params["M"], ef_construction=params["ef_construction"], random_seed=SEED)
+            index.add_items(vectors, np.arange(n), num_threads=threads)
+        return cls(index, metric, params, dim, n)
+
+    def _search(self, queries: np.ndarray, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            self._index.set_ef(max(self._params["ef_search"], k))
+            try:
+                labels, dist = self._index.knn_query(queries, k=k, num_threads=threads)
+            except RuntimeError:
+                labels = None
+        if labels is None:
+            # hnswlib raises when a graph walk reaches fewer than k rows. Pruning can leave rows no edge
+            # points to (especially in the non-metric 'ip' space), so with k near n no ef is enough:
+            # answer such a batch exactly instead.
+            return self._exact(queries, k)
+        labels = labels.astype(np.int64)
+        d = dist.astype(np.float64)
+        if self.metric is Metric.DOT_PRODUCT:
+            d = 1.0 - d
+        elif self.metric is Metric.EUCLIDEAN:
+            d = np.sqrt(np.maximum(d, 0.0))
+        # Re-sort so equal distances come in label order, like every other engine.
+        d, labels = top_k_of(self.metric, d, labels, k)
+        return d.astype(np.float32), labels
+
+    def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,
+        which leaves cosine distances unchanged)."""
+        stored = np.asarray(self._index.get_items(np.arange(len(self)), return_type="numpy"), dtype=np.float32)
+        return FlatEngine(stored.reshape(len(self), self.dim), self.metric, {})._search(queries, k, 1)
+
+    def _header(self) -> dict[str, Any]:
+        return {"space": _SPACES[self.metric]}
+
+    def _sections(self) -> list[bytes | memoryview]:
+        if self._index is None:
+            return []
+        with tempfile.TemporaryDirectory(prefix="shoal-hnsw-") as tmp:
+            path = os.path.join(tmp, "index.bin")
+            self._index.save_index(path)
+            with open(path, "rb") as f:
+                return [f.read()]
+
+    @classmethod
+    def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
+        n, dim = int(header["count"]), int(header["dim"])
+        # The graph's structure is what was built; only ef_search is taken from the caller's params.
+        built = header["params"]
+        effective = {"M": built["M"], "ef_construction": built["ef_construction"], "ef_search": params["ef_search"]}
+        index = None
+        if n:
+            index = _hnswlib().Index(space=header["space"], dim=dim)
+            with tempfile.TemporaryDirectory(prefix="shoal-hnsw-") as tmp:
+                path = os.path.join(tmp, "index.bin")
+                with open(path, "wb") as f:
+                    f.write(sections[0])
+                index.load_index(path, max_elements=n)
+        return cls(index, metric, effective, dim, n)

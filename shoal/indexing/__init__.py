@@ -1,0 +1,1 @@
+"""Turning a data source's log into versioned index shards: definitions, sharding, materialize, merge."""

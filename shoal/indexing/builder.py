@@ -1,0 +1,237 @@
+"""Materialize and merge index shards: new immutable artifacts, then a compare-and-swap of the active pointer.
+
+Both run under the shard's lease, read the active version, write only new uniquely named files, and publish
+a new version whose parent is the one they read. A crash anywhere before the publish leaves the active
+version untouched and at most unreferenced files; losing the compare-and-swap discards the attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from sqlalchemy import Engine
+
+from shoal.artifacts.segment import SegmentCache, build_segment, read_deletions, write_deletions
+from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
+from shoal.catalog.repo import SourceRecord, head_of
+from shoal.errors import ShoalError
+from shoal.indexing.sharding import shard_numbers
+from shoal.ingest.batch import KEY
+from shoal.ingest.reader import fold, read_log
+from shoal.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class LeaseBusyError(ShoalError):
+    """Another worker holds the shard's build lease; the caller should try later."""
+
+
+@dataclass(frozen=True)
+class MergePolicy:
+    """When segments get merged: too many of them, or one with too many dead rows."""
+
+    max_segments: int = 8
+    max_deleted_ratio: float = 0.3
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a materialize or merge run did."""
+
+    shard_id: int
+    version_id: int | None  # the new active version, None when nothing changed
+    watermark: int
+    changed: bool
+    segments: int
+
+
+def shard_dir(index: IndexRecord, shard: ShardRecord, generation: int) -> str:
+    """Layout-relative folder of a shard's segments (DESIGN.md's storage layout)."""
+    spec = index.spec
+    return f"tenants/{index.tenant}/indexes/{spec.name}/{spec.version}/gen-{generation}/shard-{shard.shard_no}"
+
+
+def default_owner() -> str:
+    """A lease owner name unique to this process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class ShardBuilder:
+    """Materializes and merges index shards. One per worker process; caches segment keys across runs."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        storage: Storage,
+        *,
+        owner: str | None = None,
+        lease_seconds: float = 600.0,
+        policy: MergePolicy | None = None,
+        on_publish: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.storage = storage
+        self.shards = ShardCatalog(engine)
+        self.owner = owner or default_owner()
+        self.lease_seconds = lease_seconds
+        self.policy = policy or MergePolicy()
+        self.on_publish = on_publish  # called with (shard id, version id) after a publish committed
+        self.cache = SegmentCache()
+
+    # -- shared steps ---------------------------------------------------------------------------------
+
+    def _leased(self, shard_id: int, run: Callable[[], BuildResult]) -> BuildResult:
+        if not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds):
+            raise LeaseBusyError(f"index shard {shard_id} is being built by another worker")
+        try:
+            return run()
+        finally:
+            self.shards.release_lease(shard_id, self.owner)
+
+    def _publish(
+        self, shard: ShardRecord, active: VersionRecord | None, generation: int, watermark: int, segments: list[Any]
+    ) -> BuildResult:
+        manifest = {"generation": generation, "watermark": watermark, "segments": segments}
+        version_id = self.shards.publish_version(
+            shard.id, active.id if active else None, generation, watermark, manifest
+        )
+        if version_id is None:
+            # Someone published in between (only possible after our lease expired): our files are
+            # unreferenced garbage for GC; the next run starts from the new active version.
+            raise LeaseBusyError(f"index shard {shard.id} moved on while this build ran; retry")
+        if self.on_publish is not None:
+            self.on_publish(shard.id, version_id)
+        return BuildResult(shard.id, version_id, watermark, True, len(segments))
+
+    # -- materialize --------------------------------------------------------------------------------
+
+    def materialize(self, shard_id: int) -> BuildResult:
+        """Bring the shard from its active version's watermark to the data source's head."""
+        return self._leased(shard_id, lambda: self._materialize(shard_id))
+
+    def _materialize(self, shard_id: int) -> BuildResult:
+        shard, index, source = self.shards.shard_context(shard_id)
+        active = self.shards.active_version(shard_id)
+        watermark = active.watermark if active else 0
+        segments: list[dict[str, Any]] = list(active.manifest["segments"]) if active else []
+        head, _ = head_of(self.engine, source.id)
+        if head <= watermark:
+            return BuildResult(shard_id, active.id if active else None, watermark, False, len(segments))
+
+        entries = self._shard_entries(index, shard, source, watermark, head)
+        generation = active.generation if active else index.generation
+        if entries.num_rows:
+            touched = pc.unique(entries[KEY])
+            segments = [self._delete_keys(index, entry, touched) for entry in segments]
+            upserts = fold(entries.to_batches())
+            if upserts.num_rows:
+                folder = shard_dir(index, shard, generation)
+                segments.append(
+                    build_segment(
+                        self.storage,
+                        folder,
+                        index.spec,
+                        source.spec.vectors_are_sparse,
+                        source.spec.vector_dimension,
+                        upserts,
+                    )
+                )
+        # A range with nothing for this shard still moves the watermark: the version is exact at `head`.
+        return self._publish(shard, active, generation, head, segments)
+
+    def _shard_entries(
+        self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, after: int, head: int
+    ) -> pa.Table:
+        batches = list(read_log(self.engine, self.storage, source.id, after, head))
+        if not batches:
+            return pa.table({KEY: pa.array([], pa.string())})
+        table = pa.Table.from_batches(batches)
+        spec = index.spec
+        if spec.shard_count > 1:
+            mine = shard_numbers(table, spec.shard_attributes, spec.shard_count) == shard.shard_no
+            table = table.filter(pa.array(mine))
+        return table
+
+    def _delete_keys(self, index: IndexRecord, entry: dict[str, Any], touched: pa.Array) -> dict[str, Any]:
+        seg = self.cache.load(self.storage, entry, index.spec)
+        hit = np.flatnonzero(pc.is_in(pa.array(seg.keys, pa.string()), value_set=touched).to_numpy(False))
+        if not len(hit):
+            return entry
+        old = read_deletions(self.storage, entry)
+        merged = np.union1d(old, hit)
+        if len(merged) == len(old):
+            return entry
+        return write_deletions(self.storage, entry, merged)
+
+    # -- merge ----------------------------------------------------------------------------------------
+
+    def merge(self, shard_id: int, *, force: bool = False) -> BuildResult:
+        """Rewrite the shard's segments the policy picks (all of them with `force`) into one, dropping dead
+        rows; the watermark stays. Returns changed=False when the policy picks nothing."""
+        return self._leased(shard_id, lambda: self._merge(shard_id, force))
+
+    def pick_for_merge(self, segments: list[dict[str, Any]], force: bool = False) -> list[int]:
+        """Positions of the segments to merge: every segment with too many dead rows, plus the smallest
+        ones while there are too many segments (tiered: small segments merge first)."""
+        if force:
+            return list(range(len(segments))) if segments else []
+        dead = {
+            i
+            for i, s in enumerate(segments)
+            if s["rows"] and (s["deleted"] or {}).get("count", 0) / s["rows"] > self.policy.max_deleted_ratio
+        }
+        by_size = sorted(range(len(segments)), key=lambda i: segments[i]["rows"])
+        chosen = set(dead)
+        # Merging k segments into one removes k-1; take the smallest until the count is back in bounds.
+        while len(segments) - len(chosen) + (1 if chosen else 0) > self.policy.max_segments:
+            nxt = next(i for i in by_size if i not in chosen)
+            chosen.add(nxt)
+        if len(chosen) == 1 and not dead:
+            return []
+        return sorted(chosen)
+
+    def _merge(self, shard_id: int, force: bool) -> BuildResult:
+        shard, index, source = self.shards.shard_context(shard_id)
+        active = self.shards.active_version(shard_id)
+        if active is None:
+            return BuildResult(shard_id, None, 0, False, 0)
+        segments = list(active.manifest["segments"])
+        chosen = self.pick_for_merge(segments, force)
+        if not chosen:
+            return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
+        live: list[pa.Table] = []
+        for i in chosen:
+            seg = self.cache.load(self.storage, segments[i], index.spec)
+            keep = np.ones(seg.rows.num_rows, dtype=bool)
+            keep[read_deletions(self.storage, segments[i])] = False
+            live.append(seg.rows.filter(pa.array(keep)))
+        rows = pa.concat_tables(live)
+        rest = [s for i, s in enumerate(segments) if i not in set(chosen)]
+        if rows.num_rows:
+            folder = shard_dir(index, shard, active.generation)
+            rest.append(
+                build_segment(
+                    self.storage,
+                    folder,
+                    index.spec,
+                    source.spec.vectors_are_sparse,
+                    source.spec.vector_dimension,
+                    rows,
+                )
+            )
+        return self._publish(shard, active, active.generation, active.watermark, rest)
+
+    def needs_merge(self, shard_id: int) -> bool:
+        """True when the merge policy would pick segments in the shard's active version."""
+        active = self.shards.active_version(shard_id)
+        return bool(active and self.pick_for_merge(list(active.manifest["segments"])))

@@ -1,0 +1,187 @@
+"""The searcher: serves kNN queries from the active index versions and follows new ones.
+
+Views are immutable and swapped whole under a lock, so a query runs entirely against the view it started
+with while a new version loads in the background. New versions are announced on a Redis channel; polling
+the catalog is the fallback when a message is missed or Redis is down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import redis
+
+from shoal.artifacts.segment import SegmentCache
+from shoal.catalog.indexes import IndexCatalog, ShardCatalog
+from shoal.catalog.repo import head_of
+from shoal.client import Shoal
+from shoal.errors import ValidationError
+from shoal.ingest.reader import read_log
+from shoal.searcher.consistency import Consistency
+from shoal.searcher.execute import Hit, build_tails, execute, prepare_queries, split_matcher
+from shoal.searcher.views import IndexView, load_shard
+
+log = logging.getLogger(__name__)
+
+VERSIONS_CHANNEL = "shoal:index-versions"
+
+
+def announce_version(redis_url: str, shard_id: int, version_id: int) -> None:
+    """Tell searchers a shard has a new active version (best effort: they also poll)."""
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            client.publish(VERSIONS_CHANNEL, json.dumps({"shard": shard_id, "version": version_id}))
+        finally:
+            client.close()
+    except redis.RedisError as exc:
+        log.warning("could not announce version %s of shard %s: %s", version_id, shard_id, exc)
+
+
+class Searcher:
+    """Serves searches for one tenant. Thread-safe; loads versions lazily and follows new ones."""
+
+    def __init__(self, shoal: Shoal, *, follow: bool = True, poll_interval: float = 1.0) -> None:
+        self.shoal = shoal
+        self.indexes = IndexCatalog(shoal.engine, shoal.catalog.tenant_id, shoal.tenant)
+        self.shards = ShardCatalog(shoal.engine)
+        self.cache = SegmentCache()
+        self.poll_interval = poll_interval
+        self._views: dict[tuple[str, str], IndexView] = {}
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        if follow:
+            self._threads.append(threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True))
+            self._threads.append(threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True))
+            for t in self._threads:
+                t.start()
+
+    # -- serving ---------------------------------------------------------------------------------------
+
+    def search(
+        self,
+        index_name: str,
+        index_version: str,
+        queries: Any,
+        k: int,
+        *,
+        split_filter: Mapping[str, Any] | None = None,
+        retrieve_vectors: bool = False,
+        consistency: Consistency | None = None,
+    ) -> list[list[Hit]]:
+        """The k nearest data points for each query vector, nearest first, at the requested consistency."""
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValidationError(f"k must be a positive integer, got {k!r}")
+        consistency = consistency or Consistency.eventual()
+        view = self.view(index_name, index_version)
+        required = {
+            "eventual": 0,
+            "at_least": consistency.seq,
+            "strong": head_of(self.shoal.engine, view.source.id)[0] if consistency.level == "strong" else 0,
+        }[consistency.level]
+        q = prepare_queries(view.source.spec, queries)
+        matches = split_matcher(view.index.spec, view.source.spec, split_filter)
+        tails = {}
+        if required > view.min_watermark:
+            batches = list(
+                read_log(self.shoal.engine, self.shoal.storage, view.source.id, view.min_watermark, required)
+            )
+            if batches:
+                tails = build_tails(view, pa.Table.from_batches(batches))
+        return execute(view, q, k, matches, tails, retrieve_vectors)
+
+    def view(self, index_name: str, index_version: str) -> IndexView:
+        """The index as currently served, loading it on first use."""
+        key = (index_name, index_version)
+        with self._lock:
+            view = self._views.get(key)
+        if view is None:
+            view = self._load(index_name, index_version)
+        return view
+
+    def served_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
+        """Shard number -> the watermark this searcher serves."""
+        return {s.shard_no: s.watermark for s in self.view(index_name, index_version).shards}
+
+    def refresh(self) -> None:
+        """Load, now, any newer active version of the indexes already served."""
+        with self._lock:
+            keys = list(self._views)
+        for name, version in keys:
+            try:
+                self._load(name, version)
+            except Exception as exc:  # noqa: BLE001 - keep serving the old view; retry on the next poll
+                log.warning("could not refresh index %s/%s: %s", name, version, exc)
+                with self._lock:
+                    if not self._index_exists(name, version):
+                        self._views.pop((name, version), None)
+
+    def _index_exists(self, name: str, version: str) -> bool:
+        try:
+            self.indexes.get_index(name, version)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _load(self, name: str, version: str) -> IndexView:
+        # One loader at a time: two racing loads would do the same I/O twice.
+        with self._load_lock:
+            index = self.indexes.get_index(name, version)
+            source = self.shoal.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
+            with self._lock:
+                old = self._views.get((name, version))
+            shards = []
+            for shard in index.shards:
+                current = next((s for s in old.shards if s.shard_id == shard.id), None) if old else None
+                if current is not None and current.version_id == shard.active_version_id:
+                    shards.append(current)
+                    continue
+                record = self.shards.version(shard.active_version_id) if shard.active_version_id else None
+                shards.append(load_shard(self.shoal.storage, self.cache, index, shard.id, shard.shard_no, record))
+            view = IndexView(index, source, tuple(shards))
+            with self._lock:
+                self._views[(name, version)] = view
+        for s in view.shards:
+            if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards)):
+                self.shards.mark_served(s.shard_id, s.watermark)
+        return view
+
+    # -- following -----------------------------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.refresh()
+
+    def _listen_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client = redis.Redis.from_url(self.shoal.broker_url(), socket_timeout=1.0)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(VERSIONS_CHANNEL)
+                while not self._stop.is_set():
+                    if pubsub.get_message(timeout=1.0):
+                        self._wake.set()
+                pubsub.close()
+                client.close()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("version announcements unavailable (%s); polling only", exc)
+                self._stop.wait(self.poll_interval)
+
+    def close(self) -> None:
+        """Stop following new versions."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=5)

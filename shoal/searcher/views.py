@@ -1,0 +1,67 @@
+"""What a searcher holds in memory: per index, per shard, the loaded segments of one active version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shoal.artifacts.segment import LoadedSegment, SegmentCache, read_deletions
+from shoal.catalog.indexes import IndexRecord, VersionRecord
+from shoal.catalog.repo import SourceRecord
+from shoal.storage import Storage
+
+
+@dataclass(frozen=True)
+class SegmentView:
+    """A loaded segment plus the deletions one version records for it."""
+
+    segment: LoadedSegment
+    deleted: np.ndarray  # bool per row
+    deleted_count: int
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One shard as served: the version's id and watermark, and its segments."""
+
+    shard_id: int
+    shard_no: int
+    version_id: int | None
+    watermark: int
+    segments: tuple[SegmentView, ...]
+
+
+@dataclass(frozen=True)
+class IndexView:
+    """An index as served: definition, data source and one view per shard. Immutable: swapped whole."""
+
+    index: IndexRecord
+    source: SourceRecord
+    shards: tuple[ShardView, ...]
+
+    @property
+    def min_watermark(self) -> int:
+        """The lowest served watermark over the shards."""
+        return min((s.watermark for s in self.shards), default=0)
+
+
+def load_shard(
+    storage: Storage,
+    cache: SegmentCache,
+    index: IndexRecord,
+    shard_id: int,
+    shard_no: int,
+    version: VersionRecord | None,
+) -> ShardView:
+    """Load a shard at `version` (None: empty, watermark 0); checksums of every file are verified."""
+    if version is None:
+        return ShardView(shard_id, shard_no, None, 0, ())
+    views = []
+    for entry in version.manifest["segments"]:
+        segment = cache.load(storage, entry, index.spec)
+        deleted = np.zeros(segment.rows.num_rows, dtype=bool)
+        gone = read_deletions(storage, entry)
+        deleted[gone] = True
+        views.append(SegmentView(segment, deleted, int(len(gone))))
+    return ShardView(shard_id, shard_no, version.id, version.watermark, tuple(views))

@@ -1,0 +1,209 @@
+"""Exactness: a Hypothesis state machine interleaves upserts, tombstones, materializations, merges and
+searches, and compares every search with brute force over the folded log.
+
+`eventual` searches must equal brute force at each shard's served watermark; `strong` and `at_least`
+searches brute force over the log up to the head (or the token). On flat indexes the results must be exact;
+on HNSW, recall@10 against brute force must stay >= 0.95.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
+from shoal.engines.metrics import Metric, exact_top_k
+from shoal.indexing.builder import ShardBuilder
+from shoal.indexing.sharding import shard_numbers
+from shoal.records import IndexSpec
+from shoal.searcher.consistency import Consistency
+
+DIM = 6
+IDS = st.integers(0, 40)
+GROUPS = st.sampled_from(["a", "b", "c"])
+VECTORS = st.lists(st.integers(-8, 8), min_size=DIM, max_size=DIM).map(lambda v: [x / 4 for x in v])
+
+
+def brute_force(
+    shoal: Shoal,
+    spec: IndexSpec,
+    source: DataSourceSpec,
+    watermarks: dict[int, int],
+    query: np.ndarray,
+    k: int,
+    group: str | None,
+) -> tuple[np.ndarray, dict[tuple[int, str], np.ndarray]]:
+    """Top-k distances over the folded log, each shard folded at its own watermark; and key -> vector."""
+    live_ids: list[tuple[int, str]] = []
+    live_vecs: list[np.ndarray] = []
+    for shard_no, watermark in watermarks.items():
+        table = shoal.fold(source.name, source.version, watermark)
+        if table.num_rows == 0:
+            continue
+        mine = shard_numbers(table, spec.shard_attributes, spec.shard_count) == shard_no
+        for row, keep in zip(table.to_pylist(), mine, strict=True):
+            if keep and (group is None or row["group"] == group):
+                live_ids.append((row["id"], row["group"]))
+                live_vecs.append(np.asarray(row["__vector"], dtype=np.float32))
+    vectors = np.stack(live_vecs) if live_vecs else np.zeros((0, DIM), np.float32)
+    dist, labels = exact_top_k(Metric(spec.metric), query[None, :], vectors, k)
+    found = dist[0][labels[0] >= 0]
+    return found, {i: v for i, v in zip(live_ids, live_vecs, strict=True)}
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """One data source with one index (2 shards, split by `group`) per example."""
+
+    shoal: Shoal
+    algorithm = "flat"
+    metric = "euclidean"
+    params: dict[str, Any] = {}  # noqa: RUF012
+    recall_sink: list[float] = []  # noqa: RUF012 - each test gives its subclass a fresh list
+
+    @initialize()
+    def setup(self) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.source = DataSourceSpec(
+            f"src-{tag}", "1", DIM, {"id": "int64", "group": "string", "text": "string"}, ["id", "group"]
+        )
+        self.shoal.create_data_source(self.source)
+        self.index = self.shoal.create_index(
+            IndexSpec(
+                f"idx-{tag}",
+                "1",
+                self.source.name,
+                "1",
+                algorithm=self.algorithm,
+                metric=self.metric,
+                params=self.params,
+                id_attributes=["id"],
+                split_attributes=["group"],
+                shard_count=2,
+            )
+        )
+        self.producer = self.shoal.producer(self.source.name, "1")
+        self.builder = ShardBuilder(self.shoal.engine, self.shoal.storage)
+        self.searcher = self.shoal.searcher(follow=False)
+        self.last_token = 0
+
+    def teardown(self) -> None:
+        if hasattr(self, "searcher"):
+            self.searcher.close()
+
+    @rule(points=st.lists(st.tuples(IDS, GROUPS, VECTORS), min_size=1, max_size=8))
+    def upsert(self, points: list[tuple[int, str, list[float]]]) -> None:
+        token = self.producer.upload([DataPoint({"id": i, "group": g, "text": f"{i}{g}"}, v) for i, g, v in points])
+        self.last_token = token.seq
+
+    @rule(keys=st.lists(st.tuples(IDS, GROUPS), min_size=1, max_size=4))
+    def delete(self, keys: list[tuple[int, str]]) -> None:
+        self.last_token = self.producer.upload([Tombstone({"id": i, "group": g}) for i, g in keys]).seq
+
+    @rule(shard=st.sampled_from([0, 1]))
+    def materialize(self, shard: int) -> None:
+        self.builder.materialize(self.index.shards[shard].id)
+        self.searcher.refresh()
+
+    @rule(shard=st.sampled_from([0, 1]), force=st.booleans())
+    def merge(self, shard: int, force: bool) -> None:
+        self.builder.merge(self.index.shards[shard].id, force=force)
+        self.searcher.refresh()
+
+    def _check(
+        self,
+        consistency: Consistency,
+        watermarks: Callable[[], dict[int, int]],
+        query: list[float],
+        k: int,
+        group: str | None,
+    ) -> None:
+        q = np.asarray(query, dtype=np.float32)
+        hits = self.searcher.search(
+            self.index.spec.name,
+            "1",
+            [q],
+            k,
+            split_filter={"group": group} if group else None,
+            consistency=consistency,
+            retrieve_vectors=True,
+        )[0]
+        expected, live = brute_force(self.shoal, self.index.spec, self.source, watermarks(), q, k, group)
+        got = np.array([h.distance for h in hits])
+        # Every hit is a live point of the right split, at its true distance.
+        for h in hits:
+            key = (h.attributes["id"], h.attributes["group"])
+            assert key in live
+            assert group is None or key[1] == group
+            np.testing.assert_array_equal(h.vector, live[key])
+        if self.algorithm == "flat":
+            assert len(hits) == len(expected)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert len(hits) == len(expected)
+            if len(expected):
+                kth = expected[-1]
+                self.recall_sink.append(float(np.sum(got <= kth + 1e-5)) / len(expected))
+
+    @rule(query=VECTORS, k=st.integers(1, 10), group=st.none() | GROUPS)
+    def search_eventual(self, query: list[float], k: int, group: str | None) -> None:
+        served = self.searcher.served_watermarks(self.index.spec.name, "1")
+        self._check(Consistency.eventual(), lambda: served, query, k, group)
+
+    @rule(query=VECTORS, k=st.integers(1, 10), group=st.none() | GROUPS)
+    def search_strong(self, query: list[float], k: int, group: str | None) -> None:
+        head = self.shoal.get_data_source(self.source.name, "1").head_seq
+        self._check(Consistency.strong(), lambda: {0: head, 1: head}, query, k, group)
+
+    @rule(query=VECTORS, k=st.integers(1, 10))
+    def search_at_least(self, query: list[float], k: int) -> None:
+        token = self.last_token
+        served = self.searcher.served_watermarks(self.index.spec.name, "1")
+        marks = {s: max(w, token) for s, w in served.items()}
+        self._check(Consistency.at_least(token), lambda: marks, query, k, None)
+
+    @invariant()
+    def served_never_ahead_of_head(self) -> None:
+        if hasattr(self, "searcher"):
+            head = self.shoal.get_data_source(self.source.name, "1").head_seq
+            assert all(w <= head for w in self.searcher.served_watermarks(self.index.spec.name, "1").values())
+
+
+@pytest.fixture
+def quiet_shoal(make_settings):  # type: ignore[no-untyped-def]
+    """A Shoal that queues no Celery work: this test drives materialize and merge itself."""
+    client = Shoal(make_settings("local"), notify=False)
+    yield client
+    client.close()
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=12, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "cosine", "dot_product"])
+def test_flat_searches_equal_brute_force(quiet_shoal: Shoal, metric: str) -> None:
+    machine = type("FlatMachine", (IndexMachine,), {"shoal": quiet_shoal, "metric": metric})
+    run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
+
+
+def test_hnsw_recall_against_brute_force(quiet_shoal: Shoal) -> None:
+    recalls: list[float] = []
+
+    class HnswMachine(IndexMachine):
+        shoal = quiet_shoal
+        algorithm = "hnsw"
+        metric = "cosine"
+        params = {"M": 16, "ef_construction": 100, "ef_search": 32}  # noqa: RUF012
+        recall_sink = recalls
+
+    run_state_machine_as_test(HnswMachine, settings=MACHINE_SETTINGS)
+    assert recalls, "no HNSW search was compared"
+    assert float(np.mean(recalls)) >= 0.95, f"recall@10 {np.mean(recalls):.3f} over {len(recalls)} searches"
