@@ -7,6 +7,7 @@ from typing import Any
 
 from shoal.engines import get_engine
 from shoal.engines.metrics import Metric
+from shoal.engines.vektonn import VEKTONN_TYPES, from_vektonn
 from shoal.errors import Problem, ValidationError
 from shoal.records import MAX_SHARDS, DataSourceSpec, IndexSpec
 
@@ -19,6 +20,10 @@ def resolve_index(spec: IndexSpec, source: DataSourceSpec) -> IndexSpec:
     source and a dense one a dense source; the metric must be one the algorithm supports; parameters
     must be the algorithm's (HNSW: all or none).
     """
+    if spec.algorithm in VEKTONN_TYPES:
+        # Vektonn's names carry the metric (and HNSW-ness) in the type: translate, then check as usual.
+        algorithm, metric, params = from_vektonn(spec.algorithm, spec.params)
+        spec = replace(spec, algorithm=algorithm, metric=metric.value, params=params)
     problems: list[Problem] = []
     permanent = set(source.permanent_attributes)
     id_attrs = spec.id_attributes or tuple(a for a in source.permanent_attributes if a not in spec.split_attributes)
