@@ -187,7 +187,7 @@ def test_freshness_status_and_drop(shoal: Shoal) -> None:
     assert sum(s.segments for s in status) == 3  # 30 keys hashed over 3 shards: every shard got some
     searcher.close()
 
-    folder = "tenants/{}/indexes/Docs.Index".format(shoal.tenant)
+    folder = f"tenants/{shoal.tenant}/indexes/Docs.Index"
     assert shoal.storage.list_files(folder)
     assert shoal.drop_index("Docs.Index", "1") > 0
     assert shoal.storage.list_files(folder) == []
