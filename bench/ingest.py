@@ -51,7 +51,8 @@ from shoal.client import Producer, Shoal
 from shoal.config.settings import Settings
 from shoal.records import DataPoint, DataSourceSpec
 
-DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", "/work/shared/data/debian-packages"))
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
+DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
 ATTRIBUTES = {"id": "int64", "package": "string", "installed_size_kb": "int64"}
 POOL_1536 = 20_000  # distinct 1536-d vectors built from the 384-d ones (batches cycle through them)
 # Default total points per case: sized so the whole default bench takes about two minutes on 2 cores.

@@ -20,6 +20,8 @@ from shoal.config.embedded import ensure_postgres, stop_embedded
 from shoal.config.settings import Settings
 
 HERE = Path(__file__).resolve().parent
+# The real embedding data set lives in ../shared beside the repository (CI lays it out the same way).
+SHARED_DATA = Path(os.environ.get("SHOAL_SHARED_DATA", HERE.parent.parent / "shared" / "data" / "debian-packages"))
 S3_BUCKET = "shoal-test"
 
 

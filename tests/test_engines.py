@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import threading
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,7 @@ from shoal.engines import (
 from shoal.engines.metrics import top_k_of
 from shoal.errors import ValidationError
 
-DATA = Path("/work/shared/data/debian-packages")
+DATA = SHARED_DATA
 DENSE = ("flat", "hnsw", "ivf")
 ALL = tuple((alg, m) for alg in sorted(ENGINES) for m in sorted(ENGINES[alg].supported_metrics))
 ALL_DENSE = tuple((alg, m) for alg, m in ALL if not ENGINES[alg].sparse)
@@ -42,8 +42,7 @@ HNSW_ROWS = IVF_ROWS = 10_000  # of the real data; flat uses 20,000 (HNSW/IVF bu
 
 @cache
 def real() -> tuple[np.ndarray, np.ndarray]:
-    if not (DATA / "base_f16.npy").exists():
-        pytest.skip("real data set not present")
+    assert (DATA / "base_f16.npy").exists(), f"real data missing at {DATA} (../shared, or set SHOAL_SHARED_DATA)"
     base = np.load(DATA / "base_f16.npy", mmap_mode="r")[:20_000].astype(np.float32)
     queries = np.load(DATA / "queries_f16.npy")[:200].astype(np.float32)
     return base, queries
