@@ -294,8 +294,8 @@ def test_param_values_are_checked_and_defaults_filled() -> None:
     assert hnsw.normalize_params({}) == {"M": 16, "ef_construction": 200, "ef_search": 64}
     given_params = {"M": 8, "ef_construction": 50, "ef_search": 20}
     assert hnsw.normalize_params(given_params) == given_params
-    assert ivf.normalize_params(None) == {"nlist": None, "nprobe": 8}
-    assert ivf.normalize_params(ivf.normalize_params({"nlist": 7})) == {"nlist": 7, "nprobe": 8}  # idempotent
+    assert ivf.normalize_params(None) == {"nlist": None, "nprobe": 32}
+    assert ivf.normalize_params(ivf.normalize_params({"nlist": 7})) == {"nlist": 7, "nprobe": 32}  # idempotent
     for bad, rule in (
         ({"M": 1, "ef_construction": 50, "ef_search": 20}, "parameter 'M' must be an integer in 2..512"),
         ({"M": "16", "ef_construction": 50, "ef_search": 20}, "parameter 'M' must be an integer"),
