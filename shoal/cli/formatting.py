@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import typer
 
+from shoal.catalog.indexes import IndexRecord
 from shoal.catalog.repo import SourceRecord
+from shoal.client import ShardStatus
 from shoal.records import DataSourceSpec
 
 
@@ -60,3 +64,49 @@ def record_json(record: SourceRecord) -> dict[str, Any]:
 def echo_json(value: Any) -> None:
     """Print `value` as indented JSON on stdout (plain, no markup), for scripts."""
     typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def params_text(params: Mapping[str, Any]) -> str:
+    """Engine parameters as k=v, comma-separated, or "-" when there are none."""
+    return ", ".join(f"{k}={v}" for k, v in params.items()) if params else "-"
+
+
+def names_text(names: Sequence[str] | None) -> str:
+    """Attribute names comma-separated, or "-" when there are none."""
+    return ", ".join(names) if names else "-"
+
+
+def index_json(record: IndexRecord) -> dict[str, Any]:
+    """An index's definition, tenant, generation and shards as a JSON-ready dict."""
+    spec = record.spec
+    return {
+        "tenant": record.tenant,
+        "name": spec.name,
+        "version": spec.version,
+        "source_name": spec.source_name,
+        "source_version": spec.source_version,
+        "algorithm": spec.algorithm,
+        "metric": spec.metric,
+        "params": dict(spec.params),
+        "id_attributes": list(spec.id_attributes),
+        "split_attributes": list(spec.split_attributes),
+        "shard_attributes": list(spec.shard_attributes),
+        "payload_attributes": list(spec.payload_attributes or ()),
+        "shard_count": spec.shard_count,
+        "generation": record.generation,
+        "shards": [
+            {
+                "shard": s.shard_no,
+                "active_version_id": s.active_version_id,
+                "built_watermark": s.built_watermark,
+                "served_watermark": s.served_watermark,
+                "served_at": s.served_at.isoformat() if s.served_at else None,
+            }
+            for s in record.shards
+        ],
+    }
+
+
+def status_json(status: ShardStatus) -> dict[str, Any]:
+    """One shard's freshness as a JSON-ready dict."""
+    return dataclasses.asdict(status)

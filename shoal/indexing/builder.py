@@ -113,6 +113,13 @@ class ShardBuilder:
             self.on_publish(shard.id, version_id)
         return BuildResult(shard.id, version_id, watermark, True, len(segments))
 
+    def _new_segment(
+        self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int, rows: pa.Table
+    ) -> dict[str, Any]:
+        folder = shard_dir(index, shard, generation)
+        spec = source.spec
+        return build_segment(self.storage, folder, index.spec, spec.vectors_are_sparse, spec.vector_dimension, rows)
+
     # -- materialize --------------------------------------------------------------------------------
 
     def materialize(self, shard_id: int) -> BuildResult:
@@ -135,17 +142,7 @@ class ShardBuilder:
             segments = [self._delete_keys(index, entry, touched) for entry in segments]
             upserts = fold(entries.to_batches())
             if upserts.num_rows:
-                folder = shard_dir(index, shard, generation)
-                segments.append(
-                    build_segment(
-                        self.storage,
-                        folder,
-                        index.spec,
-                        source.spec.vectors_are_sparse,
-                        source.spec.vector_dimension,
-                        upserts,
-                    )
-                )
+                segments.append(self._new_segment(index, shard, source, generation, upserts))
         # A range with nothing for this shard still moves the watermark: the version is exact at `head`.
         return self._publish(shard, active, generation, head, segments)
 
@@ -218,17 +215,7 @@ class ShardBuilder:
         rows = pa.concat_tables(live)
         rest = [s for i, s in enumerate(segments) if i not in set(chosen)]
         if rows.num_rows:
-            folder = shard_dir(index, shard, active.generation)
-            rest.append(
-                build_segment(
-                    self.storage,
-                    folder,
-                    index.spec,
-                    source.spec.vectors_are_sparse,
-                    source.spec.vector_dimension,
-                    rows,
-                )
-            )
+            rest.append(self._new_segment(index, shard, source, active.generation, rows))
         return self._publish(shard, active, active.generation, active.watermark, rest)
 
     def needs_merge(self, shard_id: int) -> bool:
