@@ -14,7 +14,7 @@ import io
 import threading
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -161,6 +161,14 @@ class LoadedSegment:
     keys: np.ndarray  # object array of encoded keys, row order
     seqs: np.ndarray
     splits: tuple[LoadedSplit, ...]
+    _columns: dict[str, list[Any]] = field(default_factory=dict, compare=False, repr=False)
+
+    def column(self, name: str) -> list[Any]:
+        """A column of the rows as Python values, converted once: results pick values by row number."""
+        values = self._columns.get(name)
+        if values is None:
+            values = self._columns[name] = self.rows[name].to_pylist()
+        return values
 
 
 class SegmentCache:

@@ -118,13 +118,19 @@ class Engine(ABC):
             raise ValidationError(f"k must be a non-negative integer (got {k!r})")
         k = int(k)
         q = _sparse("queries", queries, self.dim) if self.sparse else _dense("queries", queries, self.dim)
+        k_eff = min(k, len(self))
+        if not (len(q) and k_eff):
+            return (np.full((len(q), k), worst_distance(self.metric), dtype=np.float32),
+                    np.full((len(q), k), -1, dtype=np.int64))
+        d, lab = self._search(q, k_eff, max(1, int(threads)))
+        missing = lab < 0
+        if k_eff == k:
+            # The common case: no padding to add, and no copies (this path runs once per query).
+            return (np.where(missing, worst_distance(self.metric), d).astype(np.float32) if missing.any() else d), lab
         distances = np.full((len(q), k), worst_distance(self.metric), dtype=np.float32)
         labels = np.full((len(q), k), -1, dtype=np.int64)
-        k_eff = min(k, len(self))
-        if len(q) and k_eff:
-            d, lab = self._search(q, k_eff, max(1, int(threads)))
-            distances[:, :k_eff] = np.where(lab >= 0, d, worst_distance(self.metric))
-            labels[:, :k_eff] = lab
+        distances[:, :k_eff] = np.where(missing, worst_distance(self.metric), d)
+        labels[:, :k_eff] = lab
         return distances, labels
 
     def __len__(self) -> int:

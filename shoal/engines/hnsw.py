@@ -92,8 +92,10 @@ class HnswEngine(Engine):
             d = 1.0 - d
         elif self.metric is Metric.EUCLIDEAN:
             d = np.sqrt(np.maximum(d, 0.0))
-        # Re-sort so equal distances come in label order, like every other engine.
-        d, labels = top_k_of(self.metric, d, labels, k)
+        # Re-sort so equal distances come in label order, like every other engine (hnswlib's own order is
+        # already by distance, so only rows with ties need it: skipping it is most of a query's overhead).
+        if d.shape[1] > 1 and (np.diff(d, axis=1) == 0).any():
+            d, labels = top_k_of(self.metric, d, labels, k)
         return d.astype(np.float32), labels
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -131,6 +131,7 @@ class _Block:
     distances: np.ndarray  # [q, m]
     rows: np.ndarray  # [q, m], -1 for none
     table: pa.Table
+    column: Callable[[str], list[Any]]  # Python values of a column of `table`, by row
 
 
 def _vector_value(table: pa.Table, row: int, sparse: bool) -> list[float] | SparseVector:
@@ -182,7 +183,7 @@ def execute(
                 if masked:
                     valid &= ~_masked(rows, seg.keys, masked)
                 rows = np.where(valid, rows, -1)
-                blocks.append(_Block(dist.astype(np.float64), rows, seg.rows))
+                blocks.append(_Block(dist.astype(np.float64), rows, seg.rows, seg.column))
     for tail in tails.values():
         table = tail.upserts
         if not table.num_rows:
@@ -201,33 +202,46 @@ def execute(
             continue
         dist = exact_distances(metric, queries, vectors_of(table, source.vectors_are_sparse, source.vector_dimension))
         rows = np.broadcast_to(np.arange(table.num_rows), dist.shape)
-        blocks.append(_Block(np.asarray(dist, dtype=np.float64), np.ascontiguousarray(rows), table))
+        blocks.append(
+            _Block(np.asarray(dist, dtype=np.float64), np.ascontiguousarray(rows), table, _pylists(table))
+        )
 
-    stored = spec.stored_attributes()
+    return _merge(blocks, nq, k, higher, spec.stored_attributes(), retrieve_vectors, source.vectors_are_sparse)
+
+
+def _pylists(table: pa.Table) -> Callable[[str], list[Any]]:
+    cache: dict[str, list[Any]] = {}
+
+    def column(name: str) -> list[Any]:
+        if name not in cache:
+            cache[name] = table[name].to_pylist()
+        return cache[name]
+
+    return column
+
+
+def _merge(
+    blocks: list[_Block], nq: int, k: int, higher: bool, stored: Sequence[str], retrieve_vectors: bool, sparse: bool
+) -> list[list[Hit]]:
+    """k-way merge of every block's candidates, per query, by the metric's direction (ties: first block)."""
+    if not blocks:
+        return [[] for _ in range(nq)]
+    dist = np.concatenate([b.distances for b in blocks], axis=1)
+    rows = np.concatenate([b.rows for b in blocks], axis=1)
+    owner = np.concatenate([np.full(b.rows.shape[1], i) for i, b in enumerate(blocks)])
+    key = np.where(rows >= 0, -dist if higher else dist, np.inf)
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]
     results: list[list[Hit]] = []
     for qi in range(nq):
-        cands_d: list[np.ndarray] = []
-        cands_b: list[np.ndarray] = []
-        cands_r: list[np.ndarray] = []
-        for bi, b in enumerate(blocks):
-            ok = b.rows[qi] >= 0
-            cands_d.append(b.distances[qi][ok])
-            cands_r.append(b.rows[qi][ok])
-            cands_b.append(np.full(int(ok.sum()), bi))
-        if not cands_d:
-            results.append([])
-            continue
-        d = np.concatenate(cands_d)
-        bidx = np.concatenate(cands_b)
-        ridx = np.concatenate(cands_r)
-        order = np.argsort(-d if higher else d, kind="stable")[:k]
         hits = []
-        for o in order:
-            b = blocks[int(bidx[o])]
-            row = int(ridx[o])
-            attrs = {a: b.table[a][row].as_py() for a in stored}
-            vec = _vector_value(b.table, row, source.vectors_are_sparse) if retrieve_vectors else None
-            hits.append(Hit(attrs, float(d[o]), vec))
+        for col in order[qi]:
+            row = int(rows[qi, col])
+            if row < 0:
+                break
+            b = blocks[int(owner[col])]
+            attrs = {a: b.column(a)[row] for a in stored}
+            vec = _vector_value(b.table, row, sparse) if retrieve_vectors else None
+            hits.append(Hit(attrs, float(dist[qi, col]), vec))
         results.append(hits)
     return results
 
