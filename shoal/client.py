@@ -168,7 +168,10 @@ class Shoal:
         return len(paths)
 
     def index_status(self, name: str, version: str) -> list[ShardStatus]:
-        """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds."""
+        """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds.
+
+        The served watermark is what a searcher last loaded (searchers report it when they swap a version in).
+        """
         index = self.get_index(name, version)
         head, _ = head_of(self.engine, index.source_id)
         out = []
@@ -188,6 +191,7 @@ class Shoal:
                     built_watermark=shard.built_watermark,
                     served_watermark=shard.served_watermark,
                     lag_seqs=head - shard.served_watermark,
+                    built_lag_seqs=head - shard.built_watermark,
                     lag_seconds=lag_seconds,
                     segments=len(active.manifest["segments"]) if active else 0,
                     version_id=shard.active_version_id,
@@ -243,8 +247,9 @@ class ShardStatus:
     head: int
     built_watermark: int
     served_watermark: int
-    lag_seqs: int
-    lag_seconds: float
+    lag_seqs: int  # head minus the served watermark: what searchers do not show yet
+    lag_seconds: float  # how long the oldest entry searchers do not show has been committed
+    built_lag_seqs: int  # head minus the built watermark: what the workers have not indexed yet
     segments: int
     version_id: int | None
 

@@ -48,6 +48,12 @@ class InvalidNameError(ValidationError):
     prefix = "invalid name"
 
 
+class IndexDefinitionError(ValidationError):
+    """An index definition breaks Vektonn's rules or asks for what its algorithm lacks; nothing was created."""
+
+    prefix = "invalid index definition"
+
+
 class BatchTooLargeError(ValidationError):
     """A batch holds more points than the configured maximum."""
 

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from shoal import Shoal
@@ -37,6 +38,18 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield ensure_postgres(data_dir)
     finally:
         stop_embedded(data_dir)
+
+
+@pytest.fixture
+def fresh_db(pg_url: str) -> Iterator[str]:
+    """A new, empty database on the test server, dropped afterwards."""
+    name = "m" + uuid.uuid4().hex[:10]
+    admin = pg_url.replace("postgresql+psycopg://", "postgresql://").replace("/shoal?", "/postgres?")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg_url.replace("/shoal?", f"/{name}?")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")

@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 
-import psycopg
 import pytest
 from alembic import command
 from sqlalchemy import create_engine, inspect
 
 from shoal.catalog.db import alembic_config, migrate
-
-
-@pytest.fixture
-def fresh_db(pg_url: str):  # type: ignore[no-untyped-def]
-    """A new, empty database on the test server, dropped afterwards."""
-    name = "m" + uuid.uuid4().hex[:10]
-    admin = pg_url.replace("postgresql+psycopg://", "postgresql://").replace("/shoal?", "/postgres?")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield pg_url.replace("/shoal?", f"/{name}?")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 def test_alembic_check_finds_no_drift(fresh_db: str) -> None:

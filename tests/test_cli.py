@@ -1,4 +1,6 @@
-"""The `shoal` command line against a real Postgres: data sources, import, log, servers, settings, demo.
+"""The `shoal` command line against a real Postgres: data sources, import, log, servers, settings.
+
+Indexes, search, status, the worker and the demo are in test_cli_index.py.
 
 The module runs on its own data directory (embedded Postgres and Valkey, stopped at the end) unless the
 session names a catalog with SHOAL_DATABASE_URL (or SHOAL_TEST_DATABASE_URL); every test works in its own
@@ -9,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +25,7 @@ from shoal import Shoal
 from shoal.cli import app
 from shoal.config.embedded import stop_embedded
 from shoal.config.settings import mask_url
-from shoal.demo import DEMO_SPEC, load_demo
+from shoal.demo import load_demo
 
 runner = CliRunner()
 DIM = 384
@@ -240,7 +240,7 @@ def test_import_rejects_bad_rows_naming_the_file_row(tenant: str, sample: tuple)
     assert head("bad") == 20
 
 
-# -- log, servers, settings, demo ---------------------------------------------------------------------------
+# -- log, servers, settings ---------------------------------------------------------------------------------
 
 
 def test_log_shows_head_segments_and_state(tenant: str, sample: tuple) -> None:
@@ -258,22 +258,6 @@ def test_log_shows_head_segments_and_state(tenant: str, sample: tuple) -> None:
     assert "libhypre64-dev" not in text  # id 0 is deleted; the state starts at id 2
     plain = shoal_cli("log", "lg", "1").stdout
     assert "head seq" in plain and "live points" not in plain and ".parquet" not in plain
-
-
-def test_demo_runs_and_reruns_write_nothing(tenant: str) -> None:
-    shoal_bin = Path(sys.executable).parent / "shoal"
-    command = [str(shoal_bin)] if shoal_bin.exists() else [sys.executable, "-m", "shoal.cli"]
-    # An explicit environment: the test process may have a COLUMNS set outside os.environ (curses' putenv).
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    first = subprocess.run([*command, "demo"], capture_output=True, text=True, timeout=120, check=False, env=env)
-    assert first.returncode == 0, first.stderr
-    assert "head seq" in first.stdout and "2,005" in first.stdout
-    assert "2,000 new" in first.stdout and "deleted ids 0, 400, 800, 1200, 1600" in first.stdout
-    assert "live points" in first.stdout and "1,995" in first.stdout
-    second = subprocess.run([*command, "demo"], capture_output=True, text=True, timeout=120, check=False, env=env)
-    assert second.returncode == 0, second.stderr
-    assert "(0 new)" in second.stdout and "already deleted" in second.stdout
-    assert head(DEMO_SPEC.name, DEMO_SPEC.version) == 2005
 
 
 def test_server_status_and_settings(cli_env: Path, tenant: str) -> None:

@@ -1,4 +1,5 @@
-"""The `shoal` command line: data sources, bulk import, the log, the embedded servers, settings, the demo.
+"""The `shoal` command line: data sources, bulk import, the log, indexes, search, freshness, the worker, the
+embedded servers, settings, the demo.
 
 Every command reads its settings from SHOAL_* environment variables (and SHOAL_CONFIG or ./shoal.toml);
 `--tenant` overrides the tenant. Errors Shoal raises on purpose are printed as one red line on stderr with
@@ -17,17 +18,25 @@ import typer
 from shoal.cli.common import fit_consoles, typer_app
 from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
+from shoal.cli.indexes import index_app
 from shoal.cli.logview import log
+from shoal.cli.search import search
 from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
+from shoal.cli.status import status
+from shoal.cli.worker import worker
 
 __all__ = ["app"]
 
 app = typer_app("Shoal: an event-driven ingestion pipeline for vector data.")
 app.add_typer(source_app, name="source")
+app.add_typer(index_app, name="index")
 app.add_typer(server_app, name="server")
 app.command("import")(import_file)
 app.command("log")(log)
+app.command("search")(search)
+app.command("status")(status)
+app.command("worker")(worker)
 app.command("settings")(settings_command)
 app.command("demo")(demo)
 

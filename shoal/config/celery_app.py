@@ -44,6 +44,8 @@ def _configure(sender: Celery, **_: Any) -> None:
             },
         },
         worker_hijack_root_logger=False,
+        # Beat's schedule state belongs with the rest of Shoal's files, not in whatever directory it ran from.
+        beat_schedule_filename=str(settings.data_dir / "celerybeat-schedule"),
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from shoal.engines import get_engine
 from shoal.engines.metrics import Metric
 from shoal.engines.vektonn import VEKTONN_TYPES, from_vektonn
-from shoal.errors import Problem, ValidationError
+from shoal.errors import IndexDefinitionError, Problem, ValidationError
 from shoal.records import MAX_SHARDS, DataSourceSpec, IndexSpec
 
 
@@ -22,7 +22,10 @@ def resolve_index(spec: IndexSpec, source: DataSourceSpec) -> IndexSpec:
     """
     if spec.algorithm in VEKTONN_TYPES:
         # Vektonn's names carry the metric (and HNSW-ness) in the type: translate, then check as usual.
-        algorithm, metric, params = from_vektonn(spec.algorithm, spec.params)
+        try:
+            algorithm, metric, params = from_vektonn(spec.algorithm, spec.params)
+        except ValidationError as exc:
+            raise IndexDefinitionError(exc.problems) from None
         spec = replace(spec, algorithm=algorithm, metric=metric.value, params=params)
     problems: list[Problem] = []
     permanent = set(source.permanent_attributes)
@@ -68,7 +71,7 @@ def resolve_index(spec: IndexSpec, source: DataSourceSpec) -> IndexSpec:
     except ValidationError as exc:
         problems.extend(exc.problems)
     if problems:
-        raise ValidationError(problems)
+        raise IndexDefinitionError(problems)
     shard_attrs = spec.shard_attributes or id_attrs
     return replace(
         spec,

@@ -1,0 +1,233 @@
+"""`shoal search`: k nearest data points of an index for one or more query vectors, at a chosen consistency."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from shoal.cli.common import AsJson, Tenant, open_shoal, out, split_pairs
+from shoal.cli.formatting import cell, count, echo_json
+from shoal.cli.indexes import IndexName, IndexVersion
+from shoal.engines.metrics import Metric, higher_is_nearer
+from shoal.errors import Problem, ValidationError
+from shoal.records import AttributeType, DataSourceSpec, SparseVector
+from shoal.searcher.consistency import Consistency
+from shoal.searcher.execute import Hit
+
+SHOWN_COORDINATES = 4  # of a vector in a table cell
+
+
+def parse_consistency(text: str) -> Consistency:
+    """eventual, strong or at_least:SEQ (SEQ may be a whole write token, NAME/VERSION@SEQ, as imports print)."""
+    text = text.strip()
+    if text.startswith("at_least:") and "@" in text:
+        text = "at_least:" + text.rsplit("@", 1)[1]
+    try:
+        return Consistency.parse(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--consistency") from None
+
+
+def parse_dense(text: str) -> list[float]:
+    """A dense query vector written as numbers separated by commas or blanks."""
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [float(p) for p in parts]
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text[:40]!r} is not a list of numbers like 0.1,0.2,0.3", param_hint="--query"
+        ) from None
+
+
+def parse_sparse(text: str) -> SparseVector:
+    """A sparse query vector written as INDEX:VALUE pairs separated by commas or blanks."""
+    indices, values = [], []
+    for item in text.replace(",", " ").split():
+        left, found, right = item.partition(":")
+        try:
+            if not found:
+                raise ValueError
+            indices.append(int(left))
+            values.append(float(right))
+        except ValueError:
+            raise typer.BadParameter(
+                f"{item!r} is not INDEX:VALUE (the index holds sparse vectors; write e.g. 3:0.5,17:0.25)",
+                param_hint="--query",
+            ) from None
+    return SparseVector(indices, values)
+
+
+def load_query_file(path: Path, sparse: bool) -> list[Any]:
+    """Query vectors from a .npy file: one vector [d] or one per row [n, d] (sparse: the non-zeros of each row)."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(f"cannot read {path.name} as .npy: {exc}", param_hint="--query-file") from None
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.number):
+        raise typer.BadParameter(
+            f"{path.name} must hold numbers shaped [d] or [n, d], not {array.dtype} {list(array.shape)}",
+            param_hint="--query-file",
+        )
+    rows = np.asarray(array, dtype=np.float32)
+    if sparse:
+        return [SparseVector(np.flatnonzero(r).tolist(), r[np.flatnonzero(r)].tolist()) for r in rows]
+    return list(rows)
+
+
+def split_value(kind: AttributeType, name: str, text: str) -> Any:
+    """A split filter value written on the command line, as the attribute's type wants it."""
+    try:
+        if kind is AttributeType.INT64:
+            return int(text)
+        if kind is AttributeType.FLOAT64:
+            return float(text)
+        if kind is AttributeType.BOOL:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if kind is AttributeType.DATETIME:
+            return dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValidationError(Problem(f"{text!r} is not a {kind.value} value", attribute=name)) from None
+    return text  # string and guid (checked by the searcher)
+
+
+def parse_split_filter(values: list[str] | None, source: DataSourceSpec) -> dict[str, Any]:
+    """--split NAME=VALUE items as a split filter with typed values."""
+    wanted: dict[str, Any] = {}
+    for name, text in split_pairs(values, "=", "NAME=VALUE", "--split"):
+        kind = source.attribute_types.get(name)
+        wanted[name] = split_value(kind, name, text) if kind is not None else text
+    return wanted
+
+
+def _vector_text(vector: Any) -> str:
+    if vector is None:
+        return "-"
+    if isinstance(vector, SparseVector):
+        pairs = [f"{i}:{v:.3g}" for i, v in zip(vector.indices[:SHOWN_COORDINATES], vector.values, strict=False)]
+        more = ", …" if len(vector.indices) > SHOWN_COORDINATES else ""
+        return f"{{{', '.join(pairs)}{more}}} ({len(vector.indices)} non-zero)"
+    values = list(vector)
+    shown = ", ".join(f"{v:.3g}" for v in values[:SHOWN_COORDINATES])
+    more = ", …" if len(values) > SHOWN_COORDINATES else ""
+    return f"[{shown}{more}] ({len(values)}-d)"
+
+
+def _vector_json(vector: Any) -> Any:
+    if isinstance(vector, SparseVector):
+        return {"indices": list(vector.indices), "values": list(vector.values)}
+    return None if vector is None else [float(v) for v in vector]
+
+
+def hits_table(hits: list[Hit], attributes: tuple[str, ...], title: str, *, vectors: bool = False) -> Table:
+    """One row per hit, nearest first: rank, distance, the attributes, and on request the vector."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("rank", justify="right")
+    table.add_column("distance", justify="right")
+    for a in attributes:
+        table.add_column(a, overflow="fold")
+    if vectors:
+        table.add_column("vector", overflow="fold")
+    for rank, hit in enumerate(hits, 1):
+        row = [str(rank), f"{hit.distance:.4f}", *(cell(hit.attributes.get(a)) for a in attributes)]
+        if vectors:
+            row.append(_vector_text(hit.vector))
+        table.add_row(*row)
+    return table
+
+
+def search(
+    index: IndexName,
+    version: IndexVersion,
+    query: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--query",
+            "-q",
+            help='A query vector: "0.1,0.2,..." (sparse indexes: "INDEX:VALUE,..."); repeat for more queries.',
+        ),
+    ] = None,
+    query_file: Annotated[
+        Path | None,
+        typer.Option("--query-file", help="A .npy file of query vectors, [d] or [n, d].", exists=True,
+                     dir_okay=False, readable=True),
+    ] = None,
+    k: Annotated[int, typer.Option("-k", "--k", min=1, help="How many nearest data points per query.")] = 10,
+    split: Annotated[
+        list[str] | None,
+        typer.Option("--split", help="Search only splits with NAME=VALUE (a split attribute); repeat for more."),
+    ] = None,
+    consistency: Annotated[
+        str,
+        typer.Option(
+            "--consistency",
+            help="eventual (what the index serves now), strong (every committed write) or at_least:SEQ "
+            "(every write up to a write token's seq; the whole token NAME/VERSION@SEQ works too).",
+        ),
+    ] = "eventual",
+    vectors: Annotated[bool, typer.Option("--vectors", help="Also return each hit's vector.")] = False,
+    as_json: AsJson = False,
+    tenant: Tenant = None,
+) -> None:
+    """Search an index: the k nearest data points per query vector, nearest first.
+
+    Stronger consistency than eventual adds an exact scan of the log entries the served index version does
+    not reflect yet, so a write is found the moment its token is acknowledged.
+    """
+    level = parse_consistency(consistency)
+    if not query and query_file is None:
+        raise typer.BadParameter("give at least one --query or a --query-file", param_hint="--query")
+    with open_shoal(tenant) as shoal:
+        searcher = shoal.searcher(follow=False)
+        try:
+            view = searcher.view(index, version)
+            source = view.source.spec
+            parse = parse_sparse if source.vectors_are_sparse else parse_dense
+            queries: list[Any] = [parse(q) for q in query or []]
+            if query_file is not None:
+                queries += load_query_file(query_file, source.vectors_are_sparse)
+            split_filter = parse_split_filter(split, source)
+            results = searcher.search(
+                index, version, queries, k, split_filter=split_filter, retrieve_vectors=vectors, consistency=level
+            )
+            served = searcher.served_watermarks(index, version)
+        finally:
+            searcher.close()
+    if as_json:
+        echo_json(
+            [
+                {
+                    "query": qi,
+                    "hits": [
+                        {"rank": rank, "distance": h.distance, "attributes": h.attributes}
+                        | ({"vector": _vector_json(h.vector)} if vectors else {})
+                        for rank, h in enumerate(hits, 1)
+                    ],
+                }
+                for qi, hits in enumerate(results)
+            ]
+        )
+        return
+    spec = view.index.spec
+    attributes = spec.stored_attributes()
+    watermarks = sorted(set(served.values()))
+    nearer = "higher is nearer" if higher_is_nearer(Metric(spec.metric)) else "lower is nearer"
+    out.print(
+        f"{index}/{version}: {spec.algorithm}, metric {spec.metric} ({nearer}); consistency {consistency}; "
+        f"served watermark {', '.join(count(w) for w in watermarks) or '-'}"
+    )
+    for qi, hits in enumerate(results):
+        title = f"Query {qi + 1} of {len(results)}: {len(hits)} nearest"
+        if not hits:
+            out.print(f"{title}: no hits.")
+            continue
+        out.print(hits_table(hits, attributes, title, vectors=vectors))

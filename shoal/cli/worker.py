@@ -1,0 +1,194 @@
+"""`shoal worker`: a Celery worker of the Shoal app in the foreground, with beat embedded by default.
+
+Also the helpers that start such a worker as a child process (`shoal demo` does) and stop it again.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import IO, Annotated
+
+import typer
+
+from shoal.cli.common import err, fail, first_line, load_settings, out
+from shoal.cli.probes import redis_status
+from shoal.config.settings import Settings, mask_url
+from shoal.errors import ConfigurationError
+
+CELERY_APP = "shoal.config.celery_app"
+SCHEDULE_FILE = "celerybeat-schedule"  # under SHOAL_DATA_DIR; beat's record of when each entry last ran
+
+
+class LogLevel(StrEnum):
+    """Celery's log levels."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+
+class Pool(StrEnum):
+    """Celery's execution pools that suit Shoal's CPU-bound builds."""
+
+    PREFORK = "prefork"
+    SOLO = "solo"
+    THREADS = "threads"
+
+
+def worker_argv(
+    *,
+    beat: bool,
+    schedule: Path | None = None,
+    concurrency: int | None = None,
+    loglevel: str = "info",
+    pool: str | None = None,
+    hostname: str | None = None,
+    events: bool = False,
+    quick: bool = False,
+) -> list[str]:
+    """The arguments of `celery -A shoal.config.celery_app ARGS` (from `worker` on) for these choices.
+
+    `quick` skips the start-up handshakes with other workers (mingle, gossip): a lone worker starts faster.
+    """
+    argv = ["worker", "--loglevel", loglevel.upper()]
+    if pool:
+        argv += ["--pool", pool]
+    if concurrency:
+        argv += ["--concurrency", str(concurrency)]
+    if hostname:
+        argv += ["--hostname", hostname]
+    if events:
+        argv.append("--task-events")
+    if quick:
+        argv += ["--without-gossip", "--without-mingle"]
+    if beat:
+        argv.append("--beat")
+        if schedule is not None:
+            argv += ["--schedule", str(schedule)]
+    return argv
+
+
+def start_worker_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `python -m celery -A shoal.config.celery_app ARGV` as a child in its own session (Ctrl-C at the
+    terminal does not reach it), stdout and stderr appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child holds it; ours is closed below
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", CELERY_APP, *argv],
+            env=env if env is not None else dict(os.environ),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
+def stop_worker_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> str:
+    """Stop a worker child: SIGTERM (Celery's warm shutdown), SIGKILL if it has not exited in `timeout` s.
+
+    Returns how it ended: "stopped", "killed" or "had exited".
+    """
+    if proc.poll() is not None:
+        return "had exited"
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+        return "stopped"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+        return "killed"
+
+
+def describe_servers(settings: Settings, broker: str) -> list[str]:
+    """Where the worker's catalog, broker and storage are, one line each (passwords masked)."""
+    catalog = mask_url(settings.database_url) if settings.database_url else f"embedded Postgres in {settings.data_dir}"
+    return [f"catalog: {catalog}", f"broker:  {mask_url(broker)}", f"storage: {settings.resolved_storage_uri}"]
+
+
+def _check_catalog(settings: Settings) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from shoal.catalog.db import migrate, resolve_database_url
+
+    url = resolve_database_url(settings)
+    try:
+        migrate(url)
+    except OperationalError as exc:
+        raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
+
+
+def worker(
+    beat: Annotated[
+        bool,
+        typer.Option("--beat/--no-beat", help="Run beat (the scheduled sweeps) inside this worker; exactly one "
+                     "worker of a deployment should."),
+    ] = True,
+    concurrency: Annotated[
+        int | None,
+        typer.Option("--concurrency", "-c", min=1, help="Tasks run at once (default: the number of CPUs)."),
+    ] = None,
+    loglevel: Annotated[LogLevel, typer.Option("--loglevel", "-l", help="Log level.")] = LogLevel.INFO,
+    pool: Annotated[
+        Pool | None, typer.Option("--pool", "-P", help="Execution pool (default: Celery's, prefork).")
+    ] = None,
+    hostname: Annotated[
+        str | None, typer.Option("--hostname", "-n", help="Node name, e.g. indexer1@%h (default: celery@HOST).")
+    ] = None,
+    events: Annotated[
+        bool, typer.Option("--events", "-E", help="Send task events (for `celery events` or Flower).")
+    ] = False,
+    schedule: Annotated[
+        Path | None,
+        typer.Option("--schedule", help=f"Beat's schedule file (default: SHOAL_DATA_DIR/{SCHEDULE_FILE}).",
+                     dir_okay=False),
+    ] = None,
+) -> None:
+    """Run a Celery worker for Shoal in the foreground, with beat (the scheduled sweeps) by default.
+
+    The worker materializes and merges index shards; beat's sweep queues work for every shard behind its
+    data source's head (a safety net for triggers a broker outage dropped) and merges that are due.
+
+    Same settings as every other command (SHOAL_*): the catalog, the broker (the embedded Valkey unless
+    SHOAL_REDIS_URL is set) and the storage. Stop it with Ctrl-C (a warm shutdown: running tasks finish;
+    press it again to abort them; an aborted task is redelivered and is safe to run twice).
+
+    The same worker, started by Celery itself: `celery -A shoal.config.celery_app worker --beat`. Flower (not
+    a Shoal dependency: `pip install flower`) can watch the workers: `celery -A shoal.config.celery_app flower`
+    (it turns on task events; or start the worker with --events).
+    """
+    from shoal.config.celery_app import app, broker_url
+
+    settings = load_settings()
+    _check_catalog(settings)  # reachable and migrated before the worker takes tasks
+    broker = broker_url(settings)
+    reachable = redis_status(broker)
+    if reachable != "reachable":
+        fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
+    if beat and schedule is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        schedule = settings.data_dir / SCHEDULE_FILE
+    argv = worker_argv(
+        beat=beat, schedule=schedule, concurrency=concurrency, loglevel=loglevel.value,
+        pool=pool.value if pool else None, hostname=hostname, events=events,
+    )
+    for line in describe_servers(settings, broker):
+        out.print(line)
+    if beat:
+        every = f"{settings.sweep_interval_s:g} s"
+        out.print(f"beat:    a sweep every {every} (SHOAL_SWEEP_INTERVAL_S); schedule file {schedule}")
+    else:
+        out.print("beat:    off (--no-beat); run it in one other worker")
+    err.print("Watch it with Flower: celery -A shoal.config.celery_app flower   (Ctrl-C stops the worker)")
+    code = app.worker_main(argv)
+    if code:
+        raise typer.Exit(code)
