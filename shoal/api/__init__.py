@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI): Vektonn-compatible upload and search."""

@@ -1,0 +1,71 @@
+"""The HTTP service: Vektonn-compatible routes, health, and errors in Vektonn's shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from shoal.api import vektonn
+from shoal.api.state import Tenants
+from shoal.config.settings import Settings
+from shoal.errors import AlreadyExistsError, ConfigurationError, NotFoundError, ShoalError, ValidationError
+
+
+def _errors(status: int, messages: list[str]) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"errorMessages": messages})
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The FastAPI application over the catalog, storage and broker the settings name."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.tenants = Tenants(settings)
+        try:
+            yield
+        finally:
+            app.state.tenants.close()
+
+    app = FastAPI(title="Shoal", version=version("shoal"), lifespan=lifespan)
+    app.include_router(vektonn.router)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        messages = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return _errors(400, messages or ["invalid request"])
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:
+        return _errors(400, [f"{exc.prefix}: {p}" for p in exc.problems])
+
+    @app.exception_handler(NotFoundError)
+    async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
+        return _errors(404, [str(exc)])
+
+    @app.exception_handler(AlreadyExistsError)
+    async def _conflict(_: Request, exc: AlreadyExistsError) -> JSONResponse:
+        return _errors(409, [str(exc)])
+
+    @app.exception_handler(ConfigurationError)
+    async def _unavailable(_: Request, exc: ConfigurationError) -> JSONResponse:
+        return _errors(503, [str(exc)])
+
+    @app.exception_handler(ShoalError)
+    async def _shoal_error(_: Request, exc: ShoalError) -> JSONResponse:
+        return _errors(500, [str(exc)])
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        """Liveness: the service answers."""
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,104 @@
+"""Vektonn-compatible routes: upload to a data source, search an index. Existing Vektonn clients work as they are.
+
+Extensions Vektonn clients ignore: every upload answers with its write token in `X-Shoal-Write-Token`; a search
+may ask for `X-Shoal-Consistency: eventual|strong|at_least` and `X-Shoal-Required-Token: <seq>`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, Header, Response
+
+from shoal.api.convert import hit_dto, points_from_dtos, query_vectors, split_filter, vector_dto
+from shoal.api.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
+from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.errors import ValidationError
+from shoal.searcher.consistency import Consistency
+
+router = APIRouter(prefix="/api/v1", tags=["vektonn"])
+ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}
+TOKEN_HEADER = "X-Shoal-Write-Token"
+
+
+@router.post("/upload/{dataSourceName}/{dataSourceVersion}", responses=ERRORS, status_code=200)
+def upload(
+    dataSourceName: str,  # noqa: N803 - Vektonn's path parameter names
+    dataSourceVersion: str,  # noqa: N803
+    body: Annotated[list[InputDataPointOrTombstoneDto], Body()],
+    ctx: Annotated[TenantContext, Depends(writer_tenant)],
+) -> Response:
+    """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable."""
+    producer = ctx.handle.shoal.producer(dataSourceName, dataSourceVersion)
+    token = producer.upload(points_from_dtos(producer.spec, body))
+    return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
+
+
+def _consistency(level: str | None, token: int | None) -> Consistency:
+    if token is not None and level in (None, "at_least"):
+        return Consistency.at_least(token)
+    if level in (None, "eventual"):
+        return Consistency.eventual()
+    if level == "strong":
+        return Consistency.strong()
+    if level == "at_least":
+        raise ValidationError("X-Shoal-Consistency at_least needs X-Shoal-Required-Token")
+    raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
+
+
+def _search(
+    index_name: str,
+    index_version: str,
+    query: SearchQueryDto,
+    ctx: TenantContext,
+    level: str | None,
+    token: int | None,
+) -> list[SearchResultDto]:
+    shoal = ctx.handle.shoal
+    index = shoal.get_index(index_name, index_version)
+    source = shoal.get_data_source(index.spec.source_name, index.spec.source_version).spec
+    if query.k <= 0:
+        raise ValidationError(f"k must be positive, got {query.k}")
+    vectors = query_vectors(source, query.queryVectors)
+    results = ctx.handle.searcher.search(
+        index_name,
+        index_version,
+        vectors,
+        query.k,
+        split_filter=split_filter(source, query.splitFilter),
+        retrieve_vectors=query.retrieveVectors,
+        consistency=_consistency(level, token),
+    )
+    return [
+        SearchResultDto(queryVector=vector_dto(v), nearestDataPoints=[hit_dto(source, h) for h in hits])
+        for v, hits in zip(vectors, results, strict=True)
+    ]
+
+
+SEARCH = "/search/{indexName}/{indexVersion}"
+
+
+@router.post(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
+def search_post(
+    indexName: str,  # noqa: N803
+    indexVersion: str,  # noqa: N803
+    query: Annotated[SearchQueryDto, Body()],
+    ctx: Annotated[TenantContext, Depends(reader_tenant)],
+    x_shoal_consistency: Annotated[str | None, Header()] = None,
+    x_shoal_required_token: Annotated[int | None, Header()] = None,
+) -> list[SearchResultDto]:
+    """The k nearest data points for each query vector, nearest first."""
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token)
+
+
+@router.get(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
+def search_get(
+    indexName: str,  # noqa: N803
+    indexVersion: str,  # noqa: N803
+    query: Annotated[SearchQueryDto, Body()],
+    ctx: Annotated[TenantContext, Depends(reader_tenant)],
+    x_shoal_consistency: Annotated[str | None, Header()] = None,
+    x_shoal_required_token: Annotated[int | None, Header()] = None,
+) -> list[SearchResultDto]:
+    """The same search as POST (Vektonn's client sends it as GET with a body)."""
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token)
