@@ -31,6 +31,14 @@ _migrated: set[str] = set()
 _migrate_lock = threading.Lock()
 
 
+def ensure_migrated(url: str) -> None:
+    """Migrate the catalog at `url` once per process (later calls return at once)."""
+    with _migrate_lock:
+        if url not in _migrated:
+            migrate(url)
+            _migrated.add(url)
+
+
 class Shoal:
     """Entry point: connects to the catalog (embedded unless configured), migrates it, opens storage."""
 
@@ -40,10 +48,7 @@ class Shoal:
         url = resolve_database_url(self.settings)
         self.engine = make_engine(url)
         try:
-            with _migrate_lock:
-                if url not in _migrated:
-                    migrate(url)
-                    _migrated.add(url)
+            ensure_migrated(url)
             self.catalog = Catalog(self.engine, tenant or self.settings.tenant)
         except OperationalError as exc:
             self.engine.dispose()

@@ -80,3 +80,11 @@ class CorruptSegmentError(ShoalError):
 
 class CorruptArtifactError(ShoalError):
     """An index artifact is missing or does not match the checksum its manifest recorded."""
+
+
+class AuthenticationError(ShoalError):
+    """No usable credentials: the API key is missing, malformed, unknown, wrong or revoked (HTTP 401)."""
+
+
+class PermissionDeniedError(ShoalError):
+    """The caller is authenticated but its role does not allow the operation (HTTP 403)."""

@@ -25,7 +25,7 @@ def api_url(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
     root = tmp_path_factory.mktemp("fuzz")
     cfg = Settings(data_dir=root, database_url=pg_url, redis_url="redis://127.0.0.1:1/0",
-                   storage_uri=str(root / "storage"), tenant="fuzz")
+                   storage_uri=str(root / "storage"), tenant="fuzz", anonymous_tenant="fuzz")
     with Shoal(cfg, notify=False) as shoal:
         shoal.create_data_source(DataSourceSpec("QS", "1", 2, {"id": "int64", "payload": "string"}, ["id"]),
                                  exist_ok=True)

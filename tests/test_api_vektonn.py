@@ -28,6 +28,8 @@ def _free_port() -> int:
 def served(make_settings) -> Iterator[tuple[str, Settings]]:  # type: ignore[no-untyped-def]
     """The API on a loopback port, in a thread of this process (a real server, real sockets)."""
     settings = make_settings("local")
+    # Vektonn clients send no key: serve them as the anonymous tenant, as the embedded default does.
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

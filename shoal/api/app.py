@@ -5,15 +5,27 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from shoal.api import vektonn
+from shoal.api import manage, vektonn
+from shoal.api.metrics import Metrics
+from shoal.api.security import TenantContext, reader_tenant
 from shoal.api.state import Tenants
 from shoal.config.settings import Settings
-from shoal.errors import AlreadyExistsError, ConfigurationError, NotFoundError, ShoalError, ValidationError
+from shoal.errors import (
+    AlreadyExistsError,
+    AuthenticationError,
+    ConfigurationError,
+    NotFoundError,
+    PermissionDeniedError,
+    ShoalError,
+    ValidationError,
+)
 
 
 def _errors(status: int, messages: list[str]) -> JSONResponse:
@@ -33,7 +45,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.tenants.close()
 
     app = FastAPI(title="Shoal", version=version("shoal"), lifespan=lifespan)
+    app.state.metrics = Metrics()
     app.include_router(vektonn.router)
+    app.include_router(manage.router)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -46,6 +60,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(ValidationError)
     async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:
         return _errors(400, [f"{exc.prefix}: {p}" for p in exc.problems])
+
+    @app.exception_handler(AuthenticationError)
+    async def _unauthenticated(_: Request, exc: AuthenticationError) -> JSONResponse:
+        response = _errors(401, [str(exc)])
+        response.headers["WWW-Authenticate"] = "ApiKey"
+        return response
+
+    @app.exception_handler(PermissionDeniedError)
+    async def _forbidden(_: Request, exc: PermissionDeniedError) -> JSONResponse:
+        return _errors(403, [str(exc)])
 
     @app.exception_handler(NotFoundError)
     async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
@@ -67,5 +91,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def healthz() -> dict[str, str]:
         """Liveness: the service answers."""
         return {"status": "ok"}
+
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    def metrics(ctx: Annotated[TenantContext, Depends(reader_tenant)]) -> PlainTextResponse:
+        """Prometheus metrics: upload rate, search latency, and the caller's tenant's lag per shard."""
+        body = app.state.metrics.exposition(ctx.handle.shoal.engine, ctx.tenant)
+        return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,4 +1,5 @@
-"""Who is calling: the tenant a request is scoped to, and whether it may write."""
+"""Who is calling: `Authorization: ApiKey <key>` (or the anonymous tenant) to the tenant a request is scoped to,
+and whether its role allows the route."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from shoal.api.state import TenantHandle, Tenants
+from shoal.auth import Role, authenticate, require
 
 
 @dataclass(frozen=True)
@@ -18,18 +20,25 @@ class TenantContext:
     handle: TenantHandle
 
 
-def _context(request: Request, need: str) -> TenantContext:
+def _context(request: Request, need: Role) -> TenantContext:
     tenants: Tenants = request.app.state.tenants
-    # Until API keys land every request is served as the anonymous tenant (the embedded default's setting).
-    tenant = tenants.settings.tenant
-    return TenantContext(tenant, "write", tenants.get(tenant))
+    principal = authenticate(
+        tenants.engine, request.headers.get("Authorization"), tenants.settings.resolved_anonymous_tenant
+    )
+    require(principal, need)
+    return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name))
 
 
 def reader_tenant(request: Request) -> TenantContext:
     """The caller, allowed to read."""
-    return _context(request, "read")
+    return _context(request, Role.READ)
+
+
+def admin_tenant(request: Request) -> TenantContext:
+    """The caller, allowed to administer its tenant."""
+    return _context(request, Role.ADMIN)
 
 
 def writer_tenant(request: Request) -> TenantContext:
     """The caller, allowed to write."""
-    return _context(request, "write")
+    return _context(request, Role.WRITE)

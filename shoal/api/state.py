@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from shoal.client import Shoal
+from shoal.catalog.db import make_engine, resolve_database_url
+from shoal.client import Shoal, ensure_migrated
 from shoal.config.settings import Settings
 from shoal.searcher.searcher import Searcher
 
@@ -23,6 +24,9 @@ class Tenants:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        url = resolve_database_url(settings)
+        ensure_migrated(url)
+        self.engine = make_engine(url)  # for authentication, before the caller's tenant is known
         self._handles: dict[str, TenantHandle] = {}
         self._lock = threading.Lock()
 
@@ -43,3 +47,4 @@ class Tenants:
                 h.searcher.close()
                 h.shoal.close()
             self._handles.clear()
+        self.engine.dispose()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Header, Response
+from fastapi import APIRouter, Body, Depends, Header, Request, Response
 
 from shoal.api.convert import hit_dto, points_from_dtos, query_vectors, split_filter, vector_dto
 from shoal.api.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
@@ -27,10 +27,12 @@ def upload(
     dataSourceVersion: str,  # noqa: N803
     body: Annotated[list[InputDataPointOrTombstoneDto], Body()],
     ctx: Annotated[TenantContext, Depends(writer_tenant)],
+    request: Request,
 ) -> Response:
     """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable."""
     producer = ctx.handle.shoal.producer(dataSourceName, dataSourceVersion)
     token = producer.upload(points_from_dtos(producer.spec, body))
+    request.app.state.metrics.uploaded.labels(ctx.tenant).inc(len(body))
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
 
 
@@ -52,6 +54,15 @@ def _search(
     query: SearchQueryDto,
     ctx: TenantContext,
     level: str | None,
+    token: int | None,
+    request: Request,
+) -> list[SearchResultDto]:
+    with request.app.state.metrics.search_seconds.labels(ctx.tenant).time():
+        return _search_now(index_name, index_version, query, ctx, level, token)
+
+
+def _search_now(
+    index_name: str, index_version: str, query: SearchQueryDto, ctx: TenantContext, level: str | None,
     token: int | None,
 ) -> list[SearchResultDto]:
     shoal = ctx.handle.shoal
@@ -84,11 +95,12 @@ def search_post(
     indexVersion: str,  # noqa: N803
     query: Annotated[SearchQueryDto, Body()],
     ctx: Annotated[TenantContext, Depends(reader_tenant)],
+    request: Request,
     x_shoal_consistency: Annotated[str | None, Header()] = None,
     x_shoal_required_token: Annotated[int | None, Header()] = None,
 ) -> list[SearchResultDto]:
     """The k nearest data points for each query vector, nearest first."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token)
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request)
 
 
 @router.get(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
@@ -97,8 +109,9 @@ def search_get(
     indexVersion: str,  # noqa: N803
     query: Annotated[SearchQueryDto, Body()],
     ctx: Annotated[TenantContext, Depends(reader_tenant)],
+    request: Request,
     x_shoal_consistency: Annotated[str | None, Header()] = None,
     x_shoal_required_token: Annotated[int | None, Header()] = None,
 ) -> list[SearchResultDto]:
     """The same search as POST (Vektonn's client sends it as GET with a body)."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token)
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request)

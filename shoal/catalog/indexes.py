@@ -305,3 +305,18 @@ class ShardCatalog:
                 .where(IndexShard.id == shard_id, IndexShard.served_watermark <= watermark)
                 .values(served_watermark=watermark, served_at=func.clock_timestamp())
             )
+
+
+def freshness_rows(engine: Engine) -> list[tuple[str, str, str, int, int, int, int]]:
+    """(tenant, index, version, shard, head, built, served) of every shard: for the metrics endpoint."""
+    with Session(engine) as s:
+        rows = s.execute(
+            select(
+                Tenant.name, Index.name, Index.version, IndexShard.shard_no, DataSource.head_seq,
+                IndexShard.built_watermark, IndexShard.served_watermark,
+            )
+            .join(Index, Index.id == IndexShard.index_id)
+            .join(Tenant, Tenant.id == Index.tenant_id)
+            .join(DataSource, DataSource.id == Index.data_source_id)
+        )
+        return [tuple(r) for r in rows]  # type: ignore[misc]

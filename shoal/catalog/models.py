@@ -171,3 +171,22 @@ class IndexVersion(Base):
     watermark: Mapped[int] = mapped_column(BigInteger)
     manifest: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class ApiKey(Base):
+    """An API key of a tenant: its public key id, a salted hash of its secret (never the secret), its role."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (CheckConstraint("role IN ('read', 'write', 'admin')", name="role"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # The public part of the key, shown in listings and logs; looked up on every cache miss.
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)
+    # Self-describing ("scrypt$n$r$p$salt$hash") so the KDF's cost can change without a migration.
+    secret_hash: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str] = mapped_column(String(10))
+    name: Mapped[str] = mapped_column(String(200), server_default="")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

@@ -24,6 +24,7 @@ from shoal.cli.search import search
 from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
 from shoal.cli.status import status
+from shoal.cli.tenants import key_app, tenant_app
 from shoal.cli.worker import worker
 
 __all__ = ["app"]
@@ -32,6 +33,8 @@ app = typer_app("Shoal: an event-driven ingestion pipeline for vector data.")
 app.add_typer(source_app, name="source")
 app.add_typer(index_app, name="index")
 app.add_typer(server_app, name="server")
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
 app.command("import")(import_file)
 app.command("log")(log)
 app.command("search")(search)

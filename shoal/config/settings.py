@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
     tenant: str = Field(default="default", description="Tenant of the Python API and CLI.")
+    anonymous_tenant: str | None = Field(
+        default=None,
+        description="Tenant of HTTP requests without an API key (role write); unset: the Python API's tenant when "
+        "the catalog is embedded, else none; empty string: never.",
+    )
     max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
     group_commit_max_points: int = Field(
         default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
@@ -68,6 +73,20 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("anonymous_tenant")
+    @classmethod
+    def _anonymous_name(cls, value: str | None) -> str | None:
+        from shoal.records import check_tenant_name
+
+        return check_tenant_name(value) if value else value
+
+    @property
+    def resolved_anonymous_tenant(self) -> str | None:
+        """The anonymous tenant in effect: on (the default tenant) in the embedded default, off otherwise."""
+        if self.anonymous_tenant is not None:
+            return self.anonymous_tenant or None
+        return self.tenant if self.database_url is None else None
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,162 @@
+"""Management and status routes: data sources, indexes and per-shard freshness of the caller's tenant."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, Field
+
+from shoal.api.dto import ErrorDto
+from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.catalog.indexes import IndexRecord
+from shoal.catalog.repo import SourceRecord
+from shoal.records import DataSourceSpec, IndexSpec
+
+router = APIRouter(prefix="/api/v1", tags=["management"])
+ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}, 409: {"model": ErrorDto}}
+
+
+class DataSourceBody(BaseModel):
+    name: str
+    version: str
+    vectorDimension: int  # noqa: N815 - Vektonn's field names
+    vectorsAreSparse: bool = False  # noqa: N815
+    attributeValueTypes: dict[str, str]  # noqa: N815
+    permanentAttributes: list[str]  # noqa: N815
+    description: str = ""
+    customMetadata: dict[str, Any] = Field(default_factory=dict)  # noqa: N815
+
+
+class IndexBody(BaseModel):
+    name: str
+    version: str
+    dataSourceName: str  # noqa: N815
+    dataSourceVersion: str  # noqa: N815
+    algorithm: str = "flat"
+    metric: str = "cosine"
+    params: dict[str, Any] = Field(default_factory=dict)
+    idAttributes: list[str] = Field(default_factory=list)  # noqa: N815
+    splitAttributes: list[str] = Field(default_factory=list)  # noqa: N815
+    shardAttributes: list[str] = Field(default_factory=list)  # noqa: N815
+    payloadAttributes: list[str] | None = None  # noqa: N815
+    shardCount: int = 1  # noqa: N815
+
+
+def _source(r: SourceRecord) -> dict[str, Any]:
+    spec = r.spec
+    return {
+        "name": spec.name,
+        "version": spec.version,
+        "vectorDimension": spec.vector_dimension,
+        "vectorsAreSparse": spec.vectors_are_sparse,
+        "attributeValueTypes": {k: v.value for k, v in spec.attribute_types.items()},
+        "permanentAttributes": list(spec.permanent_attributes),
+        "description": spec.description,
+        "customMetadata": dict(spec.custom_metadata),
+        "head": r.head_seq,
+        "headCommittedAt": r.head_committed_at.isoformat() if r.head_committed_at else None,
+    }
+
+
+def _index(r: IndexRecord) -> dict[str, Any]:
+    spec = r.spec
+    return {
+        "name": spec.name,
+        "version": spec.version,
+        "dataSourceName": spec.source_name,
+        "dataSourceVersion": spec.source_version,
+        "algorithm": spec.algorithm,
+        "metric": spec.metric,
+        "params": dict(spec.params),
+        "idAttributes": list(spec.id_attributes),
+        "splitAttributes": list(spec.split_attributes),
+        "shardAttributes": list(spec.shard_attributes),
+        "payloadAttributes": list(spec.payload_attributes or ()),
+        "shardCount": spec.shard_count,
+    }
+
+
+Reader = Annotated[TenantContext, Depends(reader_tenant)]
+Writer = Annotated[TenantContext, Depends(writer_tenant)]
+
+
+@router.get("/data-sources", responses=ERRORS)
+def list_sources(ctx: Reader) -> list[dict[str, Any]]:
+    """Every data source of the tenant."""
+    return [_source(r) for r in ctx.handle.shoal.list_data_sources()]
+
+
+@router.post("/data-sources", responses=ERRORS, status_code=201)
+def create_source(body: DataSourceBody, ctx: Writer) -> dict[str, Any]:
+    """Create a data source (Vektonn's consistency rules apply)."""
+    spec = DataSourceSpec(
+        name=body.name,
+        version=body.version,
+        vector_dimension=body.vectorDimension,
+        vectors_are_sparse=body.vectorsAreSparse,
+        attribute_types={k: v.lower() for k, v in body.attributeValueTypes.items()},
+        permanent_attributes=body.permanentAttributes,
+        description=body.description,
+        custom_metadata=body.customMetadata,
+    )
+    return _source(ctx.handle.shoal.create_data_source(spec))
+
+
+@router.get("/data-sources/{name}/{version}", responses=ERRORS)
+def get_source(name: str, version: str, ctx: Reader) -> dict[str, Any]:
+    """One data source with its head."""
+    return _source(ctx.handle.shoal.get_data_source(name, version))
+
+
+@router.delete("/data-sources/{name}/{version}", responses=ERRORS, status_code=204)
+def drop_source(name: str, version: str, ctx: Writer) -> Response:
+    """Delete a data source, its log and (through the catalog) its indexes."""
+    ctx.handle.shoal.drop_data_source(name, version)
+    return Response(status_code=204)
+
+
+@router.get("/indexes", responses=ERRORS)
+def list_indexes(ctx: Reader) -> list[dict[str, Any]]:
+    """Every index of the tenant."""
+    return [_index(r) for r in ctx.handle.shoal.list_indexes()]
+
+
+@router.post("/indexes", responses=ERRORS, status_code=201)
+def create_index(body: IndexBody, ctx: Writer) -> dict[str, Any]:
+    """Create an index over a data source (Vektonn's rules apply; Vektonn algorithm names accepted)."""
+    spec = IndexSpec(
+        name=body.name,
+        version=body.version,
+        source_name=body.dataSourceName,
+        source_version=body.dataSourceVersion,
+        algorithm=body.algorithm,
+        metric=body.metric,
+        params=body.params,
+        id_attributes=body.idAttributes,
+        split_attributes=body.splitAttributes,
+        shard_attributes=body.shardAttributes,
+        payload_attributes=body.payloadAttributes,
+        shard_count=body.shardCount,
+    )
+    return _index(ctx.handle.shoal.create_index(spec))
+
+
+@router.get("/indexes/{name}/{version}", responses=ERRORS)
+def get_index(name: str, version: str, ctx: Reader) -> dict[str, Any]:
+    """One index definition."""
+    return _index(ctx.handle.shoal.get_index(name, version))
+
+
+@router.delete("/indexes/{name}/{version}", responses=ERRORS, status_code=204)
+def drop_index(name: str, version: str, ctx: Writer) -> Response:
+    """Delete an index with its versions and files."""
+    ctx.handle.shoal.drop_index(name, version)
+    return Response(status_code=204)
+
+
+@router.get("/indexes/{name}/{version}/status", responses=ERRORS)
+def index_status(name: str, version: str, ctx: Reader) -> list[dict[str, Any]]:
+    """Freshness per shard: head, built and served watermarks, lag in seqs and seconds."""
+    return [asdict(s) for s in ctx.handle.shoal.index_status(name, version)]

@@ -1,0 +1,40 @@
+"""Tenants, API keys and the caller's identity: `Authorization: ApiKey <key>` to a tenant-scoped Principal.
+
+    tenant_id = create_tenant(engine, "acme")
+    record, plaintext = create_key(engine, "acme", "write", "ingest job")   # plaintext shown once
+    principal = authenticate(engine, request.headers.get("Authorization"), settings.anonymous_tenant)
+    require(principal, "write")
+
+Every catalog query of a request is then scoped to `principal.tenant_id` (DESIGN invariant 7).
+"""
+
+from __future__ import annotations
+
+from shoal.auth.keys import (
+    KeyRecord,
+    TenantRecord,
+    authenticate,
+    create_key,
+    create_tenant,
+    list_keys,
+    list_tenants,
+    revoke_key,
+)
+from shoal.auth.principal import Principal, Role, require
+from shoal.errors import AuthenticationError, PermissionDeniedError
+
+__all__ = [
+    "AuthenticationError",
+    "KeyRecord",
+    "PermissionDeniedError",
+    "Principal",
+    "Role",
+    "TenantRecord",
+    "authenticate",
+    "create_key",
+    "create_tenant",
+    "list_keys",
+    "list_tenants",
+    "require",
+    "revoke_key",
+]

@@ -1,0 +1,131 @@
+"""An in-process cache of verified keys, so a request pays the KDF only once per key and TTL.
+
+Revocation is therefore seen by other processes within the TTL (30 s by default); the process that revokes
+a key evicts it at once. Entries are keyed by a SHA-256 digest of the presented key, never the key itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from shoal.auth.principal import Principal
+
+CACHE_TTL_S = 30.0
+MAX_ENTRIES = 10_000
+# last_used_at is bookkeeping for operators ("is this key still in use?"): minute precision is plenty,
+# and one UPDATE per key per minute keeps the hot path read-only.
+TOUCH_INTERVAL_S = 60.0
+
+
+@dataclass
+class CachedKey:
+    """A verified key: who it authenticates as, its row, until when the verdict holds, when it was touched."""
+
+    principal: Principal
+    row_id: int
+    expires_at: float
+    touched_at: float
+
+
+def digest(presented: str) -> str:
+    """The cache key of a presented API key (a fast hash: the key itself must not sit in memory dumps)."""
+    return hashlib.sha256(presented.encode()).hexdigest()
+
+
+class VerifiedKeys:
+    """A thread-safe TTL cache of verified keys and of anonymous tenants' ids."""
+
+    def __init__(
+        self,
+        ttl_s: float = CACHE_TTL_S,
+        max_entries: int = MAX_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.clock = clock
+        self._keys: dict[str, CachedKey] = {}
+        self._anonymous: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key_digest: str) -> CachedKey | None:
+        """The cached verdict for a key digest, or None when absent or expired."""
+        with self._lock:
+            entry = self._keys.get(key_digest)
+            if entry is not None and entry.expires_at <= self.clock():
+                del self._keys[key_digest]
+                return None
+            return entry
+
+    def put(self, key_digest: str, principal: Principal, row_id: int, touched: bool) -> None:
+        """Remember a verified key for the TTL; `touched` says whether last_used_at was just written."""
+        if self.ttl_s <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            if len(self._keys) >= self.max_entries:
+                self._prune(now)
+            self._keys[key_digest] = CachedKey(
+                principal, row_id, now + self.ttl_s, now if touched else now - TOUCH_INTERVAL_S
+            )
+
+    def due_for_touch(self, entry: CachedKey) -> bool:
+        """True (and marks the entry touched) when the key's last_used_at should be written again."""
+        now = self.clock()
+        with self._lock:
+            if now - entry.touched_at < TOUCH_INTERVAL_S:
+                return False
+            entry.touched_at = now
+            return True
+
+    def anonymous_id(self, tenant: str) -> int | None:
+        """The cached id of an anonymous tenant, or None."""
+        with self._lock:
+            found = self._anonymous.get(tenant)
+            return found[0] if found is not None and found[1] > self.clock() else None
+
+    def put_anonymous(self, tenant: str, tenant_id: int) -> None:
+        """Remember an anonymous tenant's id for the TTL."""
+        with self._lock:
+            self._anonymous[tenant] = (tenant_id, self.clock() + self.ttl_s)
+
+    def evict_key(self, key_id: str) -> None:
+        """Forget every cached verdict for `key_id` (after it is revoked)."""
+        with self._lock:
+            for k in [k for k, e in self._keys.items() if e.principal.key_id == key_id]:
+                del self._keys[k]
+
+    def clear(self) -> None:
+        """Forget everything."""
+        with self._lock:
+            self._keys.clear()
+            self._anonymous.clear()
+
+    def _prune(self, now: float) -> None:
+        for k in [k for k, e in self._keys.items() if e.expires_at <= now]:
+            del self._keys[k]
+        # Still full of live entries (many keys in use): drop the oldest half rather than grow unbounded.
+        if len(self._keys) >= self.max_entries:
+            oldest = sorted(self._keys, key=lambda k: self._keys[k].expires_at)
+            for k in oldest[: len(oldest) // 2]:
+                del self._keys[k]
+
+
+_caches: dict[str, VerifiedKeys] = {}
+_caches_lock = threading.Lock()
+
+
+def cache_for(engine: Engine) -> VerifiedKeys:
+    """The process's shared cache for the catalog `engine` points at (engines on one URL share it)."""
+    url = engine.url.render_as_string(hide_password=False)
+    with _caches_lock:
+        cache = _caches.get(url)
+        if cache is None:
+            cache = _caches[url] = VerifiedKeys()
+        return cache

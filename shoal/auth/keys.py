@@ -1,0 +1,281 @@
+"""Tenants and their API keys in the catalog, and turning an Authorization header into a Principal.
+
+Secrets are returned once, by `create_key`, and never stored or shown again: the catalog keeps a salted
+scrypt hash. Verified keys are cached in process for `cache.CACHE_TTL_S` (30 s), so a revoked key may
+still work for up to that long in processes other than the one that revoked it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, Select, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from shoal.auth.cache import TOUCH_INTERVAL_S, VerifiedKeys, cache_for, digest
+from shoal.auth.hashing import (
+    dummy_hash,
+    format_key,
+    hash_secret,
+    new_key_id,
+    new_secret,
+    parse_key,
+    verify_secret,
+)
+from shoal.auth.principal import Principal, Role
+from shoal.catalog.models import ApiKey, Tenant
+from shoal.errors import AlreadyExistsError, AuthenticationError, NotFoundError, ValidationError
+from shoal.records import check_tenant_name
+
+log = logging.getLogger(__name__)
+
+AUTH_SCHEME = "apikey"
+SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,19}")
+MAX_KEY_NAME = 200
+# The role of the anonymous tenant: Vektonn clients send no key, and they upload as well as search.
+ANONYMOUS_ROLE = Role.WRITE
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    """A tenant and how many unrevoked keys it has."""
+
+    id: int
+    name: str
+    created_at: dt.datetime
+    active_keys: int
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """An API key as listings show it: everything but the secret, which is never kept."""
+
+    key_id: str
+    tenant: str
+    role: Role
+    name: str
+    created_at: dt.datetime
+    last_used_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+    @property
+    def revoked(self) -> bool:
+        """True once the key has been revoked; a revoked key never authenticates again."""
+        return self.revoked_at is not None
+
+
+def _key_record(row: ApiKey, tenant: str) -> KeyRecord:
+    return KeyRecord(
+        row.key_id, tenant, Role(row.role), row.name, row.created_at, row.last_used_at, row.revoked_at
+    )
+
+
+def _key_and_tenant(key_id: str) -> Select[tuple[ApiKey, str]]:
+    return select(ApiKey, Tenant.name).join(Tenant, Tenant.id == ApiKey.tenant_id).where(ApiKey.key_id == key_id)
+
+
+def _tenant_id(s: Session, name: str) -> int:
+    found = s.scalars(select(Tenant.id).where(Tenant.name == check_tenant_name(name))).one_or_none()
+    if found is None:
+        raise NotFoundError(f"tenant {name!r} not found")
+    return found
+
+
+# -- tenants --------------------------------------------------------------------------------------------
+
+
+def create_tenant(engine: Engine, name: str) -> int:
+    """Create tenant `name` and return its id; InvalidNameError for a bad name, AlreadyExistsError if it exists.
+
+    A tenant may also exist because a Python API or CLI call named it (they create their tenant on first use).
+    """
+    check_tenant_name(name)
+    with Session(engine) as s, s.begin():
+        created = s.execute(
+            insert(Tenant).values(name=name).on_conflict_do_nothing(index_elements=["name"]).returning(Tenant.id)
+        ).scalar_one_or_none()
+    if created is None:
+        raise AlreadyExistsError(f"tenant {name!r} already exists")
+    return created
+
+
+def list_tenants(engine: Engine) -> list[TenantRecord]:
+    """Every tenant by name, with its count of unrevoked keys."""
+    active = func.count(ApiKey.id).filter(ApiKey.revoked_at.is_(None))
+    with Session(engine) as s:
+        rows = s.execute(
+            select(Tenant.id, Tenant.name, Tenant.created_at, active)
+            .outerjoin(ApiKey, ApiKey.tenant_id == Tenant.id)
+            .group_by(Tenant.id)
+            .order_by(Tenant.name)
+        ).all()
+    return [TenantRecord(r[0], r[1], r[2], int(r[3])) for r in rows]
+
+
+# -- keys -----------------------------------------------------------------------------------------------
+
+
+def create_key(engine: Engine, tenant: str, role: str | Role, name: str = "") -> tuple[KeyRecord, str]:
+    """Create a key of `tenant` with `role`; return its record and the plaintext key, which exists only here.
+
+    NotFoundError if the tenant does not exist; ValidationError for an unknown role or a name over 200 chars.
+    """
+    parsed_role = Role.parse(role)
+    if len(name) > MAX_KEY_NAME:
+        raise ValidationError(f"key name is {len(name)} characters long; at most {MAX_KEY_NAME} are allowed")
+    secret = new_secret()
+    secret_hash = hash_secret(secret)  # before the transaction: the KDF must not hold a connection
+    for attempt in range(3):
+        key_id = new_key_id()
+        try:
+            with Session(engine) as s, s.begin():
+                row = ApiKey(
+                    tenant_id=_tenant_id(s, tenant),
+                    key_id=key_id,
+                    secret_hash=secret_hash,
+                    role=parsed_role.value,
+                    name=name,
+                )
+                s.add(row)
+                s.flush()
+                s.refresh(row)
+                record = _key_record(row, tenant)
+            return record, format_key(key_id, secret)
+        except IntegrityError as exc:
+            # 48 random bits: a key id collision is astronomically rare, but a retry costs nothing.
+            if "uq_api_keys_key_id" not in str(exc.orig) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def list_keys(engine: Engine, tenant: str, *, include_revoked: bool = True) -> list[KeyRecord]:
+    """The keys of `tenant`, oldest first, without secrets; NotFoundError if the tenant does not exist."""
+    with Session(engine) as s:
+        tenant_id = _tenant_id(s, tenant)
+        q = select(ApiKey).where(ApiKey.tenant_id == tenant_id)
+        if not include_revoked:
+            q = q.where(ApiKey.revoked_at.is_(None))
+        return [_key_record(r, tenant) for r in s.scalars(q.order_by(ApiKey.created_at, ApiKey.id))]
+
+
+def revoke_key(engine: Engine, key_id: str, *, tenant: str | None = None) -> KeyRecord:
+    """Revoke `key_id` (idempotent: a revoked key keeps its first revocation time) and return its record.
+
+    With `tenant`, only a key of that tenant is found (what a tenant-scoped route must pass). NotFoundError
+    for an unknown key. This process forgets the key at once; others within the verified-key cache's TTL.
+    """
+    with Session(engine) as s, s.begin():
+        q = _key_and_tenant(key_id)
+        if tenant is not None:
+            q = q.where(Tenant.name == tenant)
+        found = s.execute(q.with_for_update(of=ApiKey)).one_or_none()
+        if found is None:
+            raise NotFoundError(f"API key {key_id!r} not found")
+        row, tenant_name = found
+        if row.revoked_at is None:
+            row.revoked_at = s.scalar(select(func.now()))
+        record = _key_record(row, tenant_name)
+    cache_for(engine).evict_key(key_id)
+    return record
+
+
+# -- authentication -------------------------------------------------------------------------------------
+
+
+def authenticate(
+    engine: Engine,
+    header_value: str | None,
+    anonymous_tenant: str | None = None,
+    *,
+    cache: VerifiedKeys | None = None,
+) -> Principal:
+    """The Principal an `Authorization` header value authenticates as; AuthenticationError otherwise.
+
+    The header must read `ApiKey <key>` (scheme case-insensitive). Without a header (None or blank) the
+    caller is `anonymous_tenant` with role write when one is given (the tenant is created if needed), and
+    rejected otherwise. A header that is present but wrong is always rejected, never downgraded to
+    anonymous. `cache` defaults to the process's shared cache for the engine's catalog.
+    """
+    cache = cache if cache is not None else cache_for(engine)
+    if header_value is None or not header_value.strip():
+        if anonymous_tenant is None:
+            raise AuthenticationError("missing API key: send the header 'Authorization: ApiKey <key>'")
+        return _anonymous(engine, anonymous_tenant, cache)
+    presented = _presented_key(header_value)
+
+    key_digest = digest(presented)
+    entry = cache.get(key_digest)
+    if entry is not None:
+        if cache.due_for_touch(entry):
+            _touch(engine, entry.row_id)
+        return entry.principal
+
+    parsed = parse_key(presented)
+    if parsed is None:
+        raise AuthenticationError("malformed API key: expected shoal_<key id>_<secret>")
+    with Session(engine) as s:
+        found = s.execute(_key_and_tenant(parsed.key_id)).one_or_none()
+    if found is None:
+        verify_secret(parsed.secret, dummy_hash())  # same cost as a wrong secret: timing tells nothing
+        raise AuthenticationError("invalid API key")
+    row, tenant_name = found
+    if not verify_secret(parsed.secret, row.secret_hash):
+        raise AuthenticationError("invalid API key")
+    # Told only to a caller holding the right secret, so it leaks nothing and helps the key's owner.
+    if row.revoked_at is not None:
+        raise AuthenticationError(f"API key {row.key_id} has been revoked")
+
+    principal = Principal(tenant_name, row.tenant_id, Role(row.role), row.key_id)
+    now = dt.datetime.now(dt.UTC)
+    due = row.last_used_at is None or (now - row.last_used_at).total_seconds() >= TOUCH_INTERVAL_S
+    if due:
+        _touch(engine, row.id)
+    cache.put(key_digest, principal, row.id, touched=True)
+    return principal
+
+
+def _presented_key(header_value: str) -> str:
+    parts = header_value.split()
+    if parts[0].lower() != AUTH_SCHEME:
+        # Echo the scheme only when it looks like one: a bare key sent without a scheme must not end up,
+        # even in part, in an error message or a log.
+        shown = f" {parts[0]!r}" if SCHEME_RE.fullmatch(parts[0]) else ""
+        raise AuthenticationError(f"unsupported authorization scheme{shown}: send 'Authorization: ApiKey <key>'")
+    if len(parts) != 2:
+        raise AuthenticationError("malformed Authorization header: expected 'ApiKey <key>'")
+    return parts[1]
+
+
+def _anonymous(engine: Engine, tenant: str, cache: VerifiedKeys) -> Principal:
+    tenant_id = cache.anonymous_id(tenant)
+    if tenant_id is None:
+        check_tenant_name(tenant)
+        with Session(engine) as s, s.begin():
+            # Created on first use, as the Python API does for its tenant: the embedded default just works.
+            s.execute(insert(Tenant).values(name=tenant).on_conflict_do_nothing(index_elements=["name"]))
+            tenant_id = s.scalars(select(Tenant.id).where(Tenant.name == tenant)).one()
+        cache.put_anonymous(tenant, tenant_id)
+    return Principal(tenant, tenant_id, ANONYMOUS_ROLE, None)
+
+
+def _touch(engine: Engine, row_id: int) -> None:
+    # The WHERE makes concurrent processes write at most once a minute between them. Best effort: usage
+    # bookkeeping must never fail a request whose key verified.
+    try:
+        with Session(engine) as s, s.begin():
+            s.execute(
+                update(ApiKey)
+                .where(
+                    ApiKey.id == row_id,
+                    (ApiKey.last_used_at.is_(None))
+                    | (ApiKey.last_used_at < func.now() - dt.timedelta(seconds=TOUCH_INTERVAL_S)),
+                )
+                .values(last_used_at=func.now())
+            )
+    except SQLAlchemyError as exc:
+        log.warning("could not record the use of API key row %s: %s", row_id, exc)

@@ -1,0 +1,181 @@
+"""Management and status routes, /healthz and /metrics over real HTTP; Vektonn's YAML configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from test_api_vektonn import point, served  # noqa: F401 - the served API fixture
+
+from shoal import Shoal
+from shoal.config.settings import Settings
+from shoal.config.vektonn_yaml import read_folder
+from shoal.errors import ValidationError
+
+
+def test_manage_sources_indexes_status_and_metrics(served: tuple[str, Settings]) -> None:  # noqa: F811
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        r = http.post(
+            "/api/v1/data-sources",
+            json={
+                "name": "Ops.Source",
+                "version": "1.0",
+                "vectorDimension": 2,
+                "attributeValueTypes": {"id": "Int64", "payload": "String"},
+                "permanentAttributes": ["id"],
+            },
+        )
+        assert r.status_code == 201, r.text
+        assert r.json()["attributeValueTypes"] == {"id": "int64", "payload": "string"}
+        assert (
+            http.post(
+                "/api/v1/data-sources",
+                json={
+                    "name": "Ops.Source",
+                    "version": "1.0",
+                    "vectorDimension": 2,
+                    "attributeValueTypes": {"id": "Int64"},
+                    "permanentAttributes": ["id"],
+                },
+            ).status_code
+            == 409
+        )
+        bad = http.post(
+            "/api/v1/data-sources",
+            json={
+                "name": "../x",
+                "version": "1",
+                "vectorDimension": 2,
+                "attributeValueTypes": {"id": "int64"},
+                "permanentAttributes": ["id"],
+            },
+        )
+        assert bad.status_code == 400 and "invalid name" in bad.json()["errorMessages"][0]
+        r = http.post(
+            "/api/v1/indexes",
+            json={
+                "name": "Ops.Index",
+                "version": "1.0",
+                "dataSourceName": "Ops.Source",
+                "dataSourceVersion": "1.0",
+                "algorithm": "FaissIndex.L2",
+                "shardCount": 2,
+            },
+        )
+        assert r.status_code == 201, r.text
+        assert (r.json()["algorithm"], r.json()["metric"]) == ("flat", "l2_squared")
+        bad = http.post(
+            "/api/v1/indexes",
+            json={
+                "name": "Ops.Bad",
+                "version": "1",
+                "dataSourceName": "Ops.Source",
+                "dataSourceVersion": "1.0",
+                "algorithm": "hnsw",
+                "metric": "manhattan",
+            },
+        )
+        assert bad.status_code == 400 and "does not support metric" in bad.json()["errorMessages"][0]
+        assert [s["name"] for s in http.get("/api/v1/data-sources").json()] == ["Ops.Source"]
+        assert [i["name"] for i in http.get("/api/v1/indexes").json()] == ["Ops.Index"]
+
+        assert http.post(
+            "/api/v1/upload/Ops.Source/1.0", json=[point(1, "a", [0, 1]), point(2, "b", [1, 0])]
+        ).is_success
+        status = http.get("/api/v1/indexes/Ops.Index/1.0/status").json()
+        assert [(s["shard"], s["head"], s["built_watermark"], s["lag_seqs"]) for s in status] == [
+            (0, 2, 0, 2),
+            (1, 2, 0, 2),
+        ]
+        http.post(
+            "/api/v1/search/Ops.Index/1.0",
+            json={"k": 1, "queryVectors": [{"coordinates": [0, 1]}]},
+            headers={"X-Shoal-Consistency": "strong"},
+        )
+        metrics = http.get("/metrics").text
+        assert 'shoal_upload_points_total{tenant="' in metrics and "} 2.0" in metrics
+        assert "shoal_search_seconds_count" in metrics
+        assert 'shoal_index_built_lag_seqs{index="Ops.Index",shard="0"' in metrics or (
+            'index="Ops.Index"' in metrics and "shoal_index_built_lag_seqs" in metrics
+        )
+
+        assert http.delete("/api/v1/indexes/Ops.Index/1.0").status_code == 204
+        assert http.get("/api/v1/indexes/Ops.Index/1.0").status_code == 404
+        assert http.delete("/api/v1/data-sources/Ops.Source/1.0").status_code == 204
+        assert http.get("/api/v1/data-sources/Ops.Source/1.0").status_code == 404
+
+
+def _write(folder: Path, relative: str, text: str) -> None:
+    path = folder / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_vektonn_yaml_folder(tmp_path: Path, make_settings) -> None:  # type: ignore[no-untyped-def]
+    _write(
+        tmp_path,
+        "data-sources/QuickStart.Source/1.0.yaml",
+        """
+vectorDimension: 2
+vectorsAreSparse: false
+attributeValueTypes:
+  id: Int64
+  payload: String
+permanentAttributes: [id]
+shardersByAttributeKey:
+  id: {type: hash}
+someFutureKey: ignored
+""",
+    )
+    _write(
+        tmp_path,
+        "data-sources/QuickStart.Source/1.10.yaml",
+        """
+vectorDimension: 3
+attributeValueTypes: {id: int64}
+permanentAttributes: [id]
+""",
+    )
+    _write(
+        tmp_path,
+        "indices/QuickStart.Index/1.0.yaml",
+        """
+dataSourceId:
+  name: QuickStart.Source
+  version: 1.0
+indexAlgorithm:
+  type: FaissIndex.L2
+  params:
+    M: 16
+    EfConstruction: 100
+    EfSearch: 32
+idAttributes: [id]
+splitAttributes: []
+shardsById:
+  shard-0: {}
+  shard-1: {}
+unknownKey: 1
+""",
+    )
+    declared = read_folder(tmp_path)
+    assert [(s.name, s.version, s.vector_dimension) for s in declared.sources] == [
+        ("QuickStart.Source", "1.0", 2),
+        ("QuickStart.Source", "1.10", 3),  # 1.10 stays "1.10", not 1.1
+    ]
+    [index] = declared.indexes
+    assert (index.source_version, index.shard_count, index.shard_attributes) == ("1.0", 2, ("id",))
+    with Shoal(make_settings("local"), notify=False) as shoal:
+        for spec in declared.sources:
+            shoal.create_data_source(spec, exist_ok=True)
+        record = shoal.create_index(index, exist_ok=True)
+        assert (record.spec.algorithm, record.spec.metric, record.spec.params["M"]) == ("hnsw", "l2_squared", 16)
+        assert len(record.shards) == 2
+        # Applying again checks and changes nothing.
+        for spec in read_folder(tmp_path).sources:
+            assert shoal.create_data_source(spec, exist_ok=True).head_seq == 0
+    _write(tmp_path, "data-sources/Broken/1.yaml", "vectorDimension: two\nattributeValueTypes: {id: int64}\n")
+    with pytest.raises(ValidationError, match="vectorDimension must be an integer"):
+        read_folder(tmp_path)
