@@ -179,3 +179,60 @@ unknownKey: 1
     _write(tmp_path, "data-sources/Broken/1.yaml", "vectorDimension: two\nattributeValueTypes: {id: int64}\n")
     with pytest.raises(ValidationError, match="vectorDimension must be an integer"):
         read_folder(tmp_path)
+
+
+def test_shoal_api_and_apply_commands(tmp_path: Path, make_settings) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from conftest import settings_env, stop_process, wait_for
+    from test_api_vektonn import _free_port
+
+    settings = make_settings("local")
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    _write(
+        tmp_path,
+        "cfg/data-sources/Cli.Source/1.0.yaml",
+        "vectorDimension: 2\nattributeValueTypes: {id: Int64}\npermanentAttributes: [id]\n",
+    )
+    _write(
+        tmp_path,
+        "cfg/indices/Cli.Index/1.0.yaml",
+        "dataSourceId: {name: Cli.Source, version: 1.0}\nindexAlgorithm: {type: FaissIndex.IP}\n",
+    )
+    env = settings_env(settings)
+    shoal_cmd = [sys.executable, "-m", "shoal.cli"]
+    first = subprocess.run([*shoal_cmd, "apply", str(tmp_path / "cfg")], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "data source Cli.Source/1.0: created" in first.stdout and "index Cli.Index/1.0: created" in first.stdout
+    again = subprocess.run([*shoal_cmd, "apply", str(tmp_path / "cfg")], env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.count("unchanged") == 2
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [*shoal_cmd, "api", "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "shoal api to answer")
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/api/v1/upload/Cli.Source/1.0",
+            timeout=10,
+            json=[{"attributes": [{"key": "id", "value": {"int64": 1}}], "vector": {"coordinates": [1, 0]}}],
+        )
+        assert r.status_code == 200 and r.headers["X-Shoal-Write-Token"] == "1"
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/api/v1/search/Cli.Index/1.0",
+            timeout=10,
+            json={"k": 1, "queryVectors": [{"coordinates": [2, 0]}]},
+            headers={"X-Shoal-Consistency": "strong"},
+        )
+        assert r.json()[0]["nearestDataPoints"][0]["distance"] == 2.0  # inner product, larger is nearer
+    finally:
+        stop_process(server)

@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from shoal.cli.api import api
+from shoal.cli.apply import apply
 from shoal.cli.common import fit_consoles, typer_app
 from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
@@ -42,6 +44,8 @@ app.command("status")(status)
 app.command("worker")(worker)
 app.command("settings")(settings_command)
 app.command("demo")(demo)
+app.command("api")(api)
+app.command("apply")(apply)
 
 
 def _version(value: bool) -> None:
