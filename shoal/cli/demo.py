@@ -18,6 +18,7 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import Tenant, err, fail, load_settings, open_shoal, out
+from shoal.cli.demo_http import http_search
 from shoal.cli.formatting import count, params_text
 from shoal.cli.logview import print_log
 from shoal.cli.status import freshness_table
@@ -99,7 +100,8 @@ def demo(
     3. Search with held-out queries: the embeddings of deleted packages.
     4. Read-your-writes: upload one more point and find it with at_least(its write token) before the index
     the searcher serves holds it; then delete it again (these two log entries are the only ones a re-run adds).
-    5. Print the freshness table and stop the worker (unless --keep-worker).
+    5. Serve the HTTP API in a child process and search it as a Vektonn client (no key: the anonymous tenant).
+    6. Print the freshness table and stop the worker (unless --keep-worker).
 
     Runs on the embedded servers (or the configured ones).
     """
@@ -156,7 +158,8 @@ def demo(
             else:
                 took = _wait(f"build the index up to seq {head}", _built_up_to(shoal, head), worker, log_path)
                 out.print(f"the worker built the index up to seq {count(head)} ({took:.1f} s after it started)")
-            _search_and_read_your_writes(shoal, uploaded, ids, worker, log_path)
+            query = _search_and_read_your_writes(shoal, uploaded, ids, worker, log_path)
+            http_search(settings, shoal.tenant, spec.name, spec.version, query, DEMO_K)
             out.print(freshness_table(shoal.index_status(spec.name, spec.version), "Freshness"))
         finally:
             if keep_worker and worker.poll() is None:
@@ -173,7 +176,8 @@ def demo(
 
 def _search_and_read_your_writes(
     shoal: Shoal, uploaded: list[int], deleted_ids: list[int], worker: subprocess.Popen[bytes], log_path: Path
-) -> None:
+) -> np.ndarray:
+    """Steps 3 and 4; returns the first held-out query (the HTTP step searches it again)."""
     spec = DEMO_INDEX
     vectors, table = load_demo(max(uploaded) + 1)
     row_of = {pid: row for row, pid in enumerate(table["id"].to_pylist())}
@@ -212,6 +216,7 @@ def _search_and_read_your_writes(
         searcher.refresh()  # serve the newest version, so the freshness table shows no lag
     finally:
         searcher.close()
+    return queries[0]
 
 
 def _top(hits: list[Hit]) -> str:
