@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shoal.api import manage, vektonn
+from shoal.api.datasets import install as install_datasets
 from shoal.api.metrics import Metrics
 from shoal.api.security import TenantContext, reader_tenant
 from shoal.api.state import Tenants
@@ -48,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     app.include_router(vektonn.router)
     app.include_router(manage.router)
+    install_datasets(app)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,0 +1,52 @@
+"""The dataset API's service logic (DeepLake-style datasets), free of HTTP; `shoal.api.datasets` serves it.
+
+A dataset is the tenant-facing convenience of one data source plus its default index under one name
+(DESIGN.md). For a dataset named N in tenant T:
+
+- **data source** `N` version `1`, dense, `dimensions` wide, with the fixed schema
+  `id` (string, permanent), `document_id` (string, "" for none), `content` (string, "" for none) and
+  `metadata` (string: the vector's metadata as JSON text, "null" for none). An upsert of a known `id`
+  replaces that vector (last write wins).
+- **default index** `N` version `1`: algorithm = `index_type` (flat, hnsw, ivf), metric = `metric_type`
+  (cosine, euclidean, manhattan, dot_product), `index_params` checked and completed by the engine
+  (hnsw: M, ef_construction, ef_search all or none; ivf: nlist, nprobe), id attribute `id`, one shard, every
+  attribute as payload. hnsw and ivf do not support manhattan (INVALID_DATASET_CONFIG); flat supports all.
+- **catalog**: the dataset's definition (description, metadata, metric and index type, index params, last
+  update) lives in the data source row's `custom_metadata` under `shoal.dataset` (`catalog.MARKER`); that key
+  is what makes a data source a dataset. `created_at` is the data source's creation time.
+- **storage**: `tenants/T/datasets/N/dataset_metadata.json` mirrors the catalog entry (written atomically on
+  create and update, removed on delete); the log and the index artifacts stay where DESIGN.md puts them.
+- **id**: the dataset's id is its name (unique per tenant, immutable since datasets cannot be renamed).
+- **names**: `^[a-z0-9_-]{1,100}$` starting with a letter or digit (data source names must); the reserved
+  names `rules.RESERVED_NAMES` are refused on create (RESERVED_DATASET_NAME) and never found otherwise.
+- **dimensions**: 1..10000 (the engines' and the catalog's cap).
+- **vector_count / storage_size** of a dataset object are O(1) figures from the catalog's segment rows:
+  upserts minus tombstones (exact while ids are written once; a re-upserted id counts once per write) and the
+  log's bytes. `/stats` gives the exact count of live vectors (the log folded by id, reading only its small
+  columns: O(log entries), not O(vectors x dimensions)) and bytes of the log, index artifacts (every file
+  under the index's folder, including versions awaiting garbage collection) and the metadata mirror.
+- **delete** is a hard delete for now (index, data source, their files, the mirror); the soft delete to
+  `tenants/T/trash/` with a retention period is issue 6.
+- **reindex** answers NOT_IMPLEMENTED (501) until the reindex issue lands.
+- **search**: `score` is the metric's distance as Shoal defines it (smaller is nearer, except dot_product
+  where larger is nearer). Consistency: `strong` sees every write committed before the query; otherwise a
+  `min_write_token` asks for at least that write; otherwise `eventual`.
+- **multi-dataset search**: see `merge` for the exact order of each strategy.
+- **cache**: see `cache` (Redis keys, TTLs, invalidation, behaviour when Redis is down).
+"""
+
+from shoal.datasets.cache import DatasetCache
+from shoal.datasets.catalog import DatasetCatalog, DatasetRecord
+from shoal.datasets.errors import DatasetError, ErrorCode
+from shoal.datasets.rules import RESERVED_NAMES
+from shoal.datasets.service import DatasetService
+
+__all__ = [
+    "RESERVED_NAMES",
+    "DatasetCache",
+    "DatasetCatalog",
+    "DatasetError",
+    "DatasetRecord",
+    "DatasetService",
+    "ErrorCode",
+]

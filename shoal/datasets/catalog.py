@@ -1,0 +1,193 @@
+"""Datasets in the catalog: each is a data source row whose custom metadata carries the dataset's definition.
+
+The data source `N` version `1` holds, under the key `MARKER` of its JSONB `custom_metadata`, the dataset's
+description, metadata, metric and index type, index parameters and last update time; its `description` column
+mirrors the description for the data source listings. Every query is scoped by the tenant.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import DataSource, LogSegment
+from shoal.client import Shoal
+from shoal.datasets.errors import not_found
+from shoal.datasets.rules import VERSION
+
+MARKER = "shoal.dataset"  # key of the dataset definition inside the data source's custom metadata
+FORMAT = 1  # version of the definition's layout
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset's catalog entry: what the API caches (live counters are not part of it)."""
+
+    name: str
+    source_id: int
+    description: str | None
+    metadata: dict[str, Any] | None
+    dimensions: int
+    metric_type: str
+    index_type: str
+    index_params: dict[str, Any]
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready (timestamps in ISO 8601, UTC)."""
+        return {
+            "name": self.name,
+            "source_id": self.source_id,
+            "description": self.description,
+            "metadata": self.metadata,
+            "dimensions": self.dimensions,
+            "metric_type": self.metric_type,
+            "index_type": self.index_type,
+            "index_params": self.index_params,
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DatasetRecord:
+        """The inverse of `to_json`."""
+        return cls(
+            name=data["name"],
+            source_id=int(data["source_id"]),
+            description=data["description"],
+            metadata=data["metadata"],
+            dimensions=int(data["dimensions"]),
+            metric_type=data["metric_type"],
+            index_type=data["index_type"],
+            index_params=dict(data["index_params"]),
+            created_at=dt.datetime.fromisoformat(data["created_at"]),
+            updated_at=dt.datetime.fromisoformat(data["updated_at"]),
+        )
+
+
+@dataclass(frozen=True)
+class LogTotals:
+    """Sums over a data source's committed log segments."""
+
+    segments: int = 0
+    upserts: int = 0
+    tombstones: int = 0
+    bytes: int = 0
+
+    @property
+    def estimated_vector_count(self) -> int:
+        """Upserts minus tombstones: exact while every id is written once and only live ids are deleted;
+        re-upserted ids count once per write. O(1) per dataset from the catalog."""
+        return max(0, self.upserts - self.tombstones)
+
+
+def definition(
+    description: str | None,
+    metadata: dict[str, Any] | None,
+    metric_type: str,
+    index_type: str,
+    index_params: dict[str, Any],
+    updated_at: dt.datetime | None = None,
+) -> dict[str, Any]:
+    """The dataset definition as stored under `MARKER`."""
+    return {
+        "format": FORMAT,
+        "description": description,
+        "metadata": metadata,
+        "metric_type": metric_type,
+        "index_type": index_type,
+        "index_params": index_params,
+        "updated_at": updated_at.isoformat() if updated_at else None,
+    }
+
+
+def _record(row: DataSource) -> DatasetRecord:
+    d = row.custom_metadata[MARKER]
+    updated = d.get("updated_at")
+    return DatasetRecord(
+        name=row.name,
+        source_id=row.id,
+        description=d.get("description"),
+        metadata=d.get("metadata"),
+        dimensions=row.vector_dimension,
+        metric_type=d["metric_type"],
+        index_type=d["index_type"],
+        index_params=dict(d.get("index_params") or {}),
+        created_at=row.created_at.astimezone(dt.UTC),
+        updated_at=dt.datetime.fromisoformat(updated) if updated else row.created_at.astimezone(dt.UTC),
+    )
+
+
+class DatasetCatalog:
+    """The datasets of the tenant a Shoal client is scoped to."""
+
+    def __init__(self, shoal: Shoal) -> None:
+        self.engine = shoal.engine
+        self.tenant_id = shoal.catalog.tenant_id
+
+    def _datasets(self) -> Any:
+        return select(DataSource).where(
+            DataSource.tenant_id == self.tenant_id,
+            DataSource.version == VERSION,
+            DataSource.custom_metadata.has_key(MARKER),
+        )
+
+    def find(self, name: str) -> DatasetRecord | None:
+        """The dataset, or None."""
+        with Session(self.engine) as s:
+            row = s.scalars(self._datasets().where(DataSource.name == name)).one_or_none()
+            return _record(row) if row is not None else None
+
+    def get(self, name: str) -> DatasetRecord:
+        """The dataset, or DATASET_NOT_FOUND."""
+        record = self.find(name)
+        if record is None:
+            raise not_found(name)
+        return record
+
+    def page(self, limit: int, offset: int) -> tuple[list[DatasetRecord], int]:
+        """Datasets by name, `limit` of them from `offset`, and how many there are in all."""
+        with Session(self.engine) as s:
+            total = s.scalar(select(func.count()).select_from(self._datasets().subquery())) or 0
+            if offset >= total:  # also keeps offsets beyond Postgres' bigint out of the query
+                return [], int(total)
+            rows = s.scalars(self._datasets().order_by(DataSource.name).limit(limit).offset(offset)).all()
+            return [_record(r) for r in rows], int(total)
+
+    def update(self, name: str, changes: dict[str, Any]) -> DatasetRecord:
+        """Set the description and/or metadata given in `changes` (row-locked read, modify, write)."""
+        with Session(self.engine) as s, s.begin():
+            row = s.scalars(self._datasets().where(DataSource.name == name).with_for_update()).one_or_none()
+            if row is None:
+                raise not_found(name)
+            d = dict(row.custom_metadata[MARKER])
+            d.update(changes)
+            d["updated_at"] = dt.datetime.now(dt.UTC).isoformat()
+            row.custom_metadata = {**row.custom_metadata, MARKER: d}
+            if "description" in changes:
+                row.description = changes["description"] or ""
+            s.flush()
+            return _record(row)
+
+    def log_totals(self, source_ids: list[int]) -> dict[int, LogTotals]:
+        """Segment count, upserts, tombstones and bytes per data source, in one query."""
+        if not source_ids:
+            return {}
+        with Session(self.engine) as s:
+            rows = s.execute(
+                select(
+                    LogSegment.data_source_id,
+                    func.count(),
+                    func.coalesce(func.sum(LogSegment.upsert_count), 0),
+                    func.coalesce(func.sum(LogSegment.tombstone_count), 0),
+                    func.coalesce(func.sum(LogSegment.bytes), 0),
+                )
+                .where(LogSegment.data_source_id.in_(source_ids))
+                .group_by(LogSegment.data_source_id)
+            )
+            return {r[0]: LogTotals(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
