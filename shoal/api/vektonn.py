@@ -65,9 +65,8 @@ def _search_now(
     index_name: str, index_version: str, query: SearchQueryDto, ctx: TenantContext, level: str | None,
     token: int | None,
 ) -> list[SearchResultDto]:
-    shoal = ctx.handle.shoal
-    index = shoal.get_index(index_name, index_version)
-    source = shoal.get_data_source(index.spec.source_name, index.spec.source_version).spec
+    # The searcher's view holds the definitions already: no catalog round trip per request (bench/api.py).
+    source = ctx.handle.searcher.view(index_name, index_version).source.spec
     if query.k <= 0:
         raise ValidationError(f"k must be positive, got {query.k}")
     vectors = query_vectors(source, query.queryVectors)
