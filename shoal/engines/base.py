@@ -57,6 +57,9 @@ class Engine(ABC):
     algorithm: ClassVar[str]
     supported_metrics: ClassVar[frozenset[Metric]]
     sparse: ClassVar[bool] = False
+    # Whether `_search` may return label -1 (fewer than k found, e.g. IVF probing few lists); an engine that
+    # never does says False and skips the masking pass.
+    may_miss: ClassVar[bool] = True
 
     def __init__(self, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         self.metric = metric
@@ -106,26 +109,34 @@ class Engine(ABC):
         data = _sparse("vectors", vectors) if cls.sparse else _dense("vectors", vectors)
         return cls._build(data, m, p, max(1, threads or available_cores()))
 
-    def search(self, queries: Vectors, k: int, *, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: Vectors, k: int, *, threads: int = 1, checked: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The k nearest rows of each query: (distances float32 [q, k], labels int64 [q, k]).
 
         Nearest first in the metric's own distance (dot_product: decreasing score, others increasing), so
         results of several engines merge by distance. Missing results have label -1 and the metric's worst
         distance (+inf, or -inf for dot_product). `threads` bounds the cores used by this call (the searcher
         parallelises across segments, hence 1 by default); the flat engines use numpy's BLAS threads.
+        `checked`: the caller already made `queries` what `_dense`/`_sparse` return, with this dimension
+        (the searcher does, once per search, in prepare_queries); skips checking them again per engine.
         """
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
             raise ValidationError(f"k must be a non-negative integer (got {k!r})")
         k = int(k)
-        q = _sparse("queries", queries, self.dim) if self.sparse else _dense("queries", queries, self.dim)
+        if checked:
+            q = queries
+        else:
+            q = _sparse("queries", queries, self.dim) if self.sparse else _dense("queries", queries, self.dim)
         k_eff = min(k, len(self))
         if not (len(q) and k_eff):
             return (np.full((len(q), k), worst_distance(self.metric), dtype=np.float32),
                     np.full((len(q), k), -1, dtype=np.int64))
         d, lab = self._search(q, k_eff, max(1, int(threads)))
+        if k_eff == k and not self.may_miss:
+            return d, lab  # the common case of HNSW: nothing to pad or mask, no copies (runs once per query)
         missing = lab < 0
         if k_eff == k:
-            # The common case: no padding to add, and no copies (this path runs once per query).
             return (np.where(missing, worst_distance(self.metric), d).astype(np.float32) if missing.any() else d), lab
         distances = np.full((len(q), k), worst_distance(self.metric), dtype=np.float32)
         labels = np.full((len(q), k), -1, dtype=np.int64)

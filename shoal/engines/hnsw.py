@@ -42,6 +42,9 @@ class HnswEngine(Engine):
     supported_metrics = frozenset(_SPACES)
     sparse = False
 
+    # hnswlib raises rather than return fewer than k; _search then answers exactly: never a -1 label.
+    may_miss = False
+
     def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         super().__init__(metric, params, dim, count)
         self._index = index  # None when there are no rows
@@ -87,16 +90,18 @@ class HnswEngine(Engine):
             # answer such a batch exactly instead.
             return self._exact(queries, k)
         labels = labels.astype(np.int64)
-        d = dist.astype(np.float64)
+        # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
+        # and this runs once per query.
+        d = dist
         if self.metric is Metric.DOT_PRODUCT:
-            d = 1.0 - d
+            d = np.float32(1.0) - d
         elif self.metric is Metric.EUCLIDEAN:
-            d = np.sqrt(np.maximum(d, 0.0))
+            d = np.sqrt(np.maximum(d, np.float32(0.0)))
         # Re-sort so equal distances come in label order, like every other engine (hnswlib's own order is
         # already by distance, so only rows with ties need it: skipping it is most of a query's overhead).
-        if d.shape[1] > 1 and (np.diff(d, axis=1) == 0).any():
+        if d.shape[1] > 1 and _has_ties(d):
             d, labels = top_k_of(self.metric, d, labels, k)
-        return d.astype(np.float32), labels
+        return d.astype(np.float32, copy=False), labels
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,
@@ -131,3 +136,12 @@ class HnswEngine(Engine):
                     f.write(sections[0])
                 index.load_index(path, max_elements=n)
         return cls(index, metric, effective, dim, n)
+
+
+def _has_ties(d: np.ndarray) -> bool:
+    """Whether any row holds two equal neighbouring distances."""
+    if len(d) == 1:
+        # One query (a server's usual call): ten Python comparisons beat three numpy calls.
+        row = d[0].tolist()
+        return any(a == b for a, b in zip(row, row[1:]))
+    return bool((d[:, 1:] == d[:, :-1]).any())

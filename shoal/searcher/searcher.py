@@ -23,7 +23,7 @@ from shoal.client import Shoal
 from shoal.errors import ValidationError
 from shoal.ingest.reader import read_log
 from shoal.searcher.consistency import Consistency
-from shoal.searcher.execute import Hit, build_tails, execute, prepare_queries, split_matcher
+from shoal.searcher.execute import Hit, Tail, build_tails, execute, prepare_queries, split_matcher
 from shoal.searcher.views import IndexView, load_shard
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ class Searcher:
         self.cache = SegmentCache()
         self.poll_interval = poll_interval
         self._views: dict[tuple[str, str], IndexView] = {}
+        # Per index: the log tail last read for a search stronger than eventual, and the shard versions it was
+        # read against. Log segments are immutable: a later search reuses it and reads only newer segments.
+        self._tails: dict[int, tuple[tuple[int | None, ...], int, pa.Table | None, dict[int, Tail]]] = {}
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
@@ -89,14 +92,27 @@ class Searcher:
         }[consistency.level]
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
-        tails = {}
-        if required > view.min_watermark:
-            batches = list(
-                read_log(self.shoal.engine, self.shoal.storage, view.source.id, view.min_watermark, required)
-            )
-            if batches:
-                tails = build_tails(view, pa.Table.from_batches(batches))
+        tails = self._tail(view, required) if required > view.min_watermark else {}
         return execute(view, q, k, matches, tails, retrieve_vectors)
+
+    def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
+        """The log tail (served watermark, required] per shard; reuses and extends the last one read."""
+        versions = tuple(s.version_id for s in view.shards)
+        with self._lock:
+            cached = self._tails.get(view.index.id)
+        start, entries = view.min_watermark, None
+        if cached is not None and cached[0] == versions:
+            if cached[1] >= required:  # a tail reaching past `required` still reflects every write up to it
+                return cached[3]
+            start, entries = cached[1], cached[2]
+        batches = list(read_log(self.shoal.engine, self.shoal.storage, view.source.id, start, required))
+        if batches:
+            new = pa.Table.from_batches(batches)
+            entries = new if entries is None else pa.concat_tables([entries, new])
+        tails = build_tails(view, entries) if entries is not None and entries.num_rows else {}
+        with self._lock:
+            self._tails[view.index.id] = (versions, required, entries, tails)
+        return tails
 
     def view(self, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from shoal.artifacts.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.catalog.indexes import IndexRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord
+from shoal.engines.metrics import higher_is_nearer as _higher_is_nearer
 from shoal.storage import Storage
 
 
@@ -40,10 +42,22 @@ class IndexView:
     source: SourceRecord
     shards: tuple[ShardView, ...]
 
-    @property
+    # Derived once per view (cached_property writes the instance dict directly, so it suits a frozen
+    # dataclass): every search reads them.
+    @cached_property
     def min_watermark(self) -> int:
         """The lowest served watermark over the shards."""
         return min((s.watermark for s in self.shards), default=0)
+
+    @cached_property
+    def stored(self) -> tuple[str, ...]:
+        """The attributes every result carries (id, split and payload attributes)."""
+        return self.index.spec.stored_attributes()
+
+    @cached_property
+    def higher_is_nearer(self) -> bool:
+        """True when a larger distance is nearer (dot product)."""
+        return _higher_is_nearer(self.index.spec.metric)
 
 
 def load_shard(
