@@ -20,6 +20,7 @@ from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError, ValidationError
 from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
 from shoal.ingest.reader import fold, read_log
+from shoal.ingest.backpressure import Backpressure
 from shoal.ingest.writer import LogWriter
 from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
 from shoal.storage import Storage, source_log_dir
@@ -62,6 +63,9 @@ class Shoal:
         self._redis: Any = None  # broker client and Celery producer, made on the first notification
         self._celery: Any = None
         self._shards_of: dict[int, tuple[float, list[int]]] = {}
+        self.backpressure = Backpressure(
+            self.shards, self.settings.max_index_lag_seqs, self.settings.backpressure_retry_after_s
+        )
 
     @property
     def tenant(self) -> str:
@@ -118,6 +122,12 @@ class Shoal:
                 writer.after_commit = self._after_commit
                 self._writers[record.id] = writer
         return Producer(record, writer, self.settings.max_batch_points)
+
+    def check_backpressure(self, name: str, version: str) -> None:
+        """Raise BackpressureError (HTTP 429) when an index of the data source lags past
+        SHOAL_MAX_INDEX_LAG_SEQS; the HTTP upload routes call this before writing."""
+        record = self.get_data_source(name, version)
+        self.backpressure.check(record.id, name)
 
     def _after_commit(self, source_id: int) -> None:
         if not self.notify:
@@ -294,6 +304,13 @@ class Producer:
         """Append a columnar batch of upserts: `vectors` [n, dim] and one column per attribute."""
         table = columns_to_table(self.spec, vectors, attributes, self._max)
         return self._token(self._writer.submit(table, _batch_id(batch_id)))
+
+    def append_tables(self, batches: Sequence[tuple[pa.Table, str | None]]) -> list[WriteToken]:
+        """Append batches already validated against this source (by `shoal.ingest.batch` or the intake codec),
+        each all or nothing under its own batch id, sharing commits; their tokens, in order. A batch id that
+        already committed returns its original token and writes nothing."""
+        checked = [(table, _batch_id(batch_id)) for table, batch_id in batches]
+        return [self._token(seq) for seq in self._writer.submit_many(checked)]
 
     def delete(
         self, keys: Mapping[str, Sequence[Any] | np.ndarray | pa.Array], *, batch_id: str | None = None

@@ -88,3 +88,12 @@ class AuthenticationError(ShoalError):
 
 class PermissionDeniedError(ShoalError):
     """The caller is authenticated but its role does not allow the operation (HTTP 403)."""
+
+
+class BackpressureError(ShoalError):
+    """Indexes of the data source lag more than the configured bound: retry after `retry_after` seconds
+    (HTTP 429 with Retry-After). Nothing was written."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -21,6 +21,7 @@ from shoal.config.settings import Settings
 from shoal.errors import (
     AlreadyExistsError,
     AuthenticationError,
+    BackpressureError,
     ConfigurationError,
     NotFoundError,
     PermissionDeniedError,
@@ -84,6 +85,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(ConfigurationError)
     async def _unavailable(_: Request, exc: ConfigurationError) -> JSONResponse:
         return _errors(503, [str(exc)])
+
+    @app.exception_handler(BackpressureError)
+    async def _too_many(_: Request, exc: BackpressureError) -> JSONResponse:
+        response = _errors(429, [str(exc)])
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     @app.exception_handler(ShoalError)
     async def _shoal_error(_: Request, exc: ShoalError) -> JSONResponse:

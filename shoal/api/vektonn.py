@@ -30,6 +30,7 @@ def upload(
     request: Request,
 ) -> Response:
     """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable."""
+    ctx.handle.shoal.check_backpressure(dataSourceName, dataSourceVersion)
     producer = ctx.handle.shoal.producer(dataSourceName, dataSourceVersion)
     token = producer.upload(points_from_dtos(producer.spec, body))
     request.app.state.metrics.uploaded.labels(ctx.tenant).inc(len(body))

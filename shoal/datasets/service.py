@@ -470,6 +470,7 @@ class DatasetService:
         if problems:
             raise _invalid(f"invalid vectors, nothing written: {'; '.join(problems[:10])}", problems=problems[:100])
         try:
+            self.shoal.check_backpressure(record.name, rules.VERSION)
             token = self.shoal.producer(record.name, rules.VERSION).upload(points)
         except NotFoundError:
             self._forget(record.name)

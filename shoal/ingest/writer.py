@@ -62,9 +62,25 @@ class LogWriter:
 
     def submit(self, table: pa.Table, batch_id: str | None = None) -> int:
         """Append one validated batch; block until it is durable and committed; return its last seq."""
-        req = _Request(table, batch_id)
+        return self.submit_many([(table, batch_id)])[0]
+
+    def submit_many(self, batches: list[tuple[pa.Table, str | None]]) -> list[int]:
+        """Append several validated batches, each all or nothing with its own batch id, sharing commits
+        (as many as fit `group_max_points` per segment); block until every one is committed; their tokens.
+
+        Raises the first failure; batches of other commits may have landed (their ids make a retry safe).
+        """
+        reqs = [_Request(table, batch_id) for table, batch_id in batches]
         with self._cv:
-            self._queue.append(req)
+            self._queue.extend(reqs)
+        for req in reqs:
+            self._wait(req)
+        for req in reqs:
+            if req.error is not None:
+                raise req.error
+        return [req.token for req in reqs]  # type: ignore[misc]
+
+    def _wait(self, req: _Request) -> None:
         while True:
             with self._cv:
                 while not req.done and self._busy:
@@ -79,10 +95,6 @@ class LogWriter:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
-        if req.error is not None:
-            raise req.error
-        assert req.token is not None
-        return req.token
 
     def _take_group(self) -> list[_Request]:
         group = [self._queue.popleft()]

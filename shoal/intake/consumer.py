@@ -1,0 +1,329 @@
+"""`shoal consume`: takes upload messages off the broker and appends them to data-source logs, exactly once.
+
+A consumer gathers messages until it holds `intake_max_points` points or the first of them has waited
+`intake_max_wait_ms`, commits each data source's messages as batches of one group commit (one batch per
+message, the message id as its batch id), and only then acknowledges them. So:
+
+- a consumer that dies before the commit leaves its messages unacknowledged: the broker hands them out again
+  after the visibility timeout;
+- one that dies after the commit but before the acknowledgements gets them back too, and their message ids,
+  already recorded with the commit, make the second commit write nothing;
+- a message that fails validation (bad JSON, wrong dimension, unknown data source ...) is never retried: it
+  goes to the group's dead-letter queue with the reason in a header and is acknowledged, so it never
+  blocks the queue; one that fails for a transient reason (catalog or storage away) is requeued.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from kombu import Connection, Consumer, Producer
+from kombu.message import Message
+from sqlalchemy.exc import OperationalError
+
+from shoal.client import Shoal
+from shoal.config.celery_app import broker_url
+from shoal.config.settings import Settings
+from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
+from shoal.intake import codec, topology
+from shoal.intake.topology import Target
+
+log = logging.getLogger(__name__)
+
+# Failures worth a retry of the same message later: the catalog or storage was briefly away.
+TRANSIENT = (OperationalError, OSError, CommitError, ConfigurationError)
+BATCH_ID_PREFIX = "msg:"
+MAX_MESSAGE_ID = 190  # batch ids hold at most 200 characters
+
+
+@dataclass
+class IntakeStats:
+    """What a consumer did since it started (for logs, tests and the bench)."""
+
+    messages: int = 0  # committed (first time)
+    points: int = 0
+    duplicates: int = 0  # redeliveries of messages whose id had committed already
+    dead: int = 0
+    requeued: int = 0
+    commits: int = 0
+    paused_s: float = 0.0
+    reasons: list[str] = field(default_factory=list)  # last dead-letter reasons (at most 100)
+
+
+@dataclass
+class _Held:
+    message: Message
+    target: Target
+    message_id: str | None
+    table: pa.Table
+
+
+class IntakeConsumer:
+    """One consumer of a consumer group's queue. `run()` blocks until `stop` is set."""
+
+    def __init__(self, settings: Settings | None = None, *, group: str | None = None) -> None:
+        self.settings = settings or Settings()
+        self.group = group or self.settings.intake_group
+        self.exchange_name = self.settings.intake_exchange
+        self.queue = topology.group_queue(self.exchange_name, self.group, self.settings.intake_binding)
+        self.dead_queue = topology.dead_queue(self.exchange_name, self.group)
+        self.stats = IntakeStats()
+        self.stop = threading.Event()
+        self.paused = False  # true while backpressure holds intake
+        self._shoals: dict[str, Shoal] = {}
+        self._held: list[_Held] = []
+        self._held_points = 0
+        self._first_held_at = 0.0
+        self._dead_producer: Producer | None = None
+        self._backoff = 0.0
+        self._written_sources: set[tuple[str, int]] = set()  # (tenant, source id) this consumer wrote to
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Consume until `stop` is set, reconnecting to the broker whenever it goes away."""
+        url = broker_url(self.settings)
+        options = {"visibility_timeout": self.settings.intake_visibility_timeout_s}
+        delay = 0.5
+        while not self.stop.is_set():
+            conn = Connection(url, transport_options=options)
+            try:
+                conn.connect()
+                delay = 0.5
+                self._serve(conn)
+            except (*conn.recoverable_connection_errors, *conn.recoverable_channel_errors, *conn.connection_errors,
+                    ConnectionError, socket.error) as exc:
+                # Messages we held come back after the visibility timeout; their ids make that harmless.
+                log.warning("broker connection lost (%s); reconnecting in %.1fs", exc, delay)
+                self._drop_held()
+                self.stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                self._dead_producer = None
+                try:
+                    conn.release()
+                except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is gone anyway
+                    pass
+        self.close()
+
+    def _serve(self, conn: Connection) -> None:
+        channel = conn.channel()
+        self._dead_producer = Producer(conn.channel())
+        # Declare the dead-letter queue up front so dead letters published before anyone reads are kept.
+        self.dead_queue(self._dead_producer.channel).declare()
+        consumer = Consumer(channel, queues=[self.queue], on_message=self._receive, no_ack=False,
+                            prefetch_count=self.settings.intake_prefetch)
+        consumer.consume()
+        consuming = True
+        log.info("consuming %s (group %s) on %s", self.queue.name, self.group, self.exchange_name)
+        while not self.stop.is_set():
+            if self._backoff:
+                self.stop.wait(self._backoff)
+                self._backoff = 0.0
+            timeout = 0.5
+            if self._held:
+                timeout = max(0.0, self._first_held_at + self.settings.intake_max_wait_ms / 1000 - time.monotonic())
+            if consuming:
+                try:
+                    conn.drain_events(timeout=max(timeout, 0.001))
+                except socket.timeout:
+                    pass
+            else:
+                self.stop.wait(0.5)
+            if self._held and (
+                self._held_points >= self.settings.intake_max_points
+                or time.monotonic() - self._first_held_at >= self.settings.intake_max_wait_ms / 1000
+            ):
+                self._flush()
+            # Backpressure: stop taking messages while an index we write to lags past the bound; they wait in
+            # the broker, so the lag grows instead of this process's memory.
+            lagging = self._lagging()
+            if lagging and consuming:
+                self._flush()
+                consumer.cancel()
+                consuming, self.paused = False, True
+                paused_at = time.monotonic()
+                log.warning("pausing intake: index lag past the bound (%s)", lagging)
+            elif not lagging and not consuming:
+                consumer.consume()
+                consuming, self.paused = True, False
+                self.stats.paused_s += time.monotonic() - paused_at
+                log.info("resuming intake")
+        self._flush()
+
+    # -- receiving ----------------------------------------------------------------------------------------
+
+    def _receive(self, message: Message) -> None:
+        headers = message.headers or {}
+        message_id = headers.get(topology.MESSAGE_ID) or message.properties.get("message_id")
+        try:
+            if message_id is not None and (not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID):
+                raise ValidationError(f"message id must be a string of 1 to {MAX_MESSAGE_ID} characters")
+            target = topology.target_of(headers)
+            producer = self._shoal(target.tenant).producer(target.source, target.version)
+            table = codec.decode(producer.spec, message.content_type, message.body,
+                                 self.settings.max_batch_points)
+        except (ValidationError, NotFoundError) as exc:
+            self._dead_letter(message, str(exc))
+            return
+        except TRANSIENT as exc:
+            log.warning("requeued a message: %s", exc)
+            self._requeue([message])
+            self._backoff = 1.0
+            return
+        if not self._held:
+            self._first_held_at = time.monotonic()
+        self._held.append(_Held(message, target, message_id, table))
+        self._held_points += table.num_rows
+
+    def _shoal(self, tenant: str) -> Shoal:
+        shoal = self._shoals.get(tenant)
+        if shoal is None:
+            shoal = self._shoals[tenant] = Shoal(self.settings, tenant=tenant)
+        return shoal
+
+    # -- committing ---------------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        held, self._held, self._held_points = self._held, [], 0
+        by_target: dict[Target, list[_Held]] = defaultdict(list)
+        for h in held:
+            by_target[h.target].append(h)
+        for target, items in by_target.items():
+            try:
+                producer = self._shoal(target.tenant).producer(target.source, target.version)
+                ids = [BATCH_ID_PREFIX + h.message_id if h.message_id else None for h in items]
+                before = self._committed_ids(producer, ids)
+                producer.append_tables([(h.table, bid) for h, bid in zip(items, ids, strict=True)])
+            except NotFoundError as exc:  # dropped between receipt and commit
+                for h in items:
+                    self._dead_letter(h.message, str(exc))
+                continue
+            except TRANSIENT as exc:
+                log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
+                self._requeue([h.message for h in items])
+                self._backoff = 1.0
+                continue
+            self.stats.commits += 1
+            self._written_sources.add((target.tenant, producer.source.id))
+            seen = set(before)
+            for h, bid in zip(items, ids, strict=True):
+                h.message.ack()
+                if bid is not None and bid in seen:
+                    self.stats.duplicates += 1
+                else:
+                    if bid is not None:
+                        seen.add(bid)
+                    self.stats.messages += 1
+                    self.stats.points += h.table.num_rows
+
+    def _committed_ids(self, producer: Any, ids: list[str | None]) -> set[str]:
+        """Which of these batch ids committed before (only to count redeliveries; the commit dedupes)."""
+        if not any(ids):
+            return set()
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session
+
+        from shoal.catalog.models import ProducerBatch
+
+        wanted = [i for i in ids if i]
+        with Session(self._shoal(producer.source.tenant).engine) as s:
+            return set(
+                s.scalars(
+                    select(ProducerBatch.batch_id).where(
+                        ProducerBatch.data_source_id == producer.source.id, ProducerBatch.batch_id.in_(wanted)
+                    )
+                )
+            )
+
+    def _requeue(self, messages: list[Message]) -> None:
+        for m in messages:
+            m.requeue()
+            self.stats.requeued += 1
+
+    def _drop_held(self) -> None:
+        self._held, self._held_points = [], 0
+
+    def _dead_letter(self, message: Message, reason: str) -> None:
+        assert self._dead_producer is not None
+        headers = dict(message.headers or {})
+        headers[topology.REASON] = reason[:1000]
+        headers[topology.DEAD_AT] = dt.datetime.now(dt.UTC).isoformat()
+        headers[topology.ORIGINAL_ROUTING_KEY] = message.delivery_info.get("routing_key", "")
+        # Published before the original is acknowledged: a crash between the two leaves the message in both
+        # queues (it is redelivered and refused again), never in neither.
+        self._dead_producer.publish(
+            message.body,
+            exchange=topology.dead_exchange(self.exchange_name),
+            routing_key=self.group,
+            headers=headers,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding or "binary",
+            message_id=message.properties.get("message_id"),
+            declare=[self.dead_queue],
+            retry=True,
+        )
+        message.ack()
+        self.stats.dead += 1
+        self.stats.reasons = [*self.stats.reasons[-99:], reason]
+        log.warning("dead-lettered a message: %s", reason)
+
+    # -- backpressure -------------------------------------------------------------------------------------
+
+    def _lagging(self) -> dict[int, int]:
+        if not self.settings.max_index_lag_seqs or not self._written_sources:
+            return {}
+        over: dict[int, int] = {}
+        for tenant in {t for t, _ in self._written_sources}:
+            ids = [sid for t, sid in self._written_sources if t == tenant]
+            try:
+                over |= self._shoal(tenant).backpressure.over(ids)
+            except TRANSIENT as exc:
+                log.warning("cannot read index lag: %s", exc)
+        return over
+
+    def close(self) -> None:
+        """Release catalog connections."""
+        for shoal in self._shoals.values():
+            shoal.close()
+        self._shoals.clear()
+
+
+def dead_letters(settings: Settings, group: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
+    """Read (and remove) up to `limit` messages from a group's dead-letter queue: headers, content type, body."""
+    group = group or settings.intake_group
+    queue = topology.dead_queue(settings.intake_exchange, group)
+    out: list[dict[str, Any]] = []
+    with Connection(broker_url(settings)) as conn:
+        bound = queue(conn.channel())
+        bound.declare()
+        while len(out) < limit:
+            message = bound.get(no_ack=False, accept=None)
+            if message is None:
+                break
+            out.append({"headers": dict(message.headers or {}), "content_type": message.content_type,
+                        "body": message.body})
+            message.ack()
+    return out
+
+
+def consume_forever(settings: Settings | None = None, *, group: str | None = None) -> IntakeConsumer:
+    """Run a consumer in this thread until interrupted; returns it (with its stats) once stopped."""
+    consumer = IntakeConsumer(settings, group=group)
+    try:
+        consumer.run()
+    except KeyboardInterrupt:
+        consumer.stop.set()
+        consumer.close()
+    except ShoalError:
+        consumer.close()
+        raise
+    return consumer

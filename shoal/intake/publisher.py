@@ -1,0 +1,132 @@
+"""A publisher for upstream processors: sends upload messages to Shoal's intake exchange.
+
+Every message gets a unique id (the consumer dedupes redeliveries and repeated publishes on it), is
+persistent, and is sent with confirms where the broker has them (AMQP); on Redis a publish returns once the
+server has stored the message. A publish that meets a broken connection is retried with backoff, on a new
+connection, up to `max_retries` times; retrying with the same message id can never write twice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from kombu import Connection, Producer
+
+from shoal.config.celery_app import broker_url
+from shoal.config.settings import Settings
+from shoal.errors import ValidationError
+from shoal.intake import codec, topology
+from shoal.records import DataPoint, Tombstone
+
+
+class Publisher:
+    """Publishes data points and tombstones for one tenant. Not thread-safe: one per thread."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        tenant: str | None = None,
+        url: str | None = None,
+        max_retries: int = 20,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.tenant = tenant or self.settings.tenant
+        self.exchange = topology.exchange(self.settings.intake_exchange)
+        # Declared by the publisher too, so messages sent before any consumer started are kept.
+        self.queue = topology.group_queue(
+            self.settings.intake_exchange, self.settings.intake_group, self.settings.intake_binding
+        )
+        self._conn = Connection(url or broker_url(self.settings), transport_options={"confirm_publish": True})
+        self._producer: Producer | None = None
+        self.retry_policy = {
+            "max_retries": max_retries,
+            "interval_start": 0.1,
+            "interval_step": 0.5,
+            "interval_max": max_backoff_s,
+        }
+
+    def _ensure_producer(self) -> Producer:
+        if self._producer is None:
+            self._producer = Producer(self._conn.default_channel, exchange=self.exchange)
+        return self._producer
+
+    def publish_raw(
+        self, source: str, version: str, body: bytes, content_type: str, *, message_id: str | None = None
+    ) -> str:
+        """Publish an already encoded body (`codec.JSON` or `codec.ARROW`); returns the message id."""
+        if content_type not in codec.CONTENT_TYPES:
+            raise ValidationError(f"unsupported content type {content_type!r}: use {' or '.join(codec.CONTENT_TYPES)}")
+        target = topology.target(self.tenant, source, version)
+        message_id = message_id or uuid.uuid4().hex
+        producer = self._ensure_producer()
+        publish = self._conn.ensure(producer, producer.publish, **self.retry_policy)
+        publish(
+            body,
+            exchange=self.exchange,
+            routing_key=target.routing_key,
+            content_type=content_type,
+            content_encoding="binary",
+            delivery_mode=2,
+            message_id=message_id,
+            headers={
+                topology.TENANT: target.tenant,
+                topology.SOURCE: target.source,
+                topology.VERSION: target.version,
+                topology.MESSAGE_ID: message_id,
+            },
+            declare=[self.queue],
+        )
+        return message_id
+
+    def publish(
+        self, source: str, version: str, items: Sequence[DataPoint | Tombstone], *, message_id: str | None = None
+    ) -> str:
+        """Publish data points and tombstones as one Vektonn upload JSON message; returns the message id."""
+        if not items:
+            raise ValidationError("nothing to publish: the batch is empty")
+        return self.publish_raw(source, version, codec.encode_json(items), codec.JSON, message_id=message_id)
+
+    def publish_columns(
+        self,
+        source: str,
+        version: str,
+        vectors: np.ndarray | None,
+        attributes: Mapping[str, Sequence[Any] | np.ndarray | pa.Array],
+        *,
+        deleted: Sequence[bool] | np.ndarray | None = None,
+        message_id: str | None = None,
+    ) -> str:
+        """Publish a columnar batch in the compact Arrow form (vectors [n, dim] float32, one column per
+        attribute, `deleted` marking tombstones); returns the message id."""
+        body = codec.encode_arrow(vectors, attributes, deleted=deleted)
+        return self.publish_raw(source, version, body, codec.ARROW, message_id=message_id)
+
+    def close(self) -> None:
+        """Release the broker connection."""
+        self._producer = None
+        self._conn.release()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def publish(
+    source: str,
+    version: str,
+    items: Sequence[DataPoint | Tombstone],
+    *,
+    settings: Settings | None = None,
+    tenant: str | None = None,
+) -> str:
+    """One-off publish of a batch (opens and closes a connection); returns the message id."""
+    with Publisher(settings, tenant=tenant) as p:
+        return p.publish(source, version, items)
