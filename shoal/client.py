@@ -123,6 +123,24 @@ class Shoal:
                 self._writers[record.id] = writer
         return Producer(record, writer, self.settings.max_batch_points)
 
+    def message_token(self, name: str, version: str, message_id: str) -> WriteToken | None:
+        """The write token of a published message once a consumer committed it (None before): publishers
+        get no token back, so this is how they learn a message is durable."""
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session
+
+        from shoal.catalog.models import ProducerBatch
+        from shoal.intake.consumer import BATCH_ID_PREFIX
+
+        record = self.get_data_source(name, version)
+        with Session(self.engine) as s:
+            seq = s.scalar(
+                select(ProducerBatch.last_seq).where(
+                    ProducerBatch.data_source_id == record.id, ProducerBatch.batch_id == BATCH_ID_PREFIX + message_id
+                )
+            )
+        return None if seq is None else WriteToken(int(seq), name, version)
+
     def check_backpressure(self, name: str, version: str) -> None:
         """Raise BackpressureError (HTTP 429) when an index of the data source lags past
         SHOAL_MAX_INDEX_LAG_SEQS; the HTTP upload routes call this before writing."""

@@ -7,6 +7,7 @@ the index, search it with held-out queries, show read-your-writes, print the fre
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,8 @@ from shoal.cli.worker import describe_servers, start_worker_process, stop_worker
 from shoal.client import Shoal
 from shoal.demo import DEMO_SPEC, demo_files, load_demo
 from shoal.ingest.bulk import plan_import, run_import
-from shoal.records import IndexSpec
+from shoal.config.settings import Settings
+from shoal.records import IndexSpec, Tombstone, WriteToken
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 
@@ -93,8 +95,9 @@ def demo(
 ) -> None:
     """The whole loop on the bundled sample of Debian packages (384-d embeddings of their descriptions).
 
-    1. Ingest the sample into the data source debian.packages/1.0 and delete every 400th package.
-    Uploads carry batch ids, so running the demo again uploads nothing new of the sample.
+    1. Ingest the sample into the data source debian.packages/1.0 and delete every 400th package: the
+    deletions are published as a message and appended by a real consumer (`shoal consume`, a child process).
+    Uploads carry batch ids and the message an id, so running the demo again writes nothing new of the sample.
     2. Create the HNSW index debian.packages.hnsw/1.0 (cosine) and start a real Celery worker with beat (a
     child process, logging to SHOAL_DATA_DIR/demo/worker.log); wait until it has built the index.
     3. Search with held-out queries: the embeddings of deleted packages.
@@ -122,12 +125,10 @@ def demo(
             result = run_import(producer, plan, DEMO_BATCH)
             uploaded = pq.read_table(attributes, columns=["id"])["id"].to_pylist()[: plan.rows]
         ids = [i for i in uploaded if i % DEMO_DELETE_EVERY == 0]
-        token = producer.delete({"id": ids}, batch_id="demo:delete:" + ",".join(map(str, ids)))
+        out.print(f"uploaded {count(result.points)} points in batches of {DEMO_BATCH} ({count(result.new_points)} new)")
+        token = _delete_through_the_broker(shoal, settings, ids)
         deleted = "deleted" if token.seq > record.head_seq else "already deleted"
-        out.print(
-            f"uploaded {count(result.points)} points in batches of {DEMO_BATCH} ({count(result.new_points)} new); "
-            f"{deleted} ids {', '.join(map(str, ids))}; write token {token}"
-        )
+        out.print(f"  ... and {deleted} ids {', '.join(map(str, ids))} (write token {token})")
         print_log(shoal, name, version, segments=False, show=0)
 
         # 2. the index and a worker
@@ -172,6 +173,35 @@ def demo(
     out.print(f"demo finished in {time.perf_counter() - started:.1f} s; run it again: the sample writes nothing new.")
     out.print(f"next: shoal index get {DEMO_INDEX.name} {DEMO_INDEX.version} | shoal status | shoal worker | "
               f"shoal search {DEMO_INDEX.name} {DEMO_INDEX.version} --query-file QUERIES.npy")
+
+
+def _delete_through_the_broker(shoal: Shoal, settings: Settings, ids: list[int]) -> WriteToken:
+    """Step 1b: publish the deletions as a message, as an upstream processor would, and let a real consumer
+    (`shoal consume`, a child process) append them; the message id makes a re-run write nothing."""
+    from shoal.intake.publisher import Publisher
+
+    log_path = settings.data_dir / "demo" / "consumer.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        consumer = subprocess.Popen([sys.executable, "-m", "shoal.cli", "consume"], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        message_id = "demo-delete-" + "-".join(map(str, ids))
+        with Publisher(settings, tenant=shoal.tenant) as publisher:
+            publisher.publish(DEMO_SPEC.name, DEMO_SPEC.version, [Tombstone({"id": i}) for i in ids],
+                              message_id=message_id)
+        out.print(f"published {len(ids)} tombstones as message {message_id}; consumer pid {consumer.pid}, "
+                  f"log {log_path}")
+        deadline = time.monotonic() + 120
+        while (token := shoal.message_token(DEMO_SPEC.name, DEMO_SPEC.version, message_id)) is None:
+            if consumer.poll() is not None:
+                fail(f"the consumer exited with code {consumer.returncode}; see {log_path}")
+            if time.monotonic() > deadline:
+                fail(f"the consumer did not commit the message within 120 s; see {log_path}")
+            time.sleep(0.05)
+        return token
+    finally:
+        stop_worker_process(consumer)  # type: ignore[arg-type]
 
 
 def _search_and_read_your_writes(
