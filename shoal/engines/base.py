@@ -121,9 +121,10 @@ class Engine(ABC):
         `checked`: the caller already made `queries` what `_dense`/`_sparse` return, with this dimension
         (the searcher does, once per search, in prepare_queries); skips checking them again per engine.
         """
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
-            raise ValidationError(f"k must be a non-negative integer (got {k!r})")
-        k = int(k)
+        if type(k) is not int or k < 0:  # the exact-type test first: this runs once per query and segment
+            if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
+                raise ValidationError(f"k must be a non-negative integer (got {k!r})")
+            k = int(k)
         if checked:
             q = queries
         else:

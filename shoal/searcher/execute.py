@@ -34,6 +34,10 @@ class Hit(NamedTuple):
     vector: list[float] | SparseVector | None = None
 
 
+# Builds a Hit from its three fields without the named tuple's keyword-handling __new__ (k times a query).
+new_hit = tuple.__new__
+
+
 @dataclass(frozen=True)
 class Tail:
     """Log entries a shard's served version does not reflect yet: keys they touch, and their live upserts.
@@ -264,7 +268,7 @@ def _merge(
                 if row < 0:
                     continue  # filtered or padding; the valid entries keep their order
                 vec = _vector_value(table, row, sparse) if retrieve_vectors else None
-                hits.append(Hit({a: c[row] for a, c in pairs}, d, vec))
+                hits.append(new_hit(Hit, ({a: c[row] for a, c in pairs}, d, vec)))
                 if len(hits) == k:
                     break
             results.append(hits)
@@ -285,7 +289,7 @@ def _merge(
             if row < 0:
                 break  # sorted last: no valid entry follows
             vec = _vector_value(blocks[bi].table, row, sparse) if retrieve_vectors else None
-            hits.append(Hit({a: c[row] for a, c in columns[bi]}, d, vec))
+            hits.append(new_hit(Hit, ({a: c[row] for a, c in columns[bi]}, d, vec)))
         results.append(hits)
     return results
 

@@ -27,6 +27,7 @@ from shoal.searcher.execute import Hit, Tail, build_tails, execute, prepare_quer
 from shoal.searcher.views import IndexView, load_shard
 
 log = logging.getLogger(__name__)
+_EVENTUAL = Consistency.eventual()
 
 VERSIONS_CHANNEL = "shoal:index-versions"
 
@@ -83,13 +84,15 @@ class Searcher:
         """The k nearest data points for each query vector, nearest first, at the requested consistency."""
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValidationError(f"k must be a positive integer, got {k!r}")
-        consistency = consistency or Consistency.eventual()
+        consistency = consistency or _EVENTUAL
         view = self.view(index_name, index_version)
-        required = {
-            "eventual": 0,
-            "at_least": consistency.seq,
-            "strong": head_of(self.shoal.engine, view.source.id)[0] if consistency.level == "strong" else 0,
-        }[consistency.level]
+        level = consistency.level
+        if level == "eventual":
+            required = 0
+        elif level == "at_least":
+            required = consistency.seq
+        else:
+            required = head_of(self.shoal.engine, view.source.id)[0]
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
