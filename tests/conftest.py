@@ -5,7 +5,9 @@ Every test gets its own tenant and its own storage root, so tests never see each
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -190,3 +192,26 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serve_api(settings: Settings) -> Iterator[str]:
+    """The HTTP API on a free loopback port, in a thread of this process (a real server, real sockets)."""
+    import threading
+
+    import uvicorn
+
+    from shoal.api.app import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "the API server to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
-from conftest import wait_for
+from conftest import serve_api
 
 from shoal import DataSourceSpec, Shoal
-from shoal.api.app import create_app
 from shoal.config.settings import Settings
 from shoal.indexing.builder import ShardBuilder
 from shoal.records import IndexSpec
@@ -30,16 +27,8 @@ def served(make_settings) -> Iterator[tuple[str, Settings]]:  # type: ignore[no-
     settings = make_settings("local")
     # Vektonn clients send no key: serve them as the anonymous tenant, as the embedded default does.
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "the API server to start")
-    try:
-        yield f"http://127.0.0.1:{port}", settings
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_api(settings) as url:
+        yield url, settings
 
 
 def point(i: int, payload: str, vector: list[float]) -> dict[str, object]:

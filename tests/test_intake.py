@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import redis
+from conftest import run_helper, serve_api, settings_env, stop_process, wait_for
 
 from shoal import Shoal
 from shoal.catalog.repo import head_of
@@ -29,8 +30,6 @@ from shoal.intake import codec
 from shoal.intake.consumer import IntakeConsumer, dead_letters
 from shoal.intake.publisher import Publisher
 from shoal.records import AttributeType, DataPoint, DataSourceSpec, IndexSpec, Tombstone
-
-from conftest import run_helper, settings_env, stop_process, wait_for
 
 DIM = 8
 SPEC = DataSourceSpec("events", "1", DIM, {"id": AttributeType.INT64, "tag": AttributeType.STRING}, ["id"])
@@ -284,7 +283,8 @@ def test_backpressure_pauses_the_consumer_until_the_index_catches_up(
                                      id_attributes=["id"]))
         with Publisher(settings) as p:
             for m in range(20):
-                p.publish("events", "1", [DataPoint({"id": i, "tag": "b"}, vector(i)) for i in range(m * 10, m * 10 + 10)])
+                batch = [DataPoint({"id": i, "tag": "b"}, vector(i)) for i in range(m * 10, m * 10 + 10)]
+                p.publish("events", "1", batch)
         consumer = consumer_thread(settings)
         wait_for(lambda: consumer.paused, 60, "the consumer to pause on index lag")
         held_at = head(shoal)
@@ -300,24 +300,18 @@ def test_backpressure_pauses_the_consumer_until_the_index_catches_up(
 
 
 def test_http_upload_answers_429_with_retry_after_past_the_lag_bound(make_settings: Callable[..., Settings]) -> None:
-    import uvicorn
-
-    from shoal.api.app import create_app
-
-    from test_api_vektonn import _free_port, point
+    from test_api_vektonn import point
 
     settings = make_settings("local", max_index_lag_seqs=2, backpressure_retry_after_s=7)
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
     with Shoal(settings, notify=False) as shoal:
-        shoal.create_data_source(DataSourceSpec("up", "1", 2, {"id": AttributeType.INT64, "payload": AttributeType.STRING}, ["id"]))
-        shoal.create_index(IndexSpec("up-flat", "1", "up", "1", algorithm="flat", metric="euclidean", id_attributes=["id"]))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "the API server to start")
-    try:
-        url = f"http://127.0.0.1:{port}/api/v1/upload/up/1"
+        types = {"id": AttributeType.INT64, "payload": AttributeType.STRING}
+        shoal.create_data_source(DataSourceSpec("up", "1", 2, types, ["id"]))
+        shoal.create_index(
+            IndexSpec("up-flat", "1", "up", "1", algorithm="flat", metric="euclidean", id_attributes=["id"])
+        )
+    with serve_api(settings) as base:
+        url = f"{base}/api/v1/upload/up/1"
         body = [point(i, "p", [float(i), 0.0]) for i in range(3)]
         assert httpx.post(url, json=body, timeout=30).status_code == 200  # lag 3 > 2 now; no worker runs
         refused = None
@@ -336,6 +330,3 @@ def test_http_upload_answers_429_with_retry_after_past_the_lag_bound(make_settin
             again = httpx.post(url, json=[point(10, "p", [1.0, 0.0])], timeout=30)
             assert again.status_code == 429
             assert head_of(shoal.engine, shoal.get_data_source("up", "1").id)[0] == before  # nothing written
-    finally:
-        server.should_exit = True
-        thread.join(10)

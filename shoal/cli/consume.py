@@ -14,7 +14,9 @@ from shoal.cli.common import load_settings, out
 
 def consume(
     group: Annotated[str | None, typer.Option(help="Consumer group (default SHOAL_INTAKE_GROUP).")] = None,
-    dead: Annotated[bool, typer.Option("--dead", help="Print (and remove) the group's dead letters, then exit.")] = False,
+    dead: Annotated[
+        bool, typer.Option("--dead", help="Print (and remove) the group's dead letters, then exit.")
+    ] = False,
 ) -> None:
     """Consume upload messages from the intake exchange into data-source logs until interrupted.
 

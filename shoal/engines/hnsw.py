@@ -143,5 +143,5 @@ def _has_ties(d: np.ndarray) -> bool:
     if len(d) == 1:
         # One query (a server's usual call): ten Python comparisons beat three numpy calls.
         row = d[0].tolist()
-        return any(a == b for a, b in zip(row, row[1:]))
+        return any(a == b for a, b in zip(row, row[1:], strict=False))
     return bool((d[:, 1:] == d[:, :-1]).any())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -99,8 +98,8 @@ class IntakeConsumer:
                 conn.connect()
                 delay = 0.5
                 self._serve(conn)
-            except (*conn.recoverable_connection_errors, *conn.recoverable_channel_errors, *conn.connection_errors,
-                    ConnectionError, socket.error) as exc:
+            except (OSError, *conn.recoverable_connection_errors, *conn.recoverable_channel_errors,
+                    *conn.connection_errors) as exc:
                 # Messages we held come back after the visibility timeout; their ids make that harmless.
                 log.warning("broker connection lost (%s); reconnecting in %.1fs", exc, delay)
                 self._drop_held()
@@ -134,7 +133,7 @@ class IntakeConsumer:
             if consuming:
                 try:
                     conn.drain_events(timeout=max(timeout, 0.001))
-                except socket.timeout:
+                except TimeoutError:
                     pass
             else:
                 self.stop.wait(0.5)
@@ -165,7 +164,8 @@ class IntakeConsumer:
         headers = message.headers or {}
         message_id = headers.get(topology.MESSAGE_ID) or message.properties.get("message_id")
         try:
-            if message_id is not None and (not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID):
+            bad_id = not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID
+            if message_id is not None and bad_id:
                 raise ValidationError(f"message id must be a string of 1 to {MAX_MESSAGE_ID} characters")
             target = topology.target_of(headers)
             producer = self._shoal(target.tenant).producer(target.source, target.version)
