@@ -18,9 +18,9 @@ from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError, ValidationError
+from shoal.ingest.backpressure import Backpressure
 from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
 from shoal.ingest.reader import fold, read_log
-from shoal.ingest.backpressure import Backpressure
 from shoal.ingest.writer import LogWriter
 from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
 from shoal.storage import Storage, source_log_dir

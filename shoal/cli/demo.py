@@ -25,9 +25,9 @@ from shoal.cli.logview import print_log
 from shoal.cli.status import freshness_table
 from shoal.cli.worker import describe_servers, start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
+from shoal.config.settings import Settings
 from shoal.demo import DEMO_SPEC, demo_files, load_demo
 from shoal.ingest.bulk import plan_import, run_import
-from shoal.config.settings import Settings
 from shoal.records import IndexSpec, Tombstone, WriteToken
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
