@@ -14,7 +14,7 @@ import pyarrow as pa
 from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import make_engine, migrate, resolve_database_url
-from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
+from shoal.catalog.indexes import AliasCatalog, AliasRecord, IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError, ValidationError
@@ -58,6 +58,7 @@ class Shoal:
         self.storage = Storage.from_settings(self.settings)
         self.indexes = IndexCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
         self.shards = ShardCatalog(self.engine)
+        self.aliases = AliasCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
         self._writers: dict[int, LogWriter] = {}
         self._writers_lock = threading.Lock()
         self._redis: Any = None  # broker client and Celery producer, made on the first notification
@@ -199,6 +200,22 @@ class Shoal:
         for path in paths:
             self.storage.delete_quietly(path)
         return len(paths)
+
+    def set_alias(self, alias: str, index_name: str, index_version: str) -> AliasRecord:
+        """Point `alias` at an index, creating it or moving it atomically (searches see one index or the other)."""
+        return self.aliases.set(alias, index_name, index_version)
+
+    def get_alias(self, alias: str) -> AliasRecord:
+        """The index an alias names; NotFoundError if there is no such alias."""
+        return self.aliases.get(alias)
+
+    def list_aliases(self) -> list[AliasRecord]:
+        """Every alias of the tenant."""
+        return self.aliases.list()
+
+    def drop_alias(self, alias: str) -> None:
+        """Remove an alias (its index stays)."""
+        self.aliases.drop(alias)
 
     def index_status(self, name: str, version: str) -> list[ShardStatus]:
         """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds.

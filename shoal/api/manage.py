@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from shoal.api.dto import ErrorDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
-from shoal.catalog.indexes import IndexRecord
+from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.records import DataSourceSpec, IndexSpec
 
@@ -160,3 +160,38 @@ def drop_index(name: str, version: str, ctx: Writer) -> Response:
 def index_status(name: str, version: str, ctx: Reader) -> list[dict[str, Any]]:
     """Freshness per shard: head, built and served watermarks, lag in seqs and seconds."""
     return [asdict(s) for s in ctx.handle.shoal.index_status(name, version)]
+
+
+class AliasBody(BaseModel):
+    indexName: str  # noqa: N815 - Vektonn-style field names
+    indexVersion: str  # noqa: N815
+
+
+def _alias(r: AliasRecord) -> dict[str, Any]:
+    return {"name": r.name, "indexName": r.index_name, "indexVersion": r.index_version,
+            "updatedAt": r.updated_at.isoformat()}
+
+
+@router.get("/aliases", responses=ERRORS)
+def list_aliases(ctx: Reader) -> list[dict[str, Any]]:
+    """The tenant's index aliases and the index each names."""
+    return [_alias(r) for r in ctx.handle.shoal.list_aliases()]
+
+
+@router.put("/aliases/{alias}", responses=ERRORS)
+def set_alias(alias: str, body: AliasBody, ctx: Writer) -> dict[str, Any]:
+    """Point an alias at an index: creates it, or moves it atomically (searches see one index or the other)."""
+    return _alias(ctx.handle.shoal.set_alias(alias, body.indexName, body.indexVersion))
+
+
+@router.get("/aliases/{alias}", responses=ERRORS)
+def get_alias(alias: str, ctx: Reader) -> dict[str, Any]:
+    """The index an alias names."""
+    return _alias(ctx.handle.shoal.get_alias(alias))
+
+
+@router.delete("/aliases/{alias}", responses=ERRORS, status_code=204)
+def drop_alias(alias: str, ctx: Writer) -> Response:
+    """Remove an alias; the index stays."""
+    ctx.handle.shoal.drop_alias(alias)
+    return Response(status_code=204)

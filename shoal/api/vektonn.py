@@ -115,3 +115,20 @@ def search_get(
 ) -> list[SearchResultDto]:
     """The same search as POST (Vektonn's client sends it as GET with a body)."""
     return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request)
+
+
+@router.post(
+    "/aliases/{alias}/search", responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True
+)
+def search_alias(
+    alias: str,
+    query: Annotated[SearchQueryDto, Body()],
+    ctx: Annotated[TenantContext, Depends(reader_tenant)],
+    request: Request,
+    x_shoal_consistency: Annotated[str | None, Header()] = None,
+    x_shoal_required_token: Annotated[int | None, Header()] = None,
+) -> list[SearchResultDto]:
+    """A search of the index the alias names now (resolved once per request), as POST /search does."""
+    target = ctx.handle.shoal.get_alias(alias)
+    return _search(target.index_name, target.index_version, query, ctx, x_shoal_consistency, x_shoal_required_token,
+                   request)

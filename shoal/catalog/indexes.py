@@ -11,10 +11,10 @@ from sqlalchemy import Engine, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, Tenant
+from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, IndexVersion, Tenant
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.records import IndexSpec
+from shoal.records import IndexSpec, check_name
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,78 @@ class IndexCatalog:
             )
             s.execute(delete(Index).where(Index.id == row.id))
         return manifests
+
+
+@dataclass(frozen=True)
+class AliasRecord:
+    """An alias and the index it names."""
+
+    name: str
+    index_name: str
+    index_version: str
+    updated_at: dt.datetime
+
+
+class AliasCatalog:
+    """Aliases of one tenant's indexes. Moving an alias is a single UPDATE: a search resolving it sees either
+    the old index or the new one, never a mix."""
+
+    def __init__(self, engine: Engine, tenant_id: int, tenant: str) -> None:
+        self.engine = engine
+        self.tenant_id = tenant_id
+        self.tenant = tenant
+
+    def set(self, alias: str, index_name: str, index_version: str) -> AliasRecord:
+        """Point `alias` at the index (creating the alias, or moving it atomically)."""
+        check_name("alias", alias)
+        with Session(self.engine) as s, s.begin():
+            index_id = s.scalar(
+                select(Index.id).where(
+                    Index.tenant_id == self.tenant_id, Index.name == index_name, Index.version == index_version
+                )
+            )
+            if index_id is None:
+                raise NotFoundError(
+                    f"index {index_name!r} version {index_version!r} not found in tenant {self.tenant!r}"
+                )
+            s.execute(
+                insert(IndexAlias)
+                .values(tenant_id=self.tenant_id, name=alias, index_id=index_id)
+                .on_conflict_do_update(
+                    index_elements=[IndexAlias.tenant_id, IndexAlias.name],
+                    set_={"index_id": index_id, "updated_at": func.now()},
+                )
+            )
+        return self.get(alias)
+
+    def _query(self) -> Any:
+        return (
+            select(IndexAlias.name, Index.name, Index.version, IndexAlias.updated_at)
+            .join(Index, Index.id == IndexAlias.index_id)
+            .where(IndexAlias.tenant_id == self.tenant_id)
+        )
+
+    def get(self, alias: str) -> AliasRecord:
+        """The alias, or NotFoundError."""
+        with Session(self.engine) as s:
+            row = s.execute(self._query().where(IndexAlias.name == alias)).one_or_none()
+        if row is None:
+            raise NotFoundError(f"alias {alias!r} not found in tenant {self.tenant!r}")
+        return AliasRecord(*row)
+
+    def list(self) -> list[AliasRecord]:
+        """Every alias of the tenant, by name."""
+        with Session(self.engine) as s:
+            return [AliasRecord(*r) for r in s.execute(self._query().order_by(IndexAlias.name))]
+
+    def drop(self, alias: str) -> None:
+        """Remove the alias (the index stays); NotFoundError if there is none."""
+        with Session(self.engine) as s, s.begin():
+            gone = s.execute(
+                delete(IndexAlias).where(IndexAlias.tenant_id == self.tenant_id, IndexAlias.name == alias)
+            ).rowcount
+        if not gone:
+            raise NotFoundError(f"alias {alias!r} not found in tenant {self.tenant!r}")
 
 
 class ShardCatalog:

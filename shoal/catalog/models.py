@@ -190,3 +190,15 @@ class ApiKey(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     last_used_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class IndexAlias(Base):
+    """A tenant's name for one index: searches may name it; moving it is one atomic UPDATE of `index_id`."""
+
+    __tablename__ = "index_aliases"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    # Dropping the index drops the aliases naming it (a search by such an alias then says it is not found).
+    index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"), index=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

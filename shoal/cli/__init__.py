@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from shoal.cli.aliases import alias_app
 from shoal.cli.api import api
 from shoal.cli.apply import apply
 from shoal.cli.common import fit_consoles, typer_app
@@ -35,6 +36,7 @@ __all__ = ["app"]
 app = typer_app("Shoal: an event-driven ingestion pipeline for vector data.")
 app.add_typer(source_app, name="source")
 app.add_typer(index_app, name="index")
+app.add_typer(alias_app, name="alias")
 app.add_typer(server_app, name="server")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")

@@ -98,6 +98,12 @@ class Searcher:
         tails = self._tail(view, required) if required > view.min_watermark else {}
         return execute(view, q, k, matches, tails, retrieve_vectors)
 
+    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[list[Hit]]:
+        """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
+        by the index before a move or wholly by the one after it."""
+        target = self.shoal.aliases.get(alias)
+        return self.search(target.index_name, target.index_version, queries, k, **options)
+
     def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
         """The log tail (served watermark, required] per shard; reuses and extends the last one read."""
         versions = tuple(s.version_id for s in view.shards)
