@@ -33,6 +33,7 @@ def wshoal(make_settings, redis_url: str):  # type: ignore[no-untyped-def]
         "local",
         redis_url=redis_url,
         sweep_interval_s=1.0,
+        merge_interval_s=1.0,  # beat's merge sweep queues the merges the SIGKILL test interrupts
         lease_seconds=3.0,
         pending_ttl_s=2.0,
         task_visibility_timeout_s=5.0,
@@ -180,7 +181,7 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
             killed["materialize_shard"] += _kill_during(worker, "materialize_shard", chooser)
         else:
             # Let this round's materialization finish, then make every multi-segment shard due for a merge
-            # (max_segments=1) and kill the worker in the middle of that merge.
+            # (max_segments=1) and kill the worker in the middle of that merge (beat's sweep_merges queues it).
             worker = start_worker(wshoal.settings, beat=True)
             wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up")
             _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)  # a second segment at least

@@ -29,6 +29,7 @@ from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
 from shoal.cli.status import status
 from shoal.cli.tenants import key_app, tenant_app
+from shoal.cli.up import up
 from shoal.cli.worker import worker
 
 __all__ = ["app"]
@@ -45,6 +46,7 @@ app.command("log")(log)
 app.command("search")(search)
 app.command("status")(status)
 app.command("worker")(worker)
+app.command("up")(up)
 app.command("settings")(settings_command)
 app.command("demo")(demo)
 app.command("api")(api)

@@ -21,6 +21,25 @@ def broker_url(settings: Settings) -> str:
     return ensure_valkey(settings.data_dir)
 
 
+SWEEP = "shoal.workers.tasks.sweep"
+SWEEP_MERGES = "shoal.workers.tasks.sweep_merges"
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Beat's entries for these settings: the materialization sweep and, unless its interval is 0, the
+    merge sweep. Tasks of the schedule take no arguments and coalesce, so overlapping runs are harmless.
+
+    Later periodic work (log retention and compaction, artifact GC) gets its own entry here, each with its
+    own SHOAL_*_INTERVAL_S setting.
+    """
+    entries: dict[str, dict[str, Any]] = {
+        "sweep-lagging-shards": {"task": SWEEP, "schedule": settings.sweep_interval_s},
+    }
+    if settings.merge_interval_s > 0:
+        entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
+    return entries
+
+
 @app.on_configure.connect
 def _configure(sender: Celery, **_: Any) -> None:
     settings = Settings()
@@ -37,12 +56,10 @@ def _configure(sender: Celery, **_: Any) -> None:
         broker_connection_retry_on_startup=True,
         # A materialization of a big shard may take minutes: redeliver only after a long silence.
         broker_transport_options={"visibility_timeout": settings.task_visibility_timeout_s},
-        beat_schedule={
-            "sweep-lagging-shards": {
-                "task": "shoal.workers.tasks.sweep",
-                "schedule": settings.sweep_interval_s,
-            },
-        },
+        beat_schedule=beat_schedule(settings),
+        # Task events for Flower (and `celery events`): every worker sends them, and so does every sender.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
         worker_hijack_root_logger=False,
         # Beat's schedule state belongs with the rest of Shoal's files, not in whatever directory it ran from.
         beat_schedule_filename=str(settings.data_dir / "celerybeat-schedule"),

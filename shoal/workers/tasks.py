@@ -1,5 +1,5 @@
-"""Celery tasks: materialize and merge index shards, and the beat sweep. Tasks take ids, are idempotent,
-acknowledge late and retry only named transient errors."""
+"""Celery tasks: materialize and merge index shards, and the beat sweeps that queue them. Tasks take ids,
+are idempotent, acknowledge late and retry only named transient errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import redis
 from celery import Task
 from sqlalchemy.exc import OperationalError
 
-from shoal.config.celery_app import app
+from shoal.config.celery_app import SWEEP, SWEEP_MERGES, app
 from shoal.errors import NotFoundError
 from shoal.indexing.builder import LeaseBusyError
 from shoal.workers import context
@@ -61,18 +61,31 @@ def merge_shard(shard_id: int) -> dict[str, Any]:
     return {"shard": shard_id, "version": result.version_id, "segments": result.segments, "changed": result.changed}
 
 
-@app.task(base=ShoalTask, name="shoal.workers.tasks.sweep")
+@app.task(base=ShoalTask, name=SWEEP)
 def sweep() -> dict[str, int]:
-    """Queue materialization of every shard behind its head, and merges that are due (beat runs this)."""
+    """Queue materialization of every shard behind its data source's head (beat runs this every
+    SHOAL_SWEEP_INTERVAL_S): the safety net for triggers a broker outage dropped. Coalesced by `enqueue`, so
+    runs that overlap, with each other or with commits, queue each shard at most once."""
     ctx = context.get()
-    lagging = merges = 0
+    lagging = 0
     for shard_id, built, head in ctx.builder.shards.all_shards():
         if built < head and enqueue(ctx.redis, app, MATERIALIZE, shard_id, ctx.settings.pending_ttl_s):
             lagging += 1
-        elif (
+    return {"lagging": lagging}
+
+
+@app.task(base=ShoalTask, name=SWEEP_MERGES)
+def sweep_merges() -> dict[str, int]:
+    """Queue a merge of every caught-up shard whose segments are due for one (beat runs this every
+    SHOAL_MERGE_INTERVAL_S). A lagging shard is left to its materialization, which queues the merge after
+    it. Coalesced by `enqueue`, like `sweep`."""
+    ctx = context.get()
+    merges = 0
+    for shard_id, built, head in ctx.builder.shards.all_shards():
+        if (
             built >= head
             and ctx.builder.needs_merge(shard_id)
             and enqueue(ctx.redis, app, MERGE, shard_id, ctx.settings.pending_ttl_s)
         ):
             merges += 1
-    return {"lagging": lagging, "merges": merges}
+    return {"merges": merges}
