@@ -507,7 +507,7 @@ def test_on_s3_storage(serve: Serve, connect: Callable[..., httpx.Client],
     with Shoal(settings, notify=False) as shoal:
         path = f"tenants/{settings.tenant}/datasets/docs/dataset_metadata.json"
         assert json.loads(shoal.storage.read(path).to_pybytes())["metric_type"] == "euclidean"
-        assert http.delete("/datasets/docs").status_code == 200
+        assert http.delete("/datasets/docs", params={"hard": "true"}).status_code == 200  # soft: test_soft_delete
         assert not shoal.storage.exists(path)
         assert shoal.storage.list_files(f"tenants/{settings.tenant}/sources/docs") == []
 

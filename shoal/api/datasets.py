@@ -187,11 +187,42 @@ class DatasetListOut(BaseModel):
 
 
 class DeleteOut(BaseModel):
-    """What a delete did."""
+    """What a delete did: `soft` (moved to the trash, restorable until `purge_after`, `trash_id` names it
+    there) or hard (`files_deleted` files deleted at once)."""
 
     success: bool
     dataset_id: str
     deleted: bool
+    soft: bool
+    files_deleted: int
+    trash_id: int | None
+    purge_after: str | None
+
+
+class TrashedDatasetOut(DatasetOut):
+    """A dataset in the trash: restorable until `purge_after`; `trash_id` tells apart several of one name."""
+
+    trash_id: int
+    deleted_at: str
+    purge_after: str
+
+
+class TrashListOut(BaseModel):
+    """A page of the trash, most recently deleted first."""
+
+    datasets: list[TrashedDatasetOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class PurgeOut(BaseModel):
+    """A dataset deleted for good from the trash."""
+
+    success: bool
+    dataset_id: str
+    trash_id: int
+    purged: bool
     files_deleted: int
 
 
@@ -380,9 +411,37 @@ def update_dataset(dataset_id: str, body: Annotated[UpdateDatasetRequest, Body()
 
 
 @router.delete("/datasets/{dataset_id}", response_model=DeleteOut)
-def delete_dataset(dataset_id: str, svc: Writer) -> dict[str, Any]:
-    """Hard delete (soft delete with retention comes with issue 6)."""
-    return svc.delete(dataset_id)
+def delete_dataset(dataset_id: str, svc: Writer, hard: Annotated[bool, Query()] = False) -> dict[str, Any]:
+    """Move the dataset to the trash (restorable until `purge_after`, SHOAL_TRASH_RETENTION_DAYS after now);
+    `?hard=true` deletes it and its files at once."""
+    return svc.delete(dataset_id, hard=hard)
+
+
+@router.get("/trash", response_model=TrashListOut)
+def list_trash(
+    svc: Reader,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> dict[str, Any]:
+    """The tenant's datasets in the trash, most recently deleted first, each with its `purge_after`."""
+    return svc.trash(limit, offset)
+
+
+@router.post("/trash/{dataset_id}/restore", response_model=DatasetOut)
+def restore_dataset(
+    dataset_id: str, svc: Writer, trash_id: Annotated[int | None, Query(ge=0)] = None
+) -> dict[str, Any]:
+    """Take a dataset out of the trash (the most recently deleted of that name, or the one `trash_id` names);
+    409 DATASET_ALREADY_EXISTS if a dataset took the name meanwhile."""
+    return svc.restore(dataset_id, trash_id)
+
+
+@router.delete("/trash/{dataset_id}", response_model=PurgeOut)
+def purge_dataset(
+    dataset_id: str, svc: Writer, trash_id: Annotated[int | None, Query(ge=0)] = None
+) -> dict[str, Any]:
+    """Delete for good, now, a dataset in the trash (the most recently deleted of that name, or `trash_id`)."""
+    return svc.purge(dataset_id, trash_id)
 
 
 @router.get("/datasets/{dataset_id}/stats", response_model=StatsOut)

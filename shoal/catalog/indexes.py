@@ -123,7 +123,9 @@ class IndexCatalog:
                     payload_attributes=list(spec.payload_attributes or ()),
                     shard_count=spec.shard_count,
                 )
-                .on_conflict_do_nothing(constraint="uq_indexes_tenant_name_version")
+                .on_conflict_do_nothing(
+                    index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
+                )
                 .returning(Index.id)
             ).scalar_one_or_none()
             if index_id is not None:
@@ -138,7 +140,12 @@ class IndexCatalog:
 
     def _row(self, s: Session, name: str, version: str) -> Index:
         row = s.scalars(
-            select(Index).where(Index.tenant_id == self.tenant_id, Index.name == name, Index.version == version)
+            select(Index).where(
+                Index.tenant_id == self.tenant_id,
+                Index.name == name,
+                Index.version == version,
+                Index.deleted_at.is_(None),  # an index in the trash (with its source) is not found
+            )
         ).one_or_none()
         if row is None:
             raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {self.tenant!r}")
@@ -150,9 +157,9 @@ class IndexCatalog:
             return _index(s, self._row(s, name, version), self.tenant)
 
     def list_indexes(self, source_id: int | None = None) -> list[IndexRecord]:
-        """The tenant's indexes (of one data source when `source_id` is given), by name and version."""
+        """The tenant's live indexes (of one data source when `source_id` is given), by name and version."""
         with Session(self.engine) as s:
-            q = select(Index).where(Index.tenant_id == self.tenant_id)
+            q = select(Index).where(Index.tenant_id == self.tenant_id, Index.deleted_at.is_(None))
             if source_id is not None:
                 q = q.where(Index.data_source_id == source_id)
             return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]
@@ -197,7 +204,10 @@ class AliasCatalog:
         with Session(self.engine) as s, s.begin():
             index_id = s.scalar(
                 select(Index.id).where(
-                    Index.tenant_id == self.tenant_id, Index.name == index_name, Index.version == index_version
+                    Index.tenant_id == self.tenant_id,
+                    Index.name == index_name,
+                    Index.version == index_version,
+                    Index.deleted_at.is_(None),
                 )
             )
             if index_id is None:
@@ -218,7 +228,8 @@ class AliasCatalog:
         return (
             select(IndexAlias.name, Index.name, Index.version, IndexAlias.updated_at)
             .join(Index, Index.id == IndexAlias.index_id)
-            .where(IndexAlias.tenant_id == self.tenant_id)
+            # An alias of an index in the trash is hidden with it (and back when the index is restored).
+            .where(IndexAlias.tenant_id == self.tenant_id, Index.deleted_at.is_(None))
         )
 
     def get(self, alias: str) -> AliasRecord:
@@ -261,6 +272,8 @@ class ShardCatalog:
             tenant = s.scalars(select(Tenant.name).where(Tenant.id == index.tenant_id)).one()
             source = s.get(DataSource, index.data_source_id)
             assert source is not None
+            if source.deleted_at is not None:  # in the trash: no builds until it is restored
+                raise NotFoundError(f"index shard {shard_id} belongs to a data source in the trash")
             return _shard(shard), _index(s, index, tenant), _record(source, tenant)
 
     def shards_of_source(self, source_id: int) -> list[int]:
@@ -281,6 +294,7 @@ class ShardCatalog:
                 select(IndexShard.id, IndexShard.built_watermark, DataSource.head_seq)
                 .join(Index, Index.id == IndexShard.index_id)
                 .join(DataSource, DataSource.id == Index.data_source_id)
+                .where(DataSource.deleted_at.is_(None))
             )
             return [(r[0], r[1], r[2]) for r in rows]
 
@@ -406,5 +420,6 @@ def freshness_rows(engine: Engine) -> list[tuple[str, str, str, int, int, int, i
             .join(Index, Index.id == IndexShard.index_id)
             .join(Tenant, Tenant.id == Index.tenant_id)
             .join(DataSource, DataSource.id == Index.data_source_id)
+            .where(DataSource.deleted_at.is_(None))
         )
         return [tuple(r) for r in rows]  # type: ignore[misc]

@@ -18,7 +18,9 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
+from sqlalchemy import Index as SqlIndex
 from sqlalchemy.dialects.postgresql import JSON, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -54,7 +56,12 @@ class DataSource(Base):
 
     __tablename__ = "data_sources"
     __table_args__ = (
-        UniqueConstraint("tenant_id", "name", "version", name="uq_data_sources_tenant_name_version"),
+        # Names are unique among live rows only: a soft-deleted source's name is free for reuse (migration 0004).
+        SqlIndex(
+            "uq_data_sources_tenant_name_version", "tenant_id", "name", "version",
+            unique=True, postgresql_where=text("deleted_at IS NULL"),
+        ),
+        SqlIndex("ix_data_sources_purge_after", "purge_after", postgresql_where=text("deleted_at IS NOT NULL")),
         CheckConstraint("vector_dimension BETWEEN 1 AND 10000", name="dimension_range"),
         CheckConstraint("head_seq >= 0", name="head_non_negative"),
     )
@@ -73,6 +80,9 @@ class DataSource(Base):
     head_seq: Mapped[int] = mapped_column(BigInteger, server_default="0")
     head_committed_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    # In the trash since (None: live), and when the purge may delete it for good.
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    purge_after: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class LogSegment(Base):
@@ -119,7 +129,10 @@ class Index(Base):
 
     __tablename__ = "indexes"
     __table_args__ = (
-        UniqueConstraint("tenant_id", "name", "version", name="uq_indexes_tenant_name_version"),
+        SqlIndex(
+            "uq_indexes_tenant_name_version", "tenant_id", "name", "version",
+            unique=True, postgresql_where=text("deleted_at IS NULL"),
+        ),
         CheckConstraint("shard_count BETWEEN 1 AND 1024", name="shard_count_range"),
     )
 
@@ -139,6 +152,7 @@ class Index(Base):
     shard_count: Mapped[int] = mapped_column(Integer)
     generation: Mapped[int] = mapped_column(Integer, server_default="1")
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))  # in the trash with its source
 
 
 class IndexShard(Base):
@@ -202,3 +216,18 @@ class IndexAlias(Base):
     # Dropping the index drops the aliases naming it (a search by such an alias then says it is not found).
     index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"), index=True)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class TrashFile(Base):
+    """A file (or a folder of one index segment) of a purged data source still to delete: the purge's logged
+    list. The purge deletes the rows and records their files here in one transaction, then deletes the files,
+    then these rows; a crash at any point is finished by the next run."""
+
+    __tablename__ = "trash_files"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(100))
+    data_source_id: Mapped[int] = mapped_column(BigInteger)  # no foreign key: the row is gone
+    path: Mapped[str] = mapped_column(Text)
+    is_dir: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    queued_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -82,7 +82,10 @@ class Catalog:
     def _row(self, s: Session, name: str, version: str) -> DataSource:
         row = s.scalars(
             select(DataSource).where(
-                DataSource.tenant_id == self.tenant_id, DataSource.name == name, DataSource.version == version
+                DataSource.tenant_id == self.tenant_id,
+                DataSource.name == name,
+                DataSource.version == version,
+                DataSource.deleted_at.is_(None),  # a source in the trash is not found, as a missing one
             )
         ).one_or_none()
         if row is None:
@@ -105,7 +108,9 @@ class Catalog:
                     description=spec.description,
                     custom_metadata=dict(spec.custom_metadata),
                 )
-                .on_conflict_do_nothing(constraint="uq_data_sources_tenant_name_version")
+                .on_conflict_do_nothing(
+                    index_elements=["tenant_id", "name", "version"], index_where=DataSource.deleted_at.is_(None)
+                )
                 .returning(DataSource.id)
             )
             created = s.execute(stmt).scalar_one_or_none()
@@ -125,11 +130,11 @@ class Catalog:
             return _record(self._row(s, name, version), self.tenant)
 
     def list_data_sources(self) -> list[SourceRecord]:
-        """Every data source of the tenant, by name and version."""
+        """Every live data source of the tenant (none in the trash), by name and version."""
         with Session(self.engine) as s:
             rows = s.scalars(
                 select(DataSource)
-                .where(DataSource.tenant_id == self.tenant_id)
+                .where(DataSource.tenant_id == self.tenant_id, DataSource.deleted_at.is_(None))
                 .order_by(DataSource.name, DataSource.version)
             ).all()
             return [_record(r, self.tenant) for r in rows]

@@ -29,6 +29,7 @@ from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
 from shoal.cli.status import status
 from shoal.cli.tenants import key_app, tenant_app
+from shoal.cli.trash import trash_app
 from shoal.cli.up import up
 from shoal.cli.worker import worker
 
@@ -41,6 +42,7 @@ app.add_typer(alias_app, name="alias")
 app.add_typer(server_app, name="server")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
+app.add_typer(trash_app, name="trash")
 app.command("import")(import_file)
 app.command("log")(log)
 app.command("search")(search)

@@ -23,6 +23,7 @@ def broker_url(settings: Settings) -> str:
 
 SWEEP = "shoal.workers.tasks.sweep"
 SWEEP_MERGES = "shoal.workers.tasks.sweep_merges"
+PURGE_TRASH = "shoal.workers.tasks.purge_trash"
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -37,6 +38,8 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     }
     if settings.merge_interval_s > 0:
         entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
+    if settings.purge_interval_s > 0:  # the trash: purge soft-deleted datasets whose retention ended
+        entries["purge-trash"] = {"task": PURGE_TRASH, "schedule": settings.purge_interval_s}
     return entries
 
 

@@ -71,6 +71,13 @@ class Settings(BaseSettings):
     merge_interval_s: float = Field(
         default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."
     )
+    # The trash (soft-deleted datasets) and its purge.
+    trash_retention_days: float = Field(
+        default=30.0, ge=0, description="How long a soft-deleted dataset stays restorable before the purge."
+    )
+    purge_interval_s: float = Field(
+        default=3600.0, ge=0, description="How often beat purges trashed datasets whose retention ended (0: never)."
+    )
     # Message intake (`shoal consume`) and its backpressure.
     intake_exchange: str = Field(default="shoal.intake", description="Durable topic exchange publishers send to.")
     intake_group: str = Field(

@@ -123,6 +123,20 @@ def _record(row: DataSource) -> DatasetRecord:
     )
 
 
+@dataclass(frozen=True)
+class TrashedDataset:
+    """A dataset in the trash: its entry, when it was deleted and when the purge may delete it for good."""
+
+    record: DatasetRecord
+    deleted_at: dt.datetime
+    purge_after: dt.datetime
+
+
+def _trashed(row: DataSource) -> TrashedDataset:
+    assert row.deleted_at is not None and row.purge_after is not None
+    return TrashedDataset(_record(row), row.deleted_at.astimezone(dt.UTC), row.purge_after.astimezone(dt.UTC))
+
+
 class DatasetCatalog:
     """The datasets of the tenant a Shoal client is scoped to."""
 
@@ -130,11 +144,12 @@ class DatasetCatalog:
         self.engine = shoal.engine
         self.tenant_id = shoal.catalog.tenant_id
 
-    def _datasets(self) -> Any:
+    def _datasets(self, *, trashed: bool = False) -> Any:
         return select(DataSource).where(
             DataSource.tenant_id == self.tenant_id,
             DataSource.version == VERSION,
             DataSource.custom_metadata.has_key(MARKER),
+            DataSource.deleted_at.is_not(None) if trashed else DataSource.deleted_at.is_(None),
         )
 
     def find(self, name: str) -> DatasetRecord | None:
@@ -158,6 +173,28 @@ class DatasetCatalog:
                 return [], int(total)
             rows = s.scalars(self._datasets().order_by(DataSource.name).limit(limit).offset(offset)).all()
             return [_record(r) for r in rows], int(total)
+
+    def trash_page(self, limit: int, offset: int) -> tuple[list[TrashedDataset], int]:
+        """Datasets in the trash, most recently deleted first, `limit` of them from `offset`, and the total."""
+        with Session(self.engine) as s:
+            q = self._datasets(trashed=True)
+            total = s.scalar(select(func.count()).select_from(q.subquery())) or 0
+            if offset >= total:
+                return [], int(total)
+            rows = s.scalars(
+                q.order_by(DataSource.deleted_at.desc(), DataSource.id.desc()).limit(limit).offset(offset)
+            ).all()
+            return [_trashed(r) for r in rows], int(total)
+
+    def trashed(self, name: str) -> list[TrashedDataset]:
+        """The datasets named `name` in the trash, most recently deleted first."""
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                self._datasets(trashed=True)
+                .where(DataSource.name == name)
+                .order_by(DataSource.deleted_at.desc(), DataSource.id.desc())
+            ).all()
+            return [_trashed(r) for r in rows]
 
     def update(self, name: str, changes: dict[str, Any]) -> DatasetRecord:
         """Set the description and/or metadata given in `changes` (row-locked read, modify, write)."""

@@ -6,6 +6,7 @@ per request is cheap (it holds references only); the cache is shared by the proc
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 from collections import Counter
@@ -19,10 +20,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from shoal.catalog.repo import list_segments
+from shoal.catalog.trash import Trash, trash_dir
 from shoal.client import Shoal
 from shoal.datasets import rules
 from shoal.datasets.cache import DatasetCache
-from shoal.datasets.catalog import MARKER, DatasetCatalog, DatasetRecord, LogTotals, definition
+from shoal.datasets.catalog import MARKER, DatasetCatalog, DatasetRecord, LogTotals, TrashedDataset, definition
 from shoal.datasets.errors import DatasetError, ErrorCode, not_found
 from shoal.datasets.merge import STRATEGIES, merge
 from shoal.engines.metrics import higher_is_nearer
@@ -98,6 +100,10 @@ class DatasetService:
     def mirror_path(self, name: str) -> str:
         """Layout-relative path of the dataset's `dataset_metadata.json`."""
         return f"tenants/{self.tenant}/datasets/{name}/dataset_metadata.json"
+
+    def trash_mirror_path(self, source_id: int) -> str:
+        """Layout-relative path of a trashed dataset's `dataset_metadata.json` (keyed by id: the name is free)."""
+        return f"{trash_dir(self.tenant, source_id)}/dataset_metadata.json"
 
     def index_dir(self, name: str) -> str:
         """Layout-relative folder of the default index's artifacts."""
@@ -278,16 +284,124 @@ class DatasetService:
             self._forget(name)
         return self._objects([record])[0]
 
-    def delete(self, name: Any) -> dict[str, Any]:
-        """Hard delete: the index, the data source, their files and the metadata mirror."""
+    def delete(self, name: Any, *, hard: bool = False) -> dict[str, Any]:
+        """Soft delete: move the dataset to the tenant's trash, restorable until `purge_after`, then purged by
+        beat. With `hard`: delete at once the index, the data source, their files and the metadata mirror."""
         name = self._lookup_name(name)
         record = self.catalog.get(name)
         self._forget(name)
         try:
-            files = self._drop(record)
+            if hard:
+                files = self._drop(record)
+                log.info("dataset %s (#%d) of tenant %s deleted at once (hard): %d files",
+                         name, record.source_id, self.tenant, files)
+                return {"success": True, "dataset_id": name, "deleted": True, "soft": False, "files_deleted": files,
+                        "trash_id": None, "purge_after": None}
+            retention = dt.timedelta(days=self.shoal.settings.trash_retention_days)
+            try:
+                trashed = self._trash().soft_delete(name, rules.VERSION, retention)
+            except NotFoundError:
+                raise not_found(name) from None
+            log.info("dataset %s (#%d) of tenant %s moved to the trash; purge after %s",
+                     name, trashed.id, self.tenant, trashed.purge_after.isoformat())
+            self._move_mirror_to_trash(record, trashed.id, trashed.deleted_at, trashed.purge_after)
+            self._refresh_searcher()
         finally:
             self._forget(name)
-        return {"success": True, "dataset_id": name, "deleted": True, "files_deleted": files}
+        return {"success": True, "dataset_id": name, "deleted": True, "soft": True, "files_deleted": 0,
+                "trash_id": trashed.id, "purge_after": _iso(trashed.purge_after)}
+
+    def _trash(self) -> Trash:
+        return Trash(self.shoal.engine, self.shoal.catalog.tenant_id, self.tenant)
+
+    def _move_mirror_to_trash(
+        self, record: DatasetRecord, source_id: int, deleted_at: dt.datetime, purge_after: dt.datetime
+    ) -> None:
+        # The catalog is the source of truth and already says "in the trash": a failure here is logged, not raised.
+        storage = self.shoal.storage
+        try:
+            doc = self._mirror_doc(record) | {"trash_id": source_id, "deleted_at": _iso(deleted_at),
+                                              "purge_after": _iso(purge_after)}
+            data = json.dumps(doc, indent=2, ensure_ascii=False).encode()
+            storage.write_atomic(self.trash_mirror_path(source_id), pa.py_buffer(data))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not write the trash copy of dataset %s's metadata mirror: %s", record.name, exc)
+        storage.delete_quietly(self.mirror_path(record.name))
+
+    def _remove_trash_dir(self, source_id: int) -> None:
+        storage = self.shoal.storage
+        try:  # the folder is the source's alone (keyed by its id)
+            storage.fs.delete_dir(storage.path(trash_dir(self.tenant, source_id)))
+        except OSError:
+            storage.delete_quietly(self.trash_mirror_path(source_id))
+
+    # -- trash -------------------------------------------------------------------------------------------
+
+    def _trashed_one(self, name: str, trash_id: int | None) -> TrashedDataset:
+        candidates = self.catalog.trashed(name)
+        if trash_id is not None:
+            candidates = [c for c in candidates if c.record.source_id == trash_id]
+        if not candidates:
+            which = f" with trash_id {trash_id}" if trash_id is not None else ""
+            raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r}{which} not found in the trash",
+                               {"dataset_id": name, "trash_id": trash_id})
+        return candidates[0]
+
+    def _trash_object(self, t: TrashedDataset, totals: LogTotals) -> dict[str, Any]:
+        return {**self._object(t.record, totals), "trash_id": t.record.source_id,
+                "deleted_at": _iso(t.deleted_at), "purge_after": _iso(t.purge_after)}
+
+    def trash(self, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        """A page of the tenant's datasets in the trash, most recently deleted first."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise _invalid("limit must be an integer in 1..1000", field="limit")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise _invalid("offset must be a non-negative integer", field="offset")
+        items, total = self.catalog.trash_page(limit, offset)
+        totals = self.catalog.log_totals([t.record.source_id for t in items])
+        return {"datasets": [self._trash_object(t, totals.get(t.record.source_id, LogTotals())) for t in items],
+                "total": total, "limit": limit, "offset": offset}
+
+    def restore(self, name: Any, trash_id: int | None = None) -> dict[str, Any]:
+        """Take a dataset out of the trash (the most recently deleted of that name unless `trash_id` picks one):
+        DATASET_ALREADY_EXISTS (409) if a dataset took its name meanwhile, DATASET_NOT_FOUND once purged."""
+        name = self._lookup_name(name)
+        chosen = self._trashed_one(name, trash_id)
+        source_id = chosen.record.source_id
+        self._forget(name)
+        try:
+            try:
+                self._trash().restore(source_id)
+            except NotFoundError as exc:
+                raise DatasetError(ErrorCode.DATASET_NOT_FOUND, str(exc),
+                                   {"dataset_id": name, "trash_id": source_id}) from None
+            except AlreadyExistsError as exc:
+                raise DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"{exc}; delete that one first",
+                                   {"dataset_id": name, "trash_id": source_id, "conflict": "dataset"}) from None
+            log.info("dataset %s (#%d) of tenant %s restored from the trash", name, source_id, self.tenant)
+            record = self.catalog.get(name)
+            try:
+                self._write_mirror(record)
+            except Exception as exc:  # noqa: BLE001 - the catalog is the source of truth
+                log.warning("could not rewrite the metadata mirror of restored dataset %s: %s", name, exc)
+            self._remove_trash_dir(source_id)
+            self._refresh_searcher()
+        finally:
+            self._forget(name)
+        return self._objects([record])[0]
+
+    def purge(self, name: Any, trash_id: int | None = None) -> dict[str, Any]:
+        """Delete for good, now, a dataset in the trash (the most recently deleted of that name unless
+        `trash_id` picks one): its rows, then its files."""
+        name = self._lookup_name(name)
+        chosen = self._trashed_one(name, trash_id)
+        result = self._trash().purge(self.shoal.storage, [chosen.record.source_id])
+        purged = any(i == chosen.record.source_id for _, _, _, i in result.sources)
+        if not purged:  # restored or purged by someone else meanwhile
+            raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} is no longer in the trash",
+                               {"dataset_id": name, "trash_id": chosen.record.source_id})
+        return {"success": True, "dataset_id": name, "trash_id": chosen.record.source_id, "purged": True,
+                "files_deleted": result.files}
 
     def _drop(self, record: DatasetRecord) -> int:
         name = record.name
@@ -323,7 +437,11 @@ class DatasetService:
             log.warning("searcher refresh after a dataset change failed: %s", exc)
 
     def _write_mirror(self, record: DatasetRecord) -> None:
-        doc = {
+        data = json.dumps(self._mirror_doc(record), indent=2, ensure_ascii=False).encode()
+        self.shoal.storage.write_atomic(self.mirror_path(record.name), pa.py_buffer(data))
+
+    def _mirror_doc(self, record: DatasetRecord) -> dict[str, Any]:
+        return {
             "format": 1,
             "id": record.name,
             "name": record.name,
@@ -345,8 +463,6 @@ class DatasetService:
             "index": {"name": record.name, "version": rules.VERSION, "algorithm": record.index_type,
                       "metric": record.metric_type, "shards": 1},
         }
-        data = json.dumps(doc, indent=2, ensure_ascii=False).encode()
-        self.shoal.storage.write_atomic(self.mirror_path(record.name), pa.py_buffer(data))
 
     def reindex(self, name: Any) -> None:
         """Not implemented yet (the reindex issue lands later): 404 for an unknown dataset, 501 otherwise."""
@@ -563,6 +679,10 @@ class DatasetService:
             "consistency": level.level,
             "results": [{"dataset_id": records[d].name, "rank": rank, **hit_json(hit)} for d, rank, hit in merged],
         }
+
+
+def _iso(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).isoformat(timespec="microseconds")
 
 
 def _shard_json(status: Any) -> dict[str, Any]:

@@ -89,3 +89,18 @@ def sweep_merges() -> dict[str, int]:
         ):
             merges += 1
     return {"merges": merges}
+
+
+@app.task(base=ShoalTask, name="shoal.workers.tasks.purge_trash")
+def purge_trash() -> dict[str, Any]:
+    """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows, then
+    their files, through the logged list of `shoal.catalog.trash` (beat runs this every SHOAL_PURGE_INTERVAL_S).
+    Takes no arguments; a run killed at any point is finished by the next; every deletion is logged."""
+    from shoal.catalog.trash import purge_due
+
+    ctx = context.get()
+    result = purge_due(ctx.engine, ctx.storage)
+    if result.sources or result.pending:
+        log.info("purge_trash: purged %d data sources, deleted %d files and folders (%d left by an earlier run)",
+                 len(result.sources), result.files, result.pending)
+    return result.to_json()
