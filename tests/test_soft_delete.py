@@ -578,3 +578,22 @@ def test_cli_trash_list_restore_purge(
         assert "1 purged" in cli("trash", "purge", "--now", "--yes")
         assert "is empty" in cli("trash", "list")
         assert files_of(shoal, "docs") == [] and rows_of(shoal, trash_id)["data_sources"] == 0
+
+
+def test_a_producer_from_before_the_soft_delete_cannot_write_into_the_trash(local_shoal: Shoal) -> None:
+    import numpy as np
+
+    from shoal.catalog.repo import head_of
+    from shoal.errors import NotFoundError
+    from shoal.records import AttributeType, DataSourceSpec
+
+    local_shoal.create_data_source(DataSourceSpec("late", "1", 2, {"id": AttributeType.INT64}, ["id"]))
+    producer = local_shoal.producer("late", "1")
+    producer.upload_columns(np.ones((3, 2), dtype=np.float32), {"id": [1, 2, 3]})
+    source_id = producer.source.id
+    Trash(local_shoal.engine, local_shoal.catalog.tenant_id, local_shoal.tenant).soft_delete(
+        "late", "1", dt.timedelta(days=1)
+    )
+    with pytest.raises(NotFoundError, match="in the trash"):
+        producer.upload_columns(np.ones((1, 2), dtype=np.float32), {"id": [4]})
+    assert head_of(local_shoal.engine, source_id)[0] == 3

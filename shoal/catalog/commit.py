@@ -113,11 +113,15 @@ def _attempt(
     made: list[WrittenSegment],
 ) -> list[int]:
     conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_ms)}ms'"))
-    head = conn.execute(
-        select(DataSource.head_seq).where(DataSource.id == source_id).with_for_update()
-    ).scalar_one_or_none()
-    if head is None:
+    row = conn.execute(
+        select(DataSource.head_seq, DataSource.deleted_at).where(DataSource.id == source_id).with_for_update()
+    ).one_or_none()
+    if row is None:
         raise NotFoundError(f"data source {source_id} was dropped while the batch was in flight")
+    if row.deleted_at is not None:
+        # Checked under the row lock a soft delete also takes: no batch lands in a source in the trash.
+        raise NotFoundError(f"data source {source_id} is in the trash")
+    head = row.head_seq
 
     ids = [b.batch_id for b in batches if b.batch_id is not None]
     known: dict[str, int] = {}
