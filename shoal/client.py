@@ -26,6 +26,9 @@ from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone, Write
 from shoal.storage import Storage, source_log_dir
 
 if TYPE_CHECKING:
+    from shoal.ingest.compaction import CompactionResult
+    from shoal.ingest.gc import GcResult
+    from shoal.ingest.retention import RetentionResult
     from shoal.searcher.searcher import Searcher
 
 _migrated: set[str] = set()
@@ -276,6 +279,44 @@ class Shoal:
     def log_dir(self, name: str, version: str) -> str:
         """The data source's log folder, relative to the storage root."""
         return source_log_dir(self.tenant, name, version)
+
+    # -- the log's upkeep --------------------------------------------------------------------------
+
+    def compact(self, name: str, version: str, *, now: dt.datetime | None = None) -> CompactionResult:
+        """Compact the data source's log now (below the lowest watermark of its indexes): keep the latest
+        entry per key at its seq, drop tombstones older than SHOAL_TOMBSTONE_RETENTION_S, merge small
+        segments toward SHOAL_COMPACTION_TARGET_BYTES. Returns segments before/after and entries dropped;
+        the replaced files are deleted by GC after SHOAL_GC_GRACE_S. `now` stands in for the clock."""
+        from shoal.ingest.compaction import CompactionPolicy, compact_log
+
+        record = self.get_data_source(name, version)
+        return compact_log(
+            self.engine, self.storage, record.id, CompactionPolicy.from_settings(self.settings), now=now
+        )
+
+    def apply_retention(self, name: str, version: str, *, now: dt.datetime | None = None) -> RetentionResult:
+        """Expire the data source's points older than its `retention_days` (custom metadata) by appending
+        tombstones; nothing when it has no retention. `now` stands in for the clock."""
+        from shoal.ingest.retention import apply_retention
+
+        record = self.get_data_source(name, version)
+        result = apply_retention(
+            self.engine, self.storage, record, now=now, max_batch_points=self.settings.max_batch_points,
+            lock_timeout_ms=self.settings.lock_timeout_ms, commit_retries=self.settings.commit_retries,
+        )
+        if result.expired:
+            self._after_commit(record.id)
+        return result
+
+    def collect_garbage(self, *, now: dt.datetime | None = None, scan: bool = True) -> GcResult:
+        """Delete this tenant's files no catalog row references once SHOAL_GC_GRACE_S passed (with `scan`,
+        also look for unreferenced files in its log folders); every deletion is logged."""
+        from shoal.ingest.gc import collect_garbage
+
+        return collect_garbage(
+            self.engine, self.storage, grace_s=self.settings.gc_grace_s, now=now, tenant=self.tenant,
+            lock_timeout_ms=self.settings.lock_timeout_ms, scan=scan,
+        )
 
     def close(self) -> None:
         """Release the catalog connections."""

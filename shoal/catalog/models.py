@@ -92,7 +92,8 @@ class LogSegment(Base):
     __table_args__ = (
         UniqueConstraint("data_source_id", "first_seq", name="uq_log_segments_source_first_seq"),
         CheckConstraint("last_seq >= first_seq", name="seq_range"),
-        CheckConstraint("upsert_count + tombstone_count = last_seq - first_seq + 1", name="entry_count"),
+        # At most one entry per seq: a commit writes every seq of its range, a compaction keeps a subset (0005).
+        CheckConstraint("upsert_count + tombstone_count <= last_seq - first_seq + 1", name="entry_count"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
@@ -122,6 +123,36 @@ class ProducerBatch(Base):
         UUID(as_uuid=True), ForeignKey("log_segments.id", ondelete="CASCADE"), index=True
     )
     committed_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class LogCompaction(Base):
+    """A data source's last log compaction: how far it reached and what it did (what the sweep decides by)."""
+
+    __tablename__ = "log_compactions"
+
+    data_source_id: Mapped[int] = mapped_column(
+        ForeignKey("data_sources.id", ondelete="CASCADE"), primary_key=True
+    )
+    compacted_through: Mapped[int] = mapped_column(BigInteger)  # the highest seq the last run could touch
+    compacted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    runs: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    segments_before: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    segments_after: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    entries_dropped: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class GarbageFile(Base):
+    """A storage file no catalog row references: queued for deletion after its grace period, and the log of
+    that deletion (`deleted_at` is set when it went). Paths are layout-relative, so they carry the tenant."""
+
+    __tablename__ = "garbage_files"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    path: Mapped[str] = mapped_column(Text, unique=True)
+    reason: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    delete_after: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Index(Base):

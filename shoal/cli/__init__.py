@@ -23,7 +23,7 @@ from shoal.cli.consume import consume
 from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
 from shoal.cli.indexes import index_app
-from shoal.cli.logview import log
+from shoal.cli.maintenance import gc, log_app
 from shoal.cli.search import search
 from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
@@ -44,7 +44,8 @@ app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(trash_app, name="trash")
 app.command("import")(import_file)
-app.command("log")(log)
+app.add_typer(log_app, name="log")
+app.command("gc")(gc)
 app.command("search")(search)
 app.command("status")(status)
 app.command("worker")(worker)

@@ -24,6 +24,10 @@ def broker_url(settings: Settings) -> str:
 SWEEP = "shoal.workers.tasks.sweep"
 SWEEP_MERGES = "shoal.workers.tasks.sweep_merges"
 PURGE_TRASH = "shoal.workers.tasks.purge_trash"
+COMPACT_LOG = "shoal.workers.tasks.compact_log"
+SWEEP_COMPACTION = "shoal.workers.tasks.sweep_compaction"
+APPLY_RETENTION = "shoal.workers.tasks.apply_retention"
+COLLECT_GARBAGE = "shoal.workers.tasks.collect_garbage"
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -40,6 +44,14 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
     if settings.purge_interval_s > 0:  # the trash: purge soft-deleted datasets whose retention ended
         entries["purge-trash"] = {"task": PURGE_TRASH, "schedule": settings.purge_interval_s}
+    # The log's upkeep: compaction of logs worth it, expiry past retention_days, deletion of unreferenced files.
+    for key, task, interval in (
+        ("sweep-compaction", SWEEP_COMPACTION, settings.compaction_interval_s),
+        ("apply-retention", APPLY_RETENTION, settings.retention_interval_s),
+        ("collect-garbage", COLLECT_GARBAGE, settings.gc_interval_s),
+    ):
+        if interval > 0:
+            entries[key] = {"task": task, "schedule": interval}
     return entries
 
 

@@ -71,6 +71,28 @@ class Settings(BaseSettings):
     merge_interval_s: float = Field(
         default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."
     )
+    # Log compaction, retention and garbage collection (beat sweeps; 0 turns a sweep off).
+    compaction_interval_s: float = Field(
+        default=300.0, ge=0, description="How often beat looks for logs worth compacting (0: never by beat)."
+    )
+    compaction_target_bytes: int = Field(
+        default=64 << 20, ge=1, description="Size compaction merges small log segments toward."
+    )
+    compaction_min_seqs: int = Field(
+        default=10_000, ge=1, description="New seqs below the lowest index watermark before the sweep compacts a log."
+    )
+    tombstone_retention_s: float = Field(
+        default=86_400.0, ge=0, description="How long compaction keeps a tombstone every index is already past."
+    )
+    retention_interval_s: float = Field(
+        default=3_600.0, ge=0, description="How often beat expires points past retention_days (0: never by beat)."
+    )
+    gc_interval_s: float = Field(
+        default=600.0, ge=0, description="How often beat deletes unreferenced files (0: never by beat)."
+    )
+    gc_grace_s: float = Field(
+        default=3_600.0, ge=0, description="How long an unreferenced file stays before GC deletes it."
+    )
     # The trash (soft-deleted datasets) and its purge.
     trash_retention_days: float = Field(
         default=30.0, ge=0, description="How long a soft-deleted dataset stays restorable before the purge."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -16,17 +16,28 @@ from shoal.storage import Storage
 
 
 def read_log(
-    engine: Engine, storage: Storage, source_id: int, after_seq: int = 0, up_to_seq: int | None = None
+    engine: Engine,
+    storage: Storage,
+    source_id: int,
+    after_seq: int = 0,
+    up_to_seq: int | None = None,
+    *,
+    columns: Sequence[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Yield the log entries with seq in (after_seq, up_to_seq] in seq order, each with its absolute `__seq`.
 
     `up_to_seq` defaults to the head when the call starts, so a concurrent commit never shows half way.
-    Every segment is checked against its recorded checksum before any of it is yielded.
+    Every segment is checked against its recorded checksum before any of it is yielded. `columns` limits
+    the columns read (`__seq` is always added). Seqs are strictly increasing but not dense once the log was
+    compacted: a compacted segment covers its seq range and holds only the entries that survived.
     """
     if up_to_seq is None:
         up_to_seq = head_of(engine, source_id)[0]
+    wanted = None if columns is None else list(dict.fromkeys([SEQ_OFFSET, *columns]))
+    # One snapshot of the segment rows: a compaction swapping segments meanwhile leaves the files listed
+    # here in place for its grace period, so this read sees the log wholly before or wholly after it.
     for seg in list_segments(engine, source_id, after_seq, up_to_seq):
-        table = decode_segment(storage.read(seg.path), seg.checksum, seg.path)
+        table = decode_segment(storage.read(seg.path), seg.checksum, seg.path, wanted)
         seqs = pc.add(table[SEQ_OFFSET], pa.scalar(seg.first_seq, pa.int64()))
         table = table.append_column(SEQ, seqs)
         if seg.first_seq <= after_seq or seg.last_seq > up_to_seq:

@@ -123,9 +123,12 @@ def checksum(buf: pa.Buffer | bytes) -> str:
     return "sha256:" + hashlib.sha256(memoryview(buf)).hexdigest()
 
 
-def decode_segment(buf: pa.Buffer, expected_checksum: str, path: str) -> pa.Table:
-    """The table in a segment file, after checking its bytes against the catalog's checksum."""
+def decode_segment(
+    buf: pa.Buffer, expected_checksum: str, path: str, columns: list[str] | None = None
+) -> pa.Table:
+    """The table in a segment file (only `columns`, when given), after checking its bytes against the
+    catalog's checksum."""
     got = checksum(buf)
     if got != expected_checksum:
         raise CorruptSegmentError(f"segment {path} is corrupt: checksum {got} != recorded {expected_checksum}")
-    return pq.read_table(pa.BufferReader(buf))
+    return pq.read_table(pa.BufferReader(buf), columns=columns)

@@ -10,11 +10,20 @@ import redis
 from celery import Task
 from sqlalchemy.exc import OperationalError
 
-from shoal.config.celery_app import SWEEP, SWEEP_MERGES, app
-from shoal.errors import NotFoundError
+from shoal.config.celery_app import (
+    APPLY_RETENTION,
+    COLLECT_GARBAGE,
+    COMPACT_LOG,
+    SWEEP,
+    SWEEP_COMPACTION,
+    SWEEP_MERGES,
+    app,
+)
+from shoal.errors import CommitError, NotFoundError
 from shoal.indexing.builder import LeaseBusyError
+from shoal.ingest import compaction, gc, retention
 from shoal.workers import context
-from shoal.workers.triggers import MATERIALIZE, MERGE, enqueue, started
+from shoal.workers.triggers import MATERIALIZE, MERGE, enqueue, notify_indexers, started
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +113,124 @@ def purge_trash() -> dict[str, Any]:
         log.info("purge_trash: purged %d data sources, deleted %d files and folders (%d left by an earlier run)",
                  len(result.sources), result.files, result.pending)
     return result.to_json()
+
+# -- the log's upkeep: compaction, retention, garbage collection ---------------------------------------------
+
+
+@app.task(base=ShoalTask, name=COMPACT_LOG)
+def compact_log(source_id: int) -> dict[str, Any]:
+    """Compact one data source's log below the lowest watermark of its indexes. Idempotent: a second run
+    finds nothing to rewrite; one overlapping it loses the swap and discards its files."""
+    ctx = context.get()
+    started(ctx.redis, COMPACT_LOG, source_id)
+    try:
+        result = compaction.compact_log(
+            ctx.engine, ctx.storage, source_id, compaction.CompactionPolicy.from_settings(ctx.settings)
+        )
+    except NotFoundError:
+        return {"source": source_id, "dropped": True}
+    return result.to_json()
+
+
+@app.task(base=ShoalTask, name=SWEEP_COMPACTION)
+def sweep_compaction() -> dict[str, int]:
+    """Queue a compaction of every data source whose log is worth compacting (beat runs this every
+    SHOAL_COMPACTION_INTERVAL_S). Coalesced by `enqueue`: at most one pending compaction per source."""
+    ctx = context.get()
+    queued = 0
+    due = compaction.due_for_compaction(
+        ctx.engine, min_seqs=ctx.settings.compaction_min_seqs, tombstone_retention_s=ctx.settings.tombstone_retention_s
+    )
+    for source_id in due:
+        if enqueue(ctx.redis, app, COMPACT_LOG, source_id, ctx.settings.pending_ttl_s):
+            queued += 1
+    return {"due": len(due), "queued": queued}
+
+
+@app.task(base=ShoalTask, name=APPLY_RETENTION)
+def apply_retention() -> dict[str, int]:
+    """Expire the points past their data source's `retention_days` by appending tombstones, in every tenant
+    (beat runs this every SHOAL_RETENTION_INTERVAL_S), then queue the indexes' materialization. Idempotent:
+    what one run expired the next finds deleted; an overlapping run's commit is refused under the lock."""
+    ctx = context.get()
+    sources = expired = failed = 0
+    for record in retention.sources_with_retention(ctx.engine):
+        sources += 1
+        try:
+            result = retention.apply_retention(
+                ctx.engine,
+                ctx.storage,
+                record,
+                max_batch_points=ctx.settings.max_batch_points,
+                lock_timeout_ms=ctx.settings.lock_timeout_ms,
+                commit_retries=ctx.settings.commit_retries,
+            )
+        except (NotFoundError, CommitError) as exc:  # dropped meanwhile, or too busy: the next run retries
+            failed += 1
+            log.warning("retention of data source %s skipped this run: %s", record.id, exc)
+            continue
+        except Exception:  # noqa: BLE001 - one source's trouble (a missing file, ...) must not stop the others
+            failed += 1
+            log.exception("retention of data source %s failed; the next run retries", record.id)
+            continue
+        if result.expired:
+            expired += result.expired
+            notify_indexers(ctx.redis, app, ctx.builder.shards.shards_of_source(record.id), ctx.settings.pending_ttl_s)
+    return {"sources": sources, "expired": expired, "skipped": failed}
+
+
+@app.task(base=ShoalTask, name=COLLECT_GARBAGE)
+def collect_garbage() -> dict[str, int]:
+    """Delete the files no catalog row references once their grace period (SHOAL_GC_GRACE_S) ended, in every
+    tenant, logging each (beat runs this every SHOAL_GC_INTERVAL_S). Safe to overlap with itself."""
+    ctx = context.get()
+    result = gc.collect_garbage(
+        ctx.engine, ctx.storage, grace_s=ctx.settings.gc_grace_s, lock_timeout_ms=ctx.settings.lock_timeout_ms
+    )
+    return result.to_json()
+
+
+REINDEX = "shoal.workers.tasks.reindex"
+SWEEP_GENERATIONS = "shoal.workers.tasks.sweep_generations"
+
+
+@app.task(base=ShoalTask, name=REINDEX)
+def reindex(job_id: int) -> dict[str, Any]:
+    """Build, check and swap in the generation of one reindex job (see shoal.workers.reindex)."""
+    from shoal.searcher.searcher import announce_version
+    from shoal.workers.reindex import run_reindex
+
+    ctx = context.get()
+
+    def announce(index: Any) -> None:
+        # Searchers reload an index whose shards they do not know; any announcement wakes them.
+        for shard in index.shards:
+            announce_version(_broker(ctx), shard.id, 0)
+
+    outcome = run_reindex(ctx.engine, ctx.storage, job_id, builder=ctx.builder, on_swap=announce)
+    return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error}
+
+
+def _broker(ctx: Any) -> str:
+    from shoal.config.celery_app import broker_url
+
+    return broker_url(ctx.settings)
+
+
+@app.task(base=ShoalTask, name=SWEEP_GENERATIONS)
+def sweep_generations() -> dict[str, int]:
+    """Drop generations kept for rollback past SHOAL_REINDEX_KEEP_S and leftovers of failed reindexes; prune
+    index versions older than SHOAL_VERSION_KEEP_S that nothing serves, tags or may travel back to."""
+    from shoal.catalog.history import prune_versions
+    from shoal.workers.reindex import drop_expired_generations
+
+    ctx = context.get()
+    from shoal.catalog.generations import Generations
+    from shoal.workers.triggers import QUEUE
+
+    # Jobs no worker is running (their task was never queued, or was lost): queue them again.
+    for job_id in Generations(ctx.engine).stalled(600.0):
+        app.send_task(REINDEX, args=[job_id], queue=QUEUE)
+    dropped = drop_expired_generations(ctx.engine, ctx.storage, ctx.settings.reindex_keep_s)
+    pruned = prune_versions(ctx.engine, ctx.settings.version_keep_s, ctx.settings.gc_grace_s)
+    return {"dropped": dropped, "pruned": pruned}

@@ -1,0 +1,250 @@
+"""Catalog side of log compaction: how far a compaction may reach, and the one transaction that swaps segments.
+
+Compaction never touches a seq above the lowest watermark of the indexes over the data source: every
+shard's built watermark and, once a searcher served the shard, its served watermark (a searcher scans the
+log tail above what it serves). Below that watermark every reader of the log either reads from seq 0 (a new
+index, a fold) or not at all, so replacing segments there changes nothing a reader can observe.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, case, delete, func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import (
+    DataSource,
+    GarbageFile,
+    Index,
+    IndexShard,
+    LogCompaction,
+    LogSegment,
+    ProducerBatch,
+    Tenant,
+)
+from shoal.catalog.repo import SourceRecord, _record
+from shoal.errors import NotFoundError
+
+# Garbage reasons: why a file was queued for deletion (the deletion log shows them).
+COMPACTED = "compacted"
+
+
+@dataclass(frozen=True)
+class NewSegment:
+    """A compacted segment file, durable in storage, and the seq range it covers."""
+
+    id: uuid.UUID
+    path: str
+    first_seq: int
+    last_seq: int
+    upserts: int
+    tombstones: int
+    bytes: int
+    checksum: str
+    committed_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """Old segments (adjacent, together covering new.first_seq..new.last_seq) and the segment replacing them."""
+
+    old_ids: tuple[uuid.UUID, ...]
+    old_paths: tuple[str, ...]
+    new: NewSegment
+
+
+@dataclass(frozen=True)
+class CompactionState:
+    """What the sweep knows of a data source: its head, how far compaction may reach, how far it last did."""
+
+    source_id: int
+    head: int
+    limit: int  # the lowest watermark (the head when no index reads the source)
+    compacted_through: int
+    compacted_at: dt.datetime | None
+    segments_above: int  # segments committed past compacted_through, up to the limit
+    tombstones_below: int  # tombstones left in segments up to compacted_through
+
+
+def load_source(engine: Engine, source_id: int) -> SourceRecord:
+    """The data source by id, with its tenant's name; NotFoundError when it is gone."""
+    with Session(engine) as s:
+        row = s.get(DataSource, source_id)
+        if row is None:
+            raise NotFoundError(f"data source {source_id} not found")
+        tenant = s.scalars(select(Tenant.name).where(Tenant.id == row.tenant_id)).one()
+        return _record(row, tenant)
+
+
+def sources_with_metadata(engine: Engine, key: str, dataset_marker: str) -> list[SourceRecord]:
+    """Every data source (of every tenant) whose custom metadata has `key`, at the top or in its dataset's
+    metadata (`custom_metadata[dataset_marker]["metadata"]`)."""
+    meta = DataSource.custom_metadata
+    with Session(engine) as s:
+        rows = s.execute(
+            select(DataSource, Tenant.name)
+            .join(Tenant, Tenant.id == DataSource.tenant_id)
+            .where(meta.has_key(key) | meta[dataset_marker]["metadata"].has_key(key))
+            .order_by(DataSource.id)
+        ).all()
+        return [_record(row, tenant) for row, tenant in rows]
+
+
+def _lowest_watermark_expr(source_id_column: object) -> object:
+    # A shard nobody has served yet (served_at NULL) is bounded by its built watermark only: no searcher
+    # scans a tail for it. A served shard by the lower of the two.
+    served = case((IndexShard.served_at.is_(None), IndexShard.built_watermark), else_=IndexShard.served_watermark)
+    return (
+        select(func.min(func.least(IndexShard.built_watermark, served)))
+        .join(Index, Index.id == IndexShard.index_id)
+        .where(Index.data_source_id == source_id_column)
+        .scalar_subquery()
+    )
+
+
+def lowest_watermark(engine: Engine, source_id: int) -> int | None:
+    """The lowest watermark any index over the source still needs the log above, None when no index reads it.
+
+    Every index shard counts (of every index and generation over the source, live or in the trash), with
+    the lower of its built and (once served) served watermarks. This is the one place that decides how far
+    compaction may reach: anything that will read the log from an older seq must be counted here.
+    """
+    with Session(engine) as s:
+        value = s.execute(select(_lowest_watermark_expr(source_id))).scalar_one_or_none()  # type: ignore[arg-type]
+        return None if value is None else int(value)
+
+
+def compaction_states(engine: Engine, source_ids: Sequence[int] | None = None) -> list[CompactionState]:
+    """The compaction state of every data source (of `source_ids` when given), for the sweep."""
+    low = _lowest_watermark_expr(DataSource.id)
+    with Session(engine) as s:
+        q = select(
+            DataSource.id, DataSource.head_seq, low, LogCompaction.compacted_through, LogCompaction.compacted_at
+        ).outerjoin(LogCompaction, LogCompaction.data_source_id == DataSource.id)
+        if source_ids is not None:
+            q = q.where(DataSource.id.in_(list(source_ids)))
+        rows = s.execute(q.order_by(DataSource.id)).all()
+        out = []
+        for source_id, head, lowest, through, at in rows:
+            limit = int(head) if lowest is None else min(int(lowest), int(head))
+            through = int(through or 0)
+            above, tombs = s.execute(
+                select(
+                    func.count().filter(LogSegment.first_seq > through, LogSegment.last_seq <= limit),
+                    func.coalesce(func.sum(LogSegment.tombstone_count).filter(LogSegment.last_seq <= through), 0),
+                ).where(LogSegment.data_source_id == source_id)
+            ).one()
+            out.append(CompactionState(int(source_id), int(head), limit, through, at, int(above), int(tombs)))
+        return out
+
+
+def _record_run(
+    conn: Connection, source_id: int, through: int, segments_before: int, segments_after: int, dropped: int
+) -> None:
+    values = {
+        "compacted_through": through,
+        "compacted_at": func.now(),
+        "segments_before": segments_before,
+        "segments_after": segments_after,
+        "entries_dropped": dropped,
+    }
+    conn.execute(
+        insert(LogCompaction)
+        .values(data_source_id=source_id, runs=1, **values)
+        .on_conflict_do_update(
+            index_elements=[LogCompaction.data_source_id],
+            set_={**values, "runs": LogCompaction.runs + 1},
+        )
+    )
+
+
+def record_noop(engine: Engine, source_id: int, through: int, segments: int) -> None:
+    """Remember that a compaction up to `through` found nothing to rewrite (so the sweep waits for more)."""
+    with engine.begin() as conn:
+        if conn.execute(select(DataSource.id).where(DataSource.id == source_id)).first() is None:
+            return  # dropped meanwhile
+        _record_run(conn, source_id, through, segments, segments, 0)
+
+
+def replace_segments(
+    engine: Engine,
+    source_id: int,
+    replacements: Sequence[Replacement],
+    *,
+    through: int,
+    segments_before: int,
+    dropped: int,
+    delete_after: dt.datetime,
+    lock_timeout_ms: int,
+    files_exist: Callable[[list[str]], bool],
+) -> bool:
+    """Swap the old segments for the new ones in one transaction; False (nothing changed) when another
+    compaction replaced any of the old segments first, or a new file is missing.
+
+    Under the data source's row lock, as commits take it: the producer batches move to the new segments,
+    the old rows go, the new rows come, the old files are queued as garbage (deleted after
+    `delete_after`, once no row references them) and the run is recorded. A crash before COMMIT changes
+    nothing; the new files are then unreferenced garbage for GC.
+    """
+    old_ids = [i for r in replacements for i in r.old_ids]
+    with engine.begin() as conn:
+        conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_ms)}ms'"))
+        locked = conn.execute(
+            select(DataSource.id).where(DataSource.id == source_id).with_for_update()
+        ).scalar_one_or_none()
+        if locked is None:
+            raise NotFoundError(f"data source {source_id} was dropped while its log was compacted")
+        present = conn.execute(
+            select(func.count()).select_from(LogSegment).where(LogSegment.id.in_(old_ids))
+        ).scalar_one()
+        if present != len(old_ids):
+            return False
+        # GC deletes log files only under this same lock, so a file present now stays until we commit,
+        # and from then on our row references it.
+        if not files_exist([r.new.path for r in replacements]):
+            return False
+        # The producer batches (batch id -> token, for deduplication) move to the segment now holding their
+        # seqs. Deleting the old rows cascades to them, and the new row cannot come first (it takes the old
+        # first row's first_seq), so they are read, dropped with the old rows and inserted again.
+        moved_to = {old: r.new.id for r in replacements for old in r.old_ids}
+        batches = [
+            dict(row._mapping)
+            for row in conn.execute(select(ProducerBatch.__table__).where(ProducerBatch.segment_id.in_(old_ids)))
+        ]
+        conn.execute(delete(LogSegment).where(LogSegment.id.in_(old_ids)))
+        conn.execute(
+            LogSegment.__table__.insert(),
+            [
+                {
+                    "id": r.new.id,
+                    "data_source_id": source_id,
+                    "first_seq": r.new.first_seq,
+                    "last_seq": r.new.last_seq,
+                    "upsert_count": r.new.upserts,
+                    "tombstone_count": r.new.tombstones,
+                    "bytes": r.new.bytes,
+                    "checksum": r.new.checksum,
+                    "path": r.new.path,
+                    "committed_at": r.new.committed_at,
+                }
+                for r in replacements
+            ],
+        )
+        if batches:
+            conn.execute(
+                ProducerBatch.__table__.insert(), [{**b, "segment_id": moved_to[b["segment_id"]]} for b in batches]
+            )
+        conn.execute(
+            insert(GarbageFile)
+            .values([{"path": p, "reason": COMPACTED, "delete_after": delete_after}
+                     for r in replacements for p in r.old_paths])
+            .on_conflict_do_nothing(index_elements=[GarbageFile.path])
+        )
+        after = segments_before - len(old_ids) + len(replacements)
+        _record_run(conn, source_id, through, segments_before, after, dropped)
+    return True

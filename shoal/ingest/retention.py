@@ -1,0 +1,178 @@
+"""Retention: a data source's `retention_days` expires its data points by appending tombstones to the log.
+
+The limit lives in the data source's custom metadata, DeepLake style: `{"retention_days": 30}` on the data
+source, or in a dataset's metadata (`custom_metadata["shoal.dataset"]["metadata"]["retention_days"]`). A
+point expires when its latest upsert was ingested before now minus that many days. Expiry is an ordinary
+commit (one segment of tombstones under the batch id `shoal-retention:{head}:{n}`, so the log and the
+producer batches record every expiry), and the indexes apply it like any delete; compaction later removes
+the expired entries from the log itself.
+
+The commit happens only if the head is still the one the expiry was computed at (checked under the data
+source's lock): a point updated meanwhile is never deleted by a stale decision. When the head moved, the
+entries since are folded in and the decision is made again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from sqlalchemy import Engine
+
+from shoal.catalog.commit import BatchSlot, WrittenSegment, commit_group
+from shoal.catalog.compaction import sources_with_metadata
+from shoal.catalog.repo import SourceRecord, head_of
+from shoal.errors import CommitError
+from shoal.ingest.batch import INGESTED_AT, KEY, OP, columns_to_table
+from shoal.ingest.reader import fold, read_log
+from shoal.ingest.segment import build_segment_table, count_ops, encode_segment, write_segment
+from shoal.records import DataSourceSpec
+from shoal.storage import Storage, segment_path
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY = "retention_days"
+DATASET_MARKER = "shoal.dataset"  # where the dataset API keeps a dataset's definition (shoal.datasets.catalog)
+BATCH_PREFIX = "shoal-retention:"
+ATTEMPTS = 8  # head moved under us this often in a row: give up for this run (the next one retries)
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    """What one retention run did for a data source."""
+
+    source_id: int
+    retention_days: float | None  # None: the source has no retention
+    cutoff: dt.datetime | None  # points whose latest upsert was ingested before this expired
+    expired: int  # tombstones appended
+    token: int | None  # the seq of the last tombstone, when any
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict."""
+        out = asdict(self)
+        out["cutoff"] = self.cutoff.isoformat() if self.cutoff else None
+        return out
+
+
+class _HeadMoved(Exception):
+    """Raised under the lock when a commit landed since the expiry was decided."""
+
+
+def retention_days(spec: DataSourceSpec) -> float | None:
+    """The data source's retention in days, None when it has none (absent, not a positive number)."""
+    meta: Mapping[str, Any] = spec.custom_metadata
+    value = meta.get(METADATA_KEY)
+    dataset = meta.get(DATASET_MARKER)
+    if value is None and isinstance(dataset, Mapping) and isinstance(dataset.get("metadata"), Mapping):
+        value = dataset["metadata"].get(METADATA_KEY)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        days = float(value)
+    except (TypeError, ValueError):
+        log.warning("data source %s/%s: ignoring %s=%r (not a number)", spec.name, spec.version, METADATA_KEY, value)
+        return None
+    return days if math.isfinite(days) and days > 0 else None
+
+
+def sources_with_retention(engine: Engine) -> list[SourceRecord]:
+    """Every data source (of every tenant) with a retention."""
+    return [r for r in sources_with_metadata(engine, METADATA_KEY, DATASET_MARKER) if retention_days(r.spec)]
+
+
+def apply_retention(
+    engine: Engine,
+    storage: Storage,
+    source: SourceRecord,
+    *,
+    now: dt.datetime | None = None,
+    max_batch_points: int = 100_000,
+    lock_timeout_ms: int = 30_000,
+    commit_retries: int = 3,
+) -> RetentionResult:
+    """Append a tombstone for every live point of the source whose latest upsert is older than its
+    retention; return what was done. Idempotent: a second run at once finds nothing left to expire.
+
+    Raises CommitError when commits kept landing between the decision and the lock ATTEMPTS times in a row.
+    """
+    days = retention_days(source.spec)
+    if days is None:
+        return RetentionResult(source.id, None, None, 0, None)
+    now = now or dt.datetime.now(dt.UTC)
+    cutoff = now - dt.timedelta(days=days)
+    spec = source.spec
+    columns = [KEY, OP, INGESTED_AT, *spec.permanent_attributes]
+    head = head_of(engine, source.id)[0]
+    state = fold(read_log(engine, storage, source.id, 0, head, columns=columns))
+    for _ in range(ATTEMPTS):
+        expired = _older_than(state, cutoff)
+        if not expired.num_rows:
+            return RetentionResult(source.id, days, cutoff, 0, None)
+        tables = [
+            columns_to_table(
+                spec, None, {a: expired[a].slice(i, max_batch_points) for a in spec.permanent_attributes},
+                max_batch_points, delete=True,
+            )
+            for i in range(0, expired.num_rows, max_batch_points)
+        ]
+        try:
+            tokens = _commit(engine, storage, source, head, tables, lock_timeout_ms, commit_retries)
+        except _HeadMoved as moved:
+            new_head = int(str(moved))
+            newer = list(read_log(engine, storage, source.id, head, new_head, columns=columns))
+            state = fold([*state.to_batches(), *newer])
+            head = new_head
+            continue
+        log.info(
+            "retention: appended %d tombstones to data source %s (tenant %s, %s/%s) for points ingested before %s "
+            "(retention %s days), up to seq %d",
+            expired.num_rows, source.id, source.tenant, spec.name, spec.version, cutoff.isoformat(), days, tokens[-1],
+        )
+        return RetentionResult(source.id, days, cutoff, expired.num_rows, tokens[-1])
+    raise CommitError(f"retention of data source {source.id}: the log kept moving; try again later")
+
+
+def _older_than(state: pa.Table, cutoff: dt.datetime) -> pa.Table:
+    if not state.num_rows:
+        return state
+    return state.filter(pc.less(state[INGESTED_AT], pa.scalar(cutoff, pa.timestamp("us", tz="UTC"))))
+
+
+def _commit(
+    engine: Engine,
+    storage: Storage,
+    source: SourceRecord,
+    head: int,
+    tables: list[pa.Table],
+    lock_timeout_ms: int,
+    retries: int,
+) -> list[int]:
+    spec = source.spec
+
+    def write(first_seq: int, keep: list[int]) -> WrittenSegment:
+        if first_seq - 1 != head:  # under the lock: a commit landed since the decision
+            raise _HeadMoved(str(first_seq - 1))
+        table = build_segment_table([tables[i] for i in keep])
+        seg_id = uuid.uuid4()
+        path = segment_path(source.tenant, spec.name, spec.version, first_seq, seg_id)
+        if storage.local:
+            size, digest = storage.write_atomic_with(path, lambda out: write_segment(table, out))
+        else:
+            buf, digest = encode_segment(table)
+            storage.write_atomic(path, buf)
+            size = buf.size
+        upserts, tombstones = count_ops(table)
+        return WrittenSegment(seg_id, path, size, digest, upserts, tombstones)
+
+    slots = [BatchSlot(t.num_rows, f"{BATCH_PREFIX}{head}:{i}") for i, t in enumerate(tables)]
+    return commit_group(
+        engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms
+    )
+

@@ -1,0 +1,620 @@
+"""Log compaction, retention and GC against the real catalog and storage (local and S3).
+
+Compaction is invisible (the folded state and every index answer the same), stays below the lowest
+watermark, merges small segments; retention expires old points with tombstones; GC never deletes a
+referenced file and waits for the grace period; SIGKILL during compaction and GC loses nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import select
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import run_helper, start_worker, stop_process, wait_for
+from helpers.compaction_checks import (
+    COMPACT_SPEC,
+    DIM,
+    assert_log_intact,
+    committed_batches,
+    comparable_fold,
+    folded_state,
+    init_batch,
+    mix_batch,
+    replay,
+)
+
+from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
+from shoal.catalog import garbage
+from shoal.config.settings import Settings
+from shoal.engines.metrics import Metric, exact_top_k
+from shoal.indexing.builder import LeaseBusyError, ShardBuilder
+from shoal.ingest import retention
+from shoal.ingest.batch import columns_to_table
+from shoal.records import IndexSpec
+
+NAME, VERSION = COMPACT_SPEC.name, COMPACT_SPEC.version
+
+
+@pytest.fixture
+def make_shoal(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Shoal]]:
+    """Shoals that queue no Celery work (the tests build indexes themselves), closed after the test."""
+    made: list[Shoal] = []
+
+    def make(kind: str = "local", **overrides: object) -> Shoal:
+        client = Shoal(make_settings(kind, **overrides), notify=False)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def flat_index(shoal: Shoal, name: str, shard_count: int = 1) -> IndexSpec:
+    spec = IndexSpec(name, "1", NAME, VERSION, algorithm="flat", metric="euclidean", id_attributes=["id"],
+                     shard_count=shard_count)
+    shoal.create_index(spec)
+    return spec
+
+
+def build(shoal: Shoal, index: str) -> None:
+    builder = ShardBuilder(shoal.engine, shoal.storage)
+    for shard in shoal.get_index(index, "1").shards:
+        builder.materialize(shard.id)
+
+
+def search_all(shoal: Shoal, index: str, queries: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    searcher = shoal.searcher(follow=False)
+    try:
+        hits = searcher.search(index, "1", queries, k)
+    finally:
+        searcher.close()
+    return [[(h.attributes["id"], float(h.distance)) for h in row] for row in hits]
+
+
+def brute_force(shoal: Shoal, queries: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    state = shoal.fold(NAME, VERSION)
+    vectors = np.asarray(state["__vector"].to_pylist(), dtype=np.float32).reshape(-1, DIM)
+    ids = state["id"].to_pylist()
+    dist, labels = exact_top_k(Metric("euclidean"), queries, vectors, k)
+    return [[(ids[j], float(d)) for d, j in zip(drow, lrow, strict=True) if j >= 0] for drow, lrow in zip(
+        dist, labels, strict=True)]
+
+
+def same_answers(a: list[list[tuple[int, float]]], b: list[list[tuple[int, float]]]) -> None:
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b, strict=True):
+        assert [i for i, _ in ra] == [i for i, _ in rb]
+        np.testing.assert_allclose([d for _, d in ra], [d for _, d in rb], rtol=1e-5, atol=1e-6)
+
+
+def churn(shoal: Shoal, keys: int, rng: random.Random, prefix: str) -> None:
+    """`keys` inserts, then as many updates and deletes (half each) of random keys, in batches of 50."""
+    producer = shoal.producer(NAME, VERSION)
+    for start in range(0, keys, 50):
+        producer.upload(init_batch(f"{prefix}-init-{start}", range(start, min(start + 50, keys))),
+                        batch_id=f"{prefix}-init-{start}")
+    for b in range(keys // 50):
+        items: list[DataPoint | Tombstone] = []
+        for pos in range(50):
+            k = rng.randrange(keys)
+            if pos % 2:
+                items.append(Tombstone({"id": k}))
+            else:
+                v = [rng.uniform(-1, 1) for _ in range(DIM)]
+                items.append(DataPoint({"id": k, "text": f"{prefix}-upd-{b}-{pos}"}, v))
+        producer.upload(items, batch_id=f"{prefix}-mix-{b}")
+
+
+# -- compaction is invisible ----------------------------------------------------------------------------
+
+
+def test_compaction_is_invisible(make_shoal: Callable[..., Shoal], storage_kind: str) -> None:
+    shoal = make_shoal(storage_kind, tombstone_retention_s=0, gc_grace_s=0, compaction_target_bytes=24_000)
+    shoal.create_data_source(COMPACT_SPEC)
+    churn(shoal, 600, random.Random(7), "w")
+    flat_index(shoal, "full")
+    build(shoal, "full")  # built from the full log, at the head
+
+    before = assert_log_intact(shoal, NAME, VERSION)
+    state_before = comparable_fold(shoal, NAME, VERSION)
+    live = state_before.num_rows
+    assert before["entries"] == 1200 and 0 < live < 600
+
+    result = shoal.compact(NAME, VERSION)
+    assert result.changed and result.bound == before["head"]
+    after = assert_log_intact(shoal, NAME, VERSION)
+    # Every key keeps exactly its latest upsert: tombstones were older than the (zero) retention.
+    assert after["entries"] == live and result.entries_dropped == 1200 - live
+    assert result.tombstones_dropped > 0
+    assert sum(s.tombstone_count for s in shoal.log_segments(NAME, VERSION)) == 0
+    assert after["bytes"] < before["bytes"] * (live / 1200 + 0.25)
+    assert result.segments_before == before["segments"] and result.segments_after == after["segments"]
+    assert after["segments"] < before["segments"]
+    # Merged toward the target: no two adjacent segments that would both fit in it.
+    sizes = [s.bytes for s in shoal.log_segments(NAME, VERSION)]
+    assert all(a + b > 24_000 or min(a, b) >= 12_000 for a, b in zip(sizes, sizes[1:], strict=False))
+    assert comparable_fold(shoal, NAME, VERSION).equals(state_before)
+
+    # An index rebuilt from the compacted log answers exactly as the one built from the full log.
+    flat_index(shoal, "compacted")
+    build(shoal, "compacted")
+    queries = np.random.default_rng(3).uniform(-1, 1, (25, DIM)).astype(np.float32)
+    full = search_all(shoal, "full", queries, 10)
+    same_answers(full, search_all(shoal, "compacted", queries, 10))
+    same_answers(full, brute_force(shoal, queries, 10))
+
+    # Both catch up on more writes the same way, and a second compaction finds the new garbage only.
+    churn(shoal, 100, random.Random(8), "x")
+    build(shoal, "full")
+    build(shoal, "compacted")
+    full = search_all(shoal, "full", queries, 10)
+    same_answers(full, search_all(shoal, "compacted", queries, 10))
+    same_answers(full, brute_force(shoal, queries, 10))
+    state = comparable_fold(shoal, NAME, VERSION)
+    again = shoal.compact(NAME, VERSION)
+    assert again.changed and comparable_fold(shoal, NAME, VERSION).equals(state)
+    assert shoal.compact(NAME, VERSION).changed is False  # nothing left to rewrite
+
+    # GC (grace 0) deletes exactly the replaced files; what the catalog references stays.
+    replaced = garbage.pending(shoal.engine, tenant=shoal.tenant)
+    gc = shoal.collect_garbage()
+    assert gc.deleted == replaced and gc.pending == 0
+    files = set(shoal.storage.list_files(shoal.log_dir(NAME, VERSION)))
+    assert files == {s.path for s in shoal.log_segments(NAME, VERSION)}
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+
+
+def test_compaction_never_touches_seqs_above_the_lowest_watermark(make_shoal: Callable[..., Shoal]) -> None:
+    shoal = make_shoal(tombstone_retention_s=0)
+    shoal.create_data_source(COMPACT_SPEC)
+    flat_index(shoal, "idx", shard_count=2)
+    assert shoal.compact(NAME, VERSION).bound == 0  # no commit yet
+
+    churn(shoal, 200, random.Random(1), "a")
+    # Shards never built (watermark 0): nothing may be touched.
+    none = shoal.compact(NAME, VERSION)
+    assert none.bound == 0 and not none.changed
+    build(shoal, "idx")
+    low = shoal.get_data_source(NAME, VERSION).head_seq
+    churn(shoal, 100, random.Random(2), "b")  # above every watermark now
+    head = shoal.get_data_source(NAME, VERSION).head_seq
+    tail_before = pa.Table.from_batches(list(shoal.read_log(NAME, VERSION, after_seq=low)))
+    at_low, at_head = comparable_fold(shoal, NAME, VERSION, low), comparable_fold(shoal, NAME, VERSION)
+
+    result = shoal.compact(NAME, VERSION)
+    assert result.changed and result.bound <= low
+    tail_after = pa.Table.from_batches(list(shoal.read_log(NAME, VERSION, after_seq=low)))
+    assert tail_after.drop_columns(["__seq_offset"]).equals(tail_before.drop_columns(["__seq_offset"]))
+    assert len(tail_after) == head - low
+    assert comparable_fold(shoal, NAME, VERSION, low).equals(at_low)
+    assert comparable_fold(shoal, NAME, VERSION).equals(at_head)
+
+    # A searcher serving an older version holds the bound down too (its tail scan starts there).
+    shard = shoal.get_index("idx", "1").shards[0]
+    searcher = shoal.searcher(follow=False)
+    searcher.search("idx", "1", np.zeros((1, DIM), np.float32), 3)  # serves the built version: marks it served
+    searcher.close()
+    build(shoal, "idx")
+    assert shoal.shards.shard_context(shard.id)[0].served_watermark == low
+    assert shoal.compact(NAME, VERSION).bound <= low
+
+
+def test_tombstones_stay_for_their_retention(make_shoal: Callable[..., Shoal]) -> None:
+    shoal = make_shoal(tombstone_retention_s=3600, compaction_target_bytes=1 << 20)
+    shoal.create_data_source(COMPACT_SPEC)
+    producer = shoal.producer(NAME, VERSION)
+    producer.upload(init_batch("i", range(10)))
+    producer.upload([Tombstone({"id": k}) for k in range(5)])
+    producer.upload([Tombstone({"id": 0})])  # a second tombstone of a key: the first one is superseded
+    state = comparable_fold(shoal, NAME, VERSION)
+
+    kept = shoal.compact(NAME, VERSION)  # superseded entries go; the latest tombstones are too young
+    segs = shoal.log_segments(NAME, VERSION)
+    assert kept.changed and kept.tombstones_dropped == 1 and sum(s.tombstone_count for s in segs) == 5
+    assert sum(s.upsert_count for s in segs) == 5
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    gone = shoal.compact(NAME, VERSION, now=later)
+    assert gone.changed and gone.tombstones_dropped == 5
+    assert sum(s.tombstone_count for s in shoal.log_segments(NAME, VERSION)) == 0
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+    assert_log_intact(shoal, NAME, VERSION)
+
+
+def test_small_segments_merge_and_batch_ids_still_deduplicate(make_shoal: Callable[..., Shoal]) -> None:
+    shoal = make_shoal(compaction_target_bytes=40_000)
+    shoal.create_data_source(COMPACT_SPEC)
+    producer = shoal.producer(NAME, VERSION)
+    tokens = [producer.upload(init_batch(f"s{i}", range(i, i + 1)), batch_id=f"s{i}").seq for i in range(60)]
+    state = comparable_fold(shoal, NAME, VERSION)
+    result = shoal.compact(NAME, VERSION)
+    assert result.changed and result.entries_dropped == 0 and result.segments_before == 60
+    assert result.segments_after < 10
+    assert all(s.bytes <= 40_000 for s in shoal.log_segments(NAME, VERSION))
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+    # Producer batch ids moved with their entries: a repeated upload returns its token and writes nothing.
+    head = shoal.get_data_source(NAME, VERSION).head_seq
+    assert producer.upload(init_batch("s7", range(7, 8)), batch_id="s7").seq == tokens[7]
+    assert shoal.get_data_source(NAME, VERSION).head_seq == head
+    assert [b for b, _, _ in committed_batches(shoal, NAME, VERSION)] == [f"s{i}" for i in range(60)]
+
+
+def test_overlapping_compactions_leave_one_consistent_log(make_shoal: Callable[..., Shoal]) -> None:
+    import threading
+
+    shoal = make_shoal(tombstone_retention_s=0, gc_grace_s=0, compaction_target_bytes=20_000)
+    shoal.create_data_source(COMPACT_SPEC)
+    churn(shoal, 300, random.Random(4), "o")
+    state = comparable_fold(shoal, NAME, VERSION)
+    results = []
+    barrier = threading.Barrier(3)
+
+    def run() -> None:
+        barrier.wait()
+        results.append(shoal.compact(NAME, VERSION))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 3 and any(r.changed for r in results)
+    assert_log_intact(shoal, NAME, VERSION)
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+    # The losers removed their own files; GC removes the replaced ones: only referenced files remain.
+    shoal.collect_garbage()
+    assert set(shoal.storage.list_files(shoal.log_dir(NAME, VERSION))) == {
+        s.path for s in shoal.log_segments(NAME, VERSION)
+    }
+
+
+# -- retention ------------------------------------------------------------------------------------------
+
+
+def _ingested_at(shoal: Shoal, name: str, version: str) -> dict[int, dt.datetime]:
+    table = shoal.fold(name, version)
+    return dict(zip(table["id"].to_pylist(), table["__ingested_at"].to_pylist(), strict=True))
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["source-metadata", "dataset-metadata"])
+def test_retention_expires_points_older_than_retention_days(make_shoal: Callable[..., Shoal], nested: bool) -> None:
+    shoal = make_shoal()
+    meta = {"shoal.dataset": {"metadata": {"retention_days": 2}}} if nested else {"retention_days": 2}
+    spec = DataSourceSpec("Retained", "1", DIM, {"id": "int64", "text": "string"}, ["id"], custom_metadata=meta)
+    shoal.create_data_source(spec)
+    shoal.create_data_source(COMPACT_SPEC)  # no retention: never touched
+    flat_index(shoal, "plain")
+    producer = shoal.producer("Retained", "1")
+    producer.upload(init_batch("old", range(20)))
+    shoal.producer(NAME, VERSION).upload(init_batch("old", range(20)))
+    old_at = max(_ingested_at(shoal, "Retained", "1").values())
+    wait_for(lambda: dt.datetime.now(dt.UTC) > old_at + dt.timedelta(milliseconds=5), 5, "the clock to move on")
+    producer.upload(init_batch("new", range(15, 30)))  # re-upserts 15..19: they are young again
+    new_at = min(v for k, v in _ingested_at(shoal, "Retained", "1").items() if k >= 15)
+    assert new_at > old_at
+
+    # Simulated age: "now" is two days after a moment between the two uploads.
+    now = old_at + (new_at - old_at) / 2 + dt.timedelta(days=2)
+    result = shoal.apply_retention("Retained", "1", now=now)
+    assert result.retention_days == 2 and result.expired == 15 and result.token is not None
+    assert sorted(folded_state(shoal, "Retained", "1")) == list(range(15, 30))
+    # The expiry is in the log (tombstones under a retention batch id) and idempotent.
+    batches = [b for b in committed_batches(shoal, "Retained", "1") if b[0].startswith(retention.BATCH_PREFIX)]
+    assert len(batches) == 1 and batches[0][2] == result.token
+    assert shoal.apply_retention("Retained", "1", now=now).expired == 0
+    assert shoal.apply_retention(NAME, VERSION, now=now).retention_days is None
+    assert len(folded_state(shoal, NAME, VERSION)) == 20
+
+    # Much later everything expires; indexes apply expiries like any delete.
+    everything = shoal.apply_retention("Retained", "1", now=now + dt.timedelta(days=30))
+    assert everything.expired == 15 and folded_state(shoal, "Retained", "1") == {}
+    assert [r.id for r in retention.sources_with_retention(shoal.engine) if r.tenant == shoal.tenant] == [
+        shoal.get_data_source("Retained", "1").id
+    ]
+
+
+def test_retention_never_deletes_a_point_updated_after_its_decision(make_shoal: Callable[..., Shoal]) -> None:
+    shoal = make_shoal()
+    spec = DataSourceSpec("Retained", "1", DIM, {"id": "int64", "text": "string"}, ["id"],
+                          custom_metadata={"retention_days": 1})
+    shoal.create_data_source(spec)
+    producer = shoal.producer("Retained", "1")
+    producer.upload(init_batch("old", range(5)))
+    record = shoal.get_data_source("Retained", "1")
+    decided_at = record.head_seq
+    producer.upload(init_batch("fresh", range(2, 3)))  # key 2 updated after the decision below
+    tables = [columns_to_table(spec, None, {"id": [0, 1, 2, 3, 4]}, 100, delete=True)]
+    # A commit of the stale decision is refused under the lock, and writes nothing.
+    with pytest.raises(retention._HeadMoved):
+        retention._commit(shoal.engine, shoal.storage, record, decided_at, tables, 1000, 1)
+    assert sorted(folded_state(shoal, "Retained", "1")) == [0, 1, 2, 3, 4]
+    assert len(shoal.storage.list_files(shoal.log_dir("Retained", "1"))) == 2
+
+
+# -- garbage collection -----------------------------------------------------------------------------------
+
+
+def test_gc_waits_for_the_grace_period_and_never_deletes_a_referenced_file(
+    make_shoal: Callable[..., Shoal], storage_kind: str
+) -> None:
+    shoal = make_shoal(storage_kind, tombstone_retention_s=0, gc_grace_s=3600)
+    other = make_shoal(storage_kind, gc_grace_s=0)
+    for client in (shoal, other):
+        client.create_data_source(COMPACT_SPEC)
+        churn(client, 100, random.Random(5), "g")
+    state = comparable_fold(shoal, NAME, VERSION)
+    old_paths = {s.path for s in shoal.log_segments(NAME, VERSION)}
+    assert shoal.compact(NAME, VERSION).changed
+    live_paths = {s.path for s in shoal.log_segments(NAME, VERSION)}
+    replaced = old_paths - live_paths
+    assert replaced and all(shoal.storage.exists(p) for p in replaced)
+
+    # Within the grace period nothing goes.
+    first = shoal.collect_garbage()
+    assert first.deleted == 0 and first.pending == len(replaced)
+    assert all(shoal.storage.exists(p) for p in replaced)
+
+    # A stray file (a crashed commit's) and a referenced file wrongly queued.
+    stray = f"{shoal.log_dir(NAME, VERSION)}/{0:020d}-{uuid.uuid4()}.parquet"
+    shoal.storage.write_atomic(stray, pa.py_buffer(b"not a segment"))
+    referenced = sorted(live_paths)[0]
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=2)
+    garbage.enqueue(shoal.engine, [referenced], "test", later - dt.timedelta(hours=1))
+
+    done = shoal.collect_garbage(now=later)
+    assert done.deleted == len(replaced) + 1 and done.kept == 1 and done.pending == 0
+    assert not any(shoal.storage.exists(p) for p in replaced) and not shoal.storage.exists(stray)
+    assert all(shoal.storage.exists(p) for p in live_paths)
+    assert set(shoal.storage.list_files(shoal.log_dir(NAME, VERSION))) == live_paths
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+    logged = {p for p, _, _ in garbage.deletion_log(shoal.engine, tenant=shoal.tenant, limit=1000)}
+    assert logged == replaced | {stray}
+
+    # The other tenant's files were never looked at: its own GC finds nothing to delete either.
+    assert len(other.storage.list_files(other.log_dir(NAME, VERSION))) == len(other.log_segments(NAME, VERSION))
+    assert other.collect_garbage().deleted == 0
+
+
+def test_gc_keeps_index_files_a_kept_version_still_uses(make_shoal: Callable[..., Shoal]) -> None:
+    from sqlalchemy import delete
+
+    from shoal.artifacts.segment import segment_files
+    from shoal.catalog.models import IndexVersion
+
+    shoal = make_shoal(gc_grace_s=0)
+    shoal.create_data_source(COMPACT_SPEC)
+    flat_index(shoal, "v")
+    shard = shoal.get_index("v", "1").shards[0].id
+    producer = shoal.producer(NAME, VERSION)
+    versions = []
+    for i in range(3):  # rounds 2 and 3 update keys 0, then 1: the first segment gets a new deletion file
+        producer.upload(init_batch(f"v{i}", range(0, 10) if i == 0 else range(i - 1, i)))
+        build(shoal, "v")
+        versions.append(shoal.shards.active_version(shard))
+    files = [{f for e in v.manifest["segments"] for f in segment_files(e)} for v in versions]
+
+    def prune(version_index: int) -> None:  # what version pruning does: the row goes, its files are queued
+        with shoal.engine.begin() as conn:
+            conn.execute(delete(IndexVersion).where(IndexVersion.id == versions[version_index].id))
+            garbage.enqueue(conn, sorted(files[version_index]), "test-pruned", dt.datetime.now(dt.UTC))
+
+    prune(0)
+    first = shoal.collect_garbage(scan=False)
+    assert first.deleted == 0 and first.kept == len(files[0])  # all still used by the later versions
+    prune(1)
+    second = shoal.collect_garbage(scan=False)
+    only_v1 = files[1] - files[2]  # the deletion file version 3 replaced
+    assert second.deleted == len(only_v1) == 1 and second.kept == len(files[1]) - 1
+    assert not any(shoal.storage.exists(p) for p in only_v1)
+    assert all(shoal.storage.exists(p) for p in files[2])
+    queries = np.random.default_rng(1).uniform(-1, 1, (5, DIM)).astype(np.float32)
+    same_answers(search_all(shoal, "v", queries, 5), brute_force(shoal, queries, 5))
+
+
+def test_cli_log_compact_expire_and_gc(make_shoal: Callable[..., Shoal], monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from shoal.cli import app
+
+    shoal = make_shoal(tombstone_retention_s=0, gc_grace_s=0)
+    for name, value in shoal.settings.model_dump().items():
+        if value is not None:
+            monkeypatch.setenv(f"SHOAL_{name.upper()}", str(value))
+    shoal.create_data_source(COMPACT_SPEC)
+    churn(shoal, 100, random.Random(3), "c")
+    state = comparable_fold(shoal, NAME, VERSION)
+    runner = CliRunner()
+
+    def cli(*args: str) -> str:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+        return result.output
+
+    assert "head seq" in cli("log", NAME, VERSION, "--segments")  # `shoal log NAME VERSION` still shows it
+    compacted = json.loads(cli("log", "compact", NAME, VERSION, "--json"))
+    assert compacted["changed"] and compacted["segments_after"] < compacted["segments_before"]
+    assert "nothing worth rewriting" in cli("log", "compact", NAME, VERSION)
+    assert "no retention_days" in cli("log", "expire", NAME, VERSION)
+    collected = json.loads(cli("gc", "--json"))
+    assert collected["deleted"] == compacted["segments_rewritten"]
+    assert "files deleted" in cli("gc")
+    assert comparable_fold(shoal, NAME, VERSION).equals(state)
+
+
+# -- the beat tasks, on a real worker ---------------------------------------------------------------------
+
+
+def test_beat_expires_compacts_and_collects_with_a_real_worker(
+    fresh_db: str, redis_url: str, make_shoal: Callable[..., Shoal]
+) -> None:
+    # A database of its own: beat's sweeps cover every tenant, and other tests' files live in other roots.
+    shoal = make_shoal(
+        "local", database_url=fresh_db, redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0,
+        lease_seconds=3.0, pending_ttl_s=2.0, task_visibility_timeout_s=5.0, compaction_interval_s=1.0,
+        compaction_min_seqs=1, retention_interval_s=1.0, gc_interval_s=1.0, gc_grace_s=0, tombstone_retention_s=0,
+    )
+    settings = shoal.settings
+    # Points of "Expiring" live two seconds; "Kept" has no retention and sees updates and deletes.
+    expiring = DataSourceSpec("Expiring", "1", DIM, {"id": "int64", "text": "string"}, ["id"],
+                              custom_metadata={"retention_days": 2 / 86_400})
+    shoal.create_data_source(expiring)
+    shoal.create_data_source(COMPACT_SPEC)
+    shoal.create_index(IndexSpec("exp", "1", "Expiring", "1", algorithm="flat", metric="euclidean"))
+    flat_index(shoal, "kept")
+    shoal.producer("Expiring", "1").upload(init_batch("e", range(40)))
+    churn(shoal, 100, random.Random(11), "k")
+    kept_state = comparable_fold(shoal, NAME, VERSION)
+    worker = start_worker(settings, beat=True)
+    try:
+        def settled() -> bool:
+            if folded_state(shoal, "Expiring", "1") or not all(
+                s.built_watermark == s.head for name in ("exp", "kept") for s in shoal.index_status(name, "1")
+            ):
+                return False
+            logs = [(n, v) for n, v in (("Expiring", "1"), (NAME, VERSION))]
+            entries = [sum(s.upsert_count + s.tombstone_count for s in shoal.log_segments(n, v)) for n, v in logs]
+            files = [set(shoal.storage.list_files(shoal.log_dir(n, v))) for n, v in logs]
+            refs = [{s.path for s in shoal.log_segments(n, v)} for n, v in logs]
+            return entries == [0, kept_state.num_rows] and files == refs
+
+        wait_for(settled, 120, "beat to expire, compact and collect")
+    finally:
+        stop_process(worker)
+    assert comparable_fold(shoal, NAME, VERSION).equals(kept_state)
+    assert search_all(shoal, "exp", np.zeros((1, DIM), np.float32), 5) == [[]]
+    queries = np.random.default_rng(12).uniform(-1, 1, (5, DIM)).astype(np.float32)
+    same_answers(search_all(shoal, "kept", queries, 10), brute_force(shoal, queries, 10))
+    assert any(r == "compacted" for _, r, _ in garbage.deletion_log(shoal.engine, tenant=shoal.tenant))
+
+
+# -- the state machine: compaction and GC interleaved with writes, builds and searches --------------------
+
+
+def test_searches_stay_exact_with_compaction_and_gc_interleaved(make_settings: Callable[..., Settings]) -> None:
+    import test_index_exactness as ix
+    from hypothesis import settings as hsettings
+    from hypothesis.stateful import rule, run_state_machine_as_test
+
+    client = Shoal(make_settings("local", tombstone_retention_s=0, gc_grace_s=0, compaction_target_bytes=4000),
+                   notify=False)
+
+    class CompactingMachine(ix.IndexMachine):
+        shoal = client
+
+        @rule()
+        def compact(self) -> None:
+            self.shoal.compact(self.source.name, "1")
+
+        @rule()
+        def collect(self) -> None:
+            self.shoal.collect_garbage()
+
+    try:
+        run_state_machine_as_test(
+            CompactingMachine,
+            settings=hsettings(ix.MACHINE_SETTINGS, max_examples=10, stateful_step_count=40),
+        )
+    finally:
+        client.close()
+
+
+# -- SIGKILL during compaction and GC -----------------------------------------------------------------------
+
+KILLS = {"local": 12, "s3": 5}
+
+
+def test_sigkill_during_compaction_and_gc_loses_nothing(make_shoal: Callable[..., Shoal], storage_kind: str) -> None:
+    shoal = make_shoal(storage_kind, tombstone_retention_s=0, gc_grace_s=0, compaction_target_bytes=6000,
+                       lease_seconds=1.0)
+    shoal.create_data_source(COMPACT_SPEC)
+    producer = shoal.producer(NAME, VERSION)
+    for start in range(0, 60, 20):
+        producer.upload(init_batch(f"init-{start}", range(start, start + 20)), batch_id=f"init-{start}")
+    flat_index(shoal, "crash", shard_count=2)
+    build(shoal, "crash")
+
+    rng = random.Random(20261122)
+    acked: dict[str, int] = {}
+    stages: dict[str, int] = {}
+    for run in range(KILLS[storage_kind]):
+        proc = run_helper("compaction_crasher.py", [f"r{run}", "crash"], shoal.settings)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the child never started"
+        lines = [proc.stdout.readline()]
+        assert lines[0], f"child {run} died: {proc.stderr.read() if proc.poll() is not None else ''}"
+        # Most kills aim at a compaction or a GC run: wait for one to start, then kill within its first
+        # moments (reading segments, writing files, in the swap transaction, deleting); the rest at random.
+        target = ["compact", "gc", "compact", None][run % 4]
+        started_at = time.monotonic()
+        while target and f'"{target}"' not in lines[-1] and time.monotonic() - started_at < 60:
+            ready, _, _ = select.select([proc.stdout], [], [], 5)
+            if not ready or not (line := proc.stdout.readline()):
+                break
+            lines.append(line)
+        deadline = time.monotonic() + (rng.uniform(0.0, 0.04) if target else rng.uniform(0.0, 1.5))
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([proc.stdout], [], [], left)
+            if not ready:
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        os.kill(proc.pid, signal.SIGKILL)
+        rest, err = proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGKILL, err
+        last_stage = "start"
+        for line in lines + rest.splitlines():
+            if line.strip():
+                msg = json.loads(line)
+                if "stage" in msg:
+                    last_stage = msg["stage"]
+                else:
+                    acked[msg["batch"]] = msg["seq"]
+        stages[last_stage] = stages.get(last_stage, 0) + 1
+
+        # After every kill: no row points at a missing or corrupt file, segments tile 1..head, and the
+        # folded state is exactly the replay of every committed batch (acknowledged ones among them).
+        assert_log_intact(shoal, NAME, VERSION)
+        committed = committed_batches(shoal, NAME, VERSION)
+        tokens = {b: last for b, _, last in committed}
+        for batch, seq in acked.items():
+            assert tokens.get(batch) == seq, f"acknowledged batch {batch} (token {seq}) is missing"
+        expected = replay([(b, init_batch(b, range(int(b[5:]), int(b[5:]) + 20)) if b.startswith("init-")
+                            else mix_batch(b)) for b, _, _ in committed])
+        assert folded_state(shoal, NAME, VERSION) == expected
+
+    print(f"kills by stage: {stages}; {len(acked)} acknowledged batches")
+    assert stages.get("compact", 0) + stages.get("gc", 0) >= 2, stages
+
+    # Indexes catch up to the head from whatever watermark they were left at, and answer exactly.
+    def caught_up() -> bool:
+        try:
+            build(shoal, "crash")
+        except LeaseBusyError:  # a killed child's lease: it expires after lease_seconds
+            return False
+        return True
+
+    wait_for(caught_up, 30, "the index to catch up")
+    head = shoal.get_data_source(NAME, VERSION).head_seq
+    assert all(s.built_watermark == head for s in shoal.get_index("crash", "1").shards)
+    queries = np.random.default_rng(9).uniform(-1, 1, (10, DIM)).astype(np.float32)
+    same_answers(search_all(shoal, "crash", queries, 8), brute_force(shoal, queries, 8))
+    # A final compaction and GC leave exactly the referenced files (crashes' leftovers collected).
+    shoal.compact(NAME, VERSION)
+    shoal.collect_garbage()
+    assert set(shoal.storage.list_files(shoal.log_dir(NAME, VERSION))) == {
+        s.path for s in shoal.log_segments(NAME, VERSION)
+    }
