@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -14,15 +15,16 @@ import pyarrow as pa
 from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import make_engine, migrate, resolve_database_url
+from shoal.catalog.generations import Generations, JobRecord
 from shoal.catalog.indexes import AliasCatalog, AliasRecord, IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError, ValidationError
+from shoal.errors import ConfigurationError, InvalidNameError, NotFoundError, ValidationError
 from shoal.ingest.backpressure import Backpressure
 from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
 from shoal.ingest.reader import fold, read_log
 from shoal.ingest.writer import LogWriter
-from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
+from shoal.records import GENERATION_MARK, DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
 from shoal.storage import Storage, source_log_dir
 
 if TYPE_CHECKING:
@@ -41,6 +43,9 @@ def ensure_migrated(url: str) -> None:
         if url not in _migrated:
             migrate(url)
             _migrated.add(url)
+
+
+log = logging.getLogger(__name__)
 
 
 class Shoal:
@@ -62,6 +67,7 @@ class Shoal:
         self.indexes = IndexCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
         self.shards = ShardCatalog(self.engine)
         self.aliases = AliasCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
+        self.generations = Generations(self.engine)
         self._writers: dict[int, LogWriter] = {}
         self._writers_lock = threading.Lock()
         self._redis: Any = None  # broker client and Celery producer, made on the first notification
@@ -178,6 +184,8 @@ class Shoal:
         and the workers build them (the sweep or the next commit queues the work)."""
         from shoal.indexing.spec import resolve_index
 
+        if GENERATION_MARK in spec.version:
+            raise InvalidNameError(f"index version {spec.version!r}: '~' is reserved for reindex generations")
         source = self.get_data_source(spec.source_name, spec.source_version)
         resolved = resolve_index(spec, source.spec)
         record = self.indexes.create_index(resolved, source, exist_ok=exist_ok)
@@ -203,6 +211,87 @@ class Shoal:
         for path in paths:
             self.storage.delete_quietly(path)
         return len(paths)
+
+    # -- reindexing ---------------------------------------------------------------------------------
+
+    def reindex(
+        self,
+        name: str,
+        version: str,
+        *,
+        algorithm: str | None = None,
+        metric: str | None = None,
+        params: dict[str, Any] | None = None,
+        gate: float | None = None,
+        wait: bool = False,
+    ) -> JobRecord:
+        """Rebuild the index with a new algorithm, metric or params as a new generation built aside; once
+        it reached the head and its recall@10 on a sample of stored vectors meets `gate` (default
+        SHOAL_REINDEX_RECALL_GATE for ANN, 1.0 for flat), it is swapped in atomically. The old generation
+        serves meanwhile and is kept for `rollback` for SHOAL_REINDEX_KEEP_S. `wait`: run the job in this
+        process and return it ended; otherwise a worker runs it (`reindex_jobs` shows its progress)."""
+        from shoal.workers.reindex import run_reindex, start_reindex
+
+        job = start_reindex(self.catalog, self.indexes, name, version, algorithm=algorithm, metric=metric,
+                            params=params, gate=gate, ann_gate=self.settings.reindex_recall_gate)
+        if wait:
+            run_reindex(self.engine, self.storage, job.id, on_swap=self._announce_index)
+        else:
+            from shoal.workers.triggers import QUEUE, producer_app
+
+            try:
+                producer_app(self.broker_url()).send_task("shoal.workers.tasks.reindex", args=[job.id], queue=QUEUE)
+            except Exception as exc:  # noqa: BLE001 - the job is recorded; beat's sweep_generations queues it
+                log.warning("could not queue reindex job %s now (%s); the next sweep will", job.id, exc)
+        return self.generations.job(job.id)
+
+    def reindex_jobs(self, name: str, version: str) -> list[JobRecord]:
+        """The index's reindex jobs, newest first: state, progress (0..1), ETA, recall, gate, error."""
+        self.get_index(name, version)
+        return self.generations.jobs(self.catalog.tenant_id, name, version)
+
+    def cancel_reindex(self, name: str, version: str) -> JobRecord:
+        """Cancel the running reindex: the old generation keeps serving, the new one and its files go."""
+        from shoal.workers.reindex import drop_generation
+
+        job = self.generations.running(self.catalog.tenant_id, name, version)
+        if job is None:
+            raise NotFoundError(f"index {name!r} version {version!r} has no reindex running")
+        if self.generations.finish(job.id, "cancelled", error="cancelled"):
+            drop_generation(self.engine, self.storage, job.to_index_id)
+        return self.generations.job(job.id)
+
+    def rollback(self, name: str, version: str) -> None:
+        """Serve again the generation the last reindex replaced (while it is kept), atomically."""
+        self.generations.rollback(self.catalog.tenant_id, name, version)
+        self._announce_index(self.get_index(name, version))
+
+    def _announce_index(self, index: IndexRecord) -> None:
+        from shoal.searcher.searcher import announce_version
+
+        for shard in index.shards:
+            announce_version(self.broker_url(), shard.id, 0)
+
+    # -- time travel --------------------------------------------------------------------------------
+
+    def tag_index(self, name: str, version: str, tag: str) -> dict[int, int | None]:
+        """Pin the versions the index's shards serve now under `tag`: version pruning keeps them and
+        `searcher.search(..., tag=tag)` queries them. Returns shard id -> version id."""
+        from shoal.catalog import history
+
+        return history.tag(self.engine, self.get_index(name, version).id, tag)
+
+    def index_tags(self, name: str, version: str) -> dict[str, dict[int, int | None]]:
+        """The index's tags: tag -> shard id -> pinned version id."""
+        from shoal.catalog import history
+
+        return history.tags(self.engine, self.get_index(name, version).id)
+
+    def untag_index(self, name: str, version: str, tag: str) -> None:
+        """Remove a tag; its versions become prunable like any other."""
+        from shoal.catalog import history
+
+        history.untag(self.engine, self.get_index(name, version).id, tag)
 
     def set_alias(self, alias: str, index_name: str, index_version: str) -> AliasRecord:
         """Point `alias` at an index, creating it or moving it atomically (searches see one index or the other)."""

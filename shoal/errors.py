@@ -97,3 +97,7 @@ class BackpressureError(ShoalError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ReindexConflictError(ShoalError):
+    """A reindex or rollback cannot start or finish: another one runs, or the index changed under it (409)."""

@@ -24,6 +24,7 @@ MAX_SHARDS = 1024
 # must be a letter or digit, so "." and ".." (or a hidden file) can never be formed and no name can leave
 # its folder in the storage layout.
 SOURCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+GENERATION_MARK = "~g"  # see IndexSpec.__post_init__
 TENANT_NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")
 # Attribute keys become Parquet column names; the "__" prefix is reserved for the log's own columns.
 ATTRIBUTE_NAME_RE = re.compile(r"^(?!__)[A-Za-z0-9_.-]{1,100}$")
@@ -188,7 +189,12 @@ class IndexSpec:
 
     def __post_init__(self) -> None:
         check_name("index name", self.name)
-        check_name("index version", self.version)
+        # A generation built aside or kept for rollback is stored as `{version}~g{n}` (shoal.catalog.
+        # generations); `~` is no name character, so no index a user names can take such a version.
+        base, hidden, generation = self.version.partition(GENERATION_MARK)
+        check_name("index version", base)
+        if hidden and not generation.isdigit():
+            raise InvalidNameError(f"index version {self.version!r}: '~' is reserved for generations")
         for name in ("id_attributes", "split_attributes", "shard_attributes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.payload_attributes is not None:

@@ -298,8 +298,11 @@ def test_error_codes_on_every_route(api: tuple[httpx.Client, Settings], monkeypa
     assert_error(http.put("/datasets/docs", json={"metadata": "text"}), 400, "INVALID_DATASET_CONFIG")
     assert http.get("/datasets/docs").json()["description"] is None  # refused updates changed nothing
 
-    body = assert_error(http.post("/datasets/docs/reindex"), 501, "NOT_IMPLEMENTED")
-    assert body["details"] == {"dataset_id": "docs", "feature": "reindex"}
+    code = http.post("/datasets/docs/reindex", json={"index_type": "bogus"}).json()["error_code"]
+    assert code == "VALIDATION_ERROR"  # refused, nothing started
+    done = http.post("/datasets/docs/reindex?async=false", json={"index_type": "flat"})
+    assert done.status_code == 202, done.text
+    assert done.json()["state"] == "swapped" and done.json()["definition"]["algorithm"] == "flat"
 
     body = assert_error(http.post("/datasets/docs/vectors", json={"vectors": [vec("a", [1, 0]), vec("b", [1])]}),
                         400, "INVALID_DIMENSIONS")

@@ -189,7 +189,7 @@ def test_exactly_once_with_four_publishers_and_two_consumer_kills(
                 assert proc.returncode == 0, stderr
                 results.append(json.loads(stdout))
             # Messages the killed consumers held come back after the visibility timeout (3 s here).
-            wait_for(lambda: head(shoal) >= total, 180, "every point in the log")
+            wait_for(lambda: head(shoal) >= total, 400, "every point in the log")
             poisoned = [m for r in results for m in r["poisoned"]]
             wait_for(lambda: dead_count(settings) >= len(poisoned), 60, "every poison message dead-lettered")
         finally:

@@ -25,6 +25,7 @@ from shoal.errors import (
     ConfigurationError,
     NotFoundError,
     PermissionDeniedError,
+    ReindexConflictError,
     ShoalError,
     ValidationError,
 )
@@ -77,6 +78,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(NotFoundError)
     async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
         return _errors(404, [str(exc)])
+
+    @app.exception_handler(ReindexConflictError)
+    async def _reindex_conflict(_: Request, exc: ReindexConflictError) -> JSONResponse:
+        return _errors(409, [str(exc)])
 
     @app.exception_handler(AlreadyExistsError)
     async def _conflict(_: Request, exc: AlreadyExistsError) -> JSONResponse:

@@ -450,11 +450,21 @@ def dataset_stats(dataset_id: str, svc: Reader) -> dict[str, Any]:
     return svc.stats(dataset_id)
 
 
+class ReindexRequest(BaseModel):
+    index_type: str | None = None
+    index_params: dict[str, Any] | None = None
+
+
 @router.post("/datasets/{dataset_id}/reindex", status_code=202)
-def reindex_dataset(dataset_id: str, svc: Writer) -> dict[str, Any]:
-    """Not implemented yet: 501 NOT_IMPLEMENTED (404 for an unknown dataset)."""
-    svc.reindex(dataset_id)
-    return {}  # unreachable until reindexing lands
+def reindex_dataset(
+    dataset_id: str, svc: Writer, body: Annotated[ReindexRequest | None, Body()] = None, run_async: Annotated[
+        bool, Query(alias="async", description="true (default): a worker runs it, answer at once with the job")
+    ] = True,
+) -> dict[str, Any]:
+    """Rebuild the dataset's index aside and swap it in (optionally with another index_type or params);
+    the job's progress shows in `GET /api/v1/indexes/{dataset_id}/1/reindex`."""
+    body = body or ReindexRequest()
+    return svc.reindex(dataset_id, body.index_type, body.index_params, wait=not run_async)
 
 
 @router.post("/datasets/{dataset_id}/vectors", response_model=UpsertOut)

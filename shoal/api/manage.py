@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from shoal.api.dto import ErrorDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.catalog.generations import JobRecord
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.records import DataSourceSpec, IndexSpec
@@ -194,4 +195,65 @@ def get_alias(alias: str, ctx: Reader) -> dict[str, Any]:
 def drop_alias(alias: str, ctx: Writer) -> Response:
     """Remove an alias; the index stays."""
     ctx.handle.shoal.drop_alias(alias)
+    return Response(status_code=204)
+
+
+class ReindexBody(BaseModel):
+    algorithm: str | None = None
+    metric: str | None = None
+    params: dict[str, Any] | None = None
+    gate: float | None = None
+
+
+def _job(j: JobRecord) -> dict[str, Any]:
+    return {"job": j.id, "state": j.state, "progress": j.progress, "etaSeconds": j.eta_s, "recall": j.recall,
+            "gate": j.gate, "definition": j.definition, "error": j.error, "createdAt": j.created_at.isoformat(),
+            "finishedAt": j.finished_at.isoformat() if j.finished_at else None}
+
+
+@router.post("/indexes/{name}/{version}/reindex", responses=ERRORS, status_code=202)
+def reindex_index(name: str, version: str, body: ReindexBody, ctx: Writer) -> dict[str, Any]:
+    """Start a reindex (a worker builds the new generation aside and swaps it in once its recall meets the
+    gate); 202 with the job, whose progress `GET .../reindex` shows; 409 if one runs already."""
+    job = ctx.handle.shoal.reindex(name, version, algorithm=body.algorithm, metric=body.metric, params=body.params,
+                                   gate=body.gate)
+    return _job(job)
+
+
+@router.get("/indexes/{name}/{version}/reindex", responses=ERRORS)
+def reindex_jobs(name: str, version: str, ctx: Reader) -> list[dict[str, Any]]:
+    """The index's reindex jobs, newest first: state, progress, ETA, recall against the gate."""
+    return [_job(j) for j in ctx.handle.shoal.reindex_jobs(name, version)]
+
+
+@router.delete("/indexes/{name}/{version}/reindex", responses=ERRORS)
+def cancel_reindex(name: str, version: str, ctx: Writer) -> dict[str, Any]:
+    """Cancel the running reindex: the old generation keeps serving; the new one and its files go."""
+    return _job(ctx.handle.shoal.cancel_reindex(name, version))
+
+
+@router.post("/indexes/{name}/{version}/rollback", responses=ERRORS)
+def rollback_index(name: str, version: str, ctx: Writer) -> dict[str, Any]:
+    """Serve again the generation the last reindex replaced (while it is kept)."""
+    ctx.handle.shoal.rollback(name, version)
+    return _index(ctx.handle.shoal.get_index(name, version))
+
+
+@router.put("/indexes/{name}/{version}/tags/{tag}", responses=ERRORS)
+def tag_index(name: str, version: str, tag: str, ctx: Writer) -> dict[str, Any]:
+    """Pin the versions the index serves now under `tag` (kept by pruning; searchable with X-Shoal-Tag)."""
+    versions = ctx.handle.shoal.tag_index(name, version, tag)
+    return {"tag": tag, "versions": {str(k): v for k, v in versions.items()}}
+
+
+@router.get("/indexes/{name}/{version}/tags", responses=ERRORS)
+def index_tags(name: str, version: str, ctx: Reader) -> dict[str, dict[str, int | None]]:
+    """The index's tags: tag -> shard id -> pinned version id."""
+    return {t: {str(k): v for k, v in vs.items()} for t, vs in ctx.handle.shoal.index_tags(name, version).items()}
+
+
+@router.delete("/indexes/{name}/{version}/tags/{tag}", responses=ERRORS, status_code=204)
+def untag_index(name: str, version: str, tag: str, ctx: Writer) -> Response:
+    """Remove a tag; its versions become prunable like any other."""
+    ctx.handle.shoal.untag_index(name, version, tag)
     return Response(status_code=204)

@@ -49,6 +49,16 @@ def _consistency(level: str | None, token: int | None) -> Consistency:
     raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
 
 
+def _history(
+    x_shoal_tag: Annotated[str | None, Header()] = None, x_shoal_as_of: Annotated[int | None, Header()] = None
+) -> tuple[str | None, int | None]:
+    """Time travel: search the versions a tag pinned, or as of a seq."""
+    return x_shoal_tag, x_shoal_as_of
+
+
+History = Annotated[tuple[str | None, int | None], Depends(_history)]
+
+
 def _search(
     index_name: str,
     index_version: str,
@@ -57,14 +67,15 @@ def _search(
     level: str | None,
     token: int | None,
     request: Request,
+    history: tuple[str | None, int | None] = (None, None),
 ) -> list[SearchResultDto]:
     with request.app.state.metrics.search_seconds.labels(ctx.tenant).time():
-        return _search_now(index_name, index_version, query, ctx, level, token)
+        return _search_now(index_name, index_version, query, ctx, level, token, history)
 
 
 def _search_now(
     index_name: str, index_version: str, query: SearchQueryDto, ctx: TenantContext, level: str | None,
-    token: int | None,
+    token: int | None, history: tuple[str | None, int | None] = (None, None),
 ) -> list[SearchResultDto]:
     # The searcher's view holds the definitions already: no catalog round trip per request (bench/api.py).
     source = ctx.handle.searcher.view(index_name, index_version).source.spec
@@ -79,6 +90,8 @@ def _search_now(
         split_filter=split_filter(source, query.splitFilter),
         retrieve_vectors=query.retrieveVectors,
         consistency=_consistency(level, token),
+        tag=history[0],
+        as_of=history[1],
     )
     return [
         SearchResultDto(queryVector=vector_dto(v), nearestDataPoints=[hit_dto(source, h) for h in hits])
@@ -98,9 +111,12 @@ def search_post(
     request: Request,
     x_shoal_consistency: Annotated[str | None, Header()] = None,
     x_shoal_required_token: Annotated[int | None, Header()] = None,
+    history: History = (None, None),
 ) -> list[SearchResultDto]:
-    """The k nearest data points for each query vector, nearest first."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request)
+    """The k nearest data points for each query vector, nearest first. `X-Shoal-Tag` or `X-Shoal-As-Of`
+    search older versions (time travel)."""
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request,
+                   history)
 
 
 @router.get(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
@@ -112,9 +128,11 @@ def search_get(
     request: Request,
     x_shoal_consistency: Annotated[str | None, Header()] = None,
     x_shoal_required_token: Annotated[int | None, Header()] = None,
+    history: History = (None, None),
 ) -> list[SearchResultDto]:
     """The same search as POST (Vektonn's client sends it as GET with a body)."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request)
+    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request,
+                   history)
 
 
 @router.post(

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, IndexVersion, Tenant
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.records import IndexSpec, check_name
+from shoal.records import GENERATION_MARK, IndexSpec, check_name
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,11 @@ class IndexCatalog:
 
     # -- definitions (tenant scoped) ------------------------------------------------------------------
 
-    def create_index(self, spec: IndexSpec, source: SourceRecord, *, exist_ok: bool = False) -> IndexRecord:
-        """Create the index and its shards; `spec` must already be resolved against `source`."""
+    def create_index(
+        self, spec: IndexSpec, source: SourceRecord, *, exist_ok: bool = False, generation: int = 1
+    ) -> IndexRecord:
+        """Create the index and its shards; `spec` must already be resolved against `source`. A reindex
+        creates later generations (shoal.catalog.generations)."""
         with Session(self.engine) as s, s.begin():
             index_id = s.execute(
                 insert(Index)
@@ -122,6 +125,7 @@ class IndexCatalog:
                     shard_attributes=list(spec.shard_attributes),
                     payload_attributes=list(spec.payload_attributes or ()),
                     shard_count=spec.shard_count,
+                    generation=generation,
                 )
                 .on_conflict_do_nothing(
                     index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
@@ -159,7 +163,12 @@ class IndexCatalog:
     def list_indexes(self, source_id: int | None = None) -> list[IndexRecord]:
         """The tenant's live indexes (of one data source when `source_id` is given), by name and version."""
         with Session(self.engine) as s:
-            q = select(Index).where(Index.tenant_id == self.tenant_id, Index.deleted_at.is_(None))
+            q = select(Index).where(
+                Index.tenant_id == self.tenant_id,
+                Index.deleted_at.is_(None),
+                # Generations built aside or kept for rollback are not indexes of their own.
+                Index.version.not_like(f"%{GENERATION_MARK}%"),
+            )
             if source_id is not None:
                 q = q.where(Index.data_source_id == source_id)
             return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]

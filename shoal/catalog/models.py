@@ -11,6 +11,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Integer,
     MetaData,
@@ -262,3 +263,45 @@ class TrashFile(Base):
     path: Mapped[str] = mapped_column(Text)
     is_dir: Mapped[bool] = mapped_column(Boolean, server_default="false")
     queued_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class ReindexJob(Base):
+    """A reindex: a new generation of an index built aside, checked and swapped in (or failed, cancelled,
+    rolled back). The index rows themselves are generations (shoal.catalog.generations)."""
+
+    __tablename__ = "reindex_jobs"
+    __table_args__ = (
+        CheckConstraint(
+            "state IN ('building', 'swapped', 'failed', 'cancelled', 'rolled_back')", name="reindex_state"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    index_name: Mapped[str] = mapped_column(String(100))
+    index_version: Mapped[str] = mapped_column(String(100))
+    # The generation serving when the job started, and the one it builds (rows may go later: SET NULL).
+    from_index_id: Mapped[int | None] = mapped_column(ForeignKey("indexes.id", ondelete="SET NULL"), index=True)
+    to_index_id: Mapped[int | None] = mapped_column(ForeignKey("indexes.id", ondelete="SET NULL"), index=True)
+    state: Mapped[str] = mapped_column(String(12))
+    progress: Mapped[float] = mapped_column(Float, server_default="0")
+    eta_s: Mapped[float | None] = mapped_column(Float)
+    recall: Mapped[float | None] = mapped_column(Float)
+    gate: Mapped[float] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
+    definition: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default="{}")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class IndexTag(Base):
+    """A named moment of an index: the version each shard served when it was tagged. Tagged versions are kept
+    (version pruning skips them) and a search may name the tag to query exactly those versions."""
+
+    __tablename__ = "index_tags"
+
+    index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(100), primary_key=True)
+    versions: Mapped[dict[str, Any]] = mapped_column(JSONB)  # shard id (text) -> version id, or null when empty
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -24,6 +24,7 @@ from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
 from shoal.cli.indexes import index_app
 from shoal.cli.maintenance import gc, log_app
+from shoal.cli.reindex import reindex, rollback
 from shoal.cli.search import search
 from shoal.cli.server import server_app, settings_command
 from shoal.cli.sources import source_app
@@ -47,6 +48,8 @@ app.command("import")(import_file)
 app.add_typer(log_app, name="log")
 app.command("gc")(gc)
 app.command("search")(search)
+app.command("reindex")(reindex)
+app.command("rollback")(rollback)
 app.command("status")(status)
 app.command("worker")(worker)
 app.command("up")(up)

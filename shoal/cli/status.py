@@ -6,6 +6,7 @@ import time
 from typing import Annotated
 
 import typer
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 
@@ -27,6 +28,12 @@ def collect(shoal: Shoal, name: str | None, version: str | None) -> list[ShardSt
     for record in shoal.list_indexes():
         rows.extend(shoal.index_status(record.spec.name, record.spec.version))
     return rows
+
+
+def _indexes(shoal: Shoal, name: str | None, version: str | None) -> list[tuple[str, str]]:
+    if name is not None and version is not None:
+        return [(name, version)]
+    return [(r.spec.name, r.spec.version) for r in shoal.list_indexes()]
 
 
 def freshness_table(rows: list[ShardStatus], title: str) -> Table:
@@ -70,11 +77,18 @@ def status(
     with open_shoal(tenant) as shoal:
         scope = f"{index}/{version}" if index else f"indexes of tenant {shoal.tenant!r}"
 
-        def render() -> Table | str:
+        def render() -> Table | Group | str:
             rows = collect(shoal, index, version)
             if not rows:
                 return f"No indexes in tenant {shoal.tenant!r}."
-            return freshness_table(rows, f"Freshness of {scope} at {time.strftime('%H:%M:%S')}")
+            table = freshness_table(rows, f"Freshness of {scope} at {time.strftime('%H:%M:%S')}")
+            running = [j for r in _indexes(shoal, index, version) for j in shoal.reindex_jobs(*r)[:1]
+                       if j.state == "building"]
+            if not running:
+                return table
+            from shoal.cli.reindex import jobs_table
+
+            return Group(table, jobs_table(running, "Reindexing (progress of the new generation)"))
 
         if as_json:
             echo_json([status_json(s) for s in collect(shoal, index, version)])

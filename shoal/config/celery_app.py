@@ -42,6 +42,9 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     }
     if settings.merge_interval_s > 0:
         entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
+    if settings.generations_interval_s > 0:  # generations kept for rollback past SHOAL_REINDEX_KEEP_S
+        entries["sweep-generations"] = {"task": "shoal.workers.tasks.sweep_generations",
+                                        "schedule": settings.generations_interval_s}
     if settings.purge_interval_s > 0:  # the trash: purge soft-deleted datasets whose retention ended
         entries["purge-trash"] = {"task": PURGE_TRASH, "schedule": settings.purge_interval_s}
     # The log's upkeep: compaction of logs worth it, expiry past retention_days, deletion of unreferenced files.

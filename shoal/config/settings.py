@@ -119,6 +119,19 @@ class Settings(BaseSettings):
         "HTTP uploads answer 429 (0: no bound).",
     )
     backpressure_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 under backpressure.")
+    # Reindexing: new generations built aside and swapped in (shoal.workers.reindex).
+    reindex_recall_gate: float = Field(
+        default=0.95, ge=0, le=1, description="recall@10 an ANN generation needs before it is swapped in."
+    )
+    reindex_keep_s: float = Field(
+        default=86_400.0, ge=0, description="How long the generation a reindex replaced is kept for rollback."
+    )
+    version_keep_s: float = Field(
+        default=86_400.0, ge=0, description="How long superseded index versions stay searchable (time travel)."
+    )
+    generations_interval_s: float = Field(
+        default=600.0, ge=0, description="How often beat drops expired generations (0: never by beat)."
+    )
 
     @field_validator("data_dir")
     @classmethod

@@ -28,7 +28,7 @@ from shoal.datasets.catalog import MARKER, DatasetCatalog, DatasetRecord, LogTot
 from shoal.datasets.errors import DatasetError, ErrorCode, not_found
 from shoal.datasets.merge import STRATEGIES, merge
 from shoal.engines.metrics import higher_is_nearer
-from shoal.errors import AlreadyExistsError, NotFoundError, ValidationError
+from shoal.errors import AlreadyExistsError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.indexing.spec import resolve_index
 from shoal.ingest.batch import KEY, OP, UPSERT
 from shoal.records import DataPoint, DataSourceSpec, IndexSpec
@@ -464,11 +464,24 @@ class DatasetService:
                       "metric": record.metric_type, "shards": 1},
         }
 
-    def reindex(self, name: Any) -> None:
-        """Not implemented yet (the reindex issue lands later): 404 for an unknown dataset, 501 otherwise."""
+    def reindex(
+        self, name: Any, index_type: str | None = None, index_params: Mapping[str, Any] | None = None,
+        *, wait: bool = False,
+    ) -> dict[str, Any]:
+        """Rebuild the dataset's index (optionally with another type or params) as a new generation swapped in
+        once its recall meets the gate; `wait` runs it here, else a worker does. The job as JSON."""
         record = self.record(name)
-        raise DatasetError(ErrorCode.NOT_IMPLEMENTED, "reindexing a dataset is not implemented yet",
-                           {"dataset_id": record.name, "feature": "reindex"})
+        if index_type is not None and index_type not in rules.INDEX_TYPES:
+            raise _invalid(f"index_type must be one of {', '.join(rules.INDEX_TYPES)}", index_type=index_type)
+        try:
+            job = self.shoal.reindex(record.name, rules.VERSION, algorithm=index_type,
+                                     params=dict(index_params) if index_params is not None else None, wait=wait)
+        except ValidationError as exc:
+            raise _invalid(str(exc), problems=_problems(exc)[:100]) from None
+        except ReindexConflictError as exc:
+            raise DatasetError(ErrorCode.REINDEX_CONFLICT, str(exc), {"dataset_id": record.name}) from None
+        return {"dataset_id": record.name, "job": job.id, "state": job.state, "progress": job.progress,
+                "recall": job.recall, "gate": job.gate, "error": job.error, "definition": job.definition}
 
     # -- stats -------------------------------------------------------------------------------------------
 
@@ -527,7 +540,7 @@ class DatasetService:
                 with_metadata += 1
                 keys.update(value.keys())
         return {
-            "log_entries": sum(s.last_seq - s.first_seq + 1 for s in segments),
+            "log_entries": sum(s.upsert_count + s.tombstone_count for s in segments),  # compaction leaves gaps
             "log_segments": len(segments),
             "upserts": sum(s.upsert_count for s in segments),
             "tombstones": sum(s.tombstone_count for s in segments),

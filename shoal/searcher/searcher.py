@@ -80,10 +80,19 @@ class Searcher:
         split_filter: Mapping[str, Any] | None = None,
         retrieve_vectors: bool = False,
         consistency: Consistency | None = None,
+        tag: str | None = None,
+        as_of: int | None = None,
     ) -> list[list[Hit]]:
-        """The k nearest data points for each query vector, nearest first, at the requested consistency."""
+        """The k nearest data points for each query vector, nearest first, at the requested consistency.
+
+        Time travel: `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of
+        that seq (a write token's), from the newest kept version at or below it plus the log up to it.
+        """
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValidationError(f"k must be a positive integer, got {k!r}")
+        if tag is not None or as_of is not None:
+            return self._search_history(index_name, index_version, queries, k, split_filter, retrieve_vectors,
+                                        consistency, tag, as_of)
         consistency = consistency or _EVENTUAL
         view = self.view(index_name, index_version)
         level = consistency.level
@@ -96,6 +105,42 @@ class Searcher:
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
+        return execute(view, q, k, matches, tails, retrieve_vectors)
+
+    def _search_history(
+        self, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
+        retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
+    ) -> list[list[Hit]]:
+        from shoal.catalog import history
+
+        if tag is not None and as_of is not None:
+            raise ValidationError("give a tag or an as_of seq, not both")
+        if consistency is not None and consistency.level != "eventual":
+            raise ValidationError("a search of older versions (tag, as_of) takes no consistency level")
+        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
+            raise ValidationError(f"as_of must be a seq (an integer), got {as_of!r}")
+        index = self.indexes.get_index(name, version)
+        if tag is not None:
+            versions = history.tagged_versions(self.shoal.engine, index.id, tag)
+        else:
+            assert as_of is not None
+            head = head_of(self.shoal.engine, index.source_id)[0]
+            if as_of > head:
+                raise ValidationError(f"as_of seq {as_of} is past the log head {head}")
+            versions = history.versions_as_of(self.shoal.engine, index.id, as_of)
+        source = self.shoal.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
+        shards = tuple(
+            load_shard(self.shoal.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
+            for s in index.shards
+        )
+        view = IndexView(index, source, shards)
+        q = prepare_queries(source.spec, queries)
+        matches = split_matcher(index.spec, source.spec, split_filter)
+        tails = {}
+        if as_of is not None and as_of > view.min_watermark:
+            batches = list(read_log(self.shoal.engine, self.shoal.storage, source.id, view.min_watermark, as_of))
+            if batches:
+                tails = build_tails(view, pa.Table.from_batches(batches))
         return execute(view, q, k, matches, tails, retrieve_vectors)
 
     def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[list[Hit]]:

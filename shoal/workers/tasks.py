@@ -114,6 +114,7 @@ def purge_trash() -> dict[str, Any]:
                  len(result.sources), result.files, result.pending)
     return result.to_json()
 
+
 # -- the log's upkeep: compaction, retention, garbage collection ---------------------------------------------
 
 

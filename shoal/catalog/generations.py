@@ -1,0 +1,241 @@
+"""Generations of an index and the reindex jobs that make and swap them.
+
+A generation is an ordinary index row (with its shards and versions), so workers build and merge it like any
+other; only its version says what it is. The generation serving searches holds the index's own version
+(`1.0`); one being built aside, or kept for rollback, holds a hidden version `1.0~g2` that no user name can
+take (`~` is not allowed in names) and that lists leave out. A swap renames the two rows in one transaction,
+guarded like a compare-and-swap: it happens only if the serving row is still the one the job started from.
+Aliases naming the index move with it in the same transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, ReindexJob, Tenant
+from shoal.errors import NotFoundError, ReindexConflictError
+from shoal.records import GENERATION_MARK
+
+HIDDEN = GENERATION_MARK  # version suffix of generations that do not serve: `{version}~g{generation}`
+
+
+def hidden_version(version: str, generation: int) -> str:
+    """The version a non-serving generation is stored under."""
+    return f"{version}{HIDDEN}{generation}"
+
+
+def is_hidden(version: str) -> bool:
+    """Whether an index version names a generation that does not serve (built aside or kept for rollback)."""
+    return HIDDEN in version
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A reindex job: what it builds, how far it got, and how it ended."""
+
+    id: int
+    tenant_id: int
+    index_name: str
+    index_version: str
+    from_index_id: int | None
+    to_index_id: int | None
+    state: str  # building | swapped | failed | cancelled | rolled_back
+    progress: float  # 0..1: built watermark / head of the new generation
+    eta_s: float | None
+    recall: float | None
+    gate: float
+    error: str | None
+    definition: dict[str, Any]
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    finished_at: dt.datetime | None
+
+
+def _job(row: ReindexJob) -> JobRecord:
+    return JobRecord(
+        row.id, row.tenant_id, row.index_name, row.index_version, row.from_index_id, row.to_index_id, row.state,
+        row.progress, row.eta_s, row.recall, row.gate, row.error, dict(row.definition), row.created_at,
+        row.updated_at, row.finished_at,
+    )
+
+
+class Generations:
+    """Reindex jobs and generation swaps (catalog side)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def job(self, job_id: int) -> JobRecord:
+        """A job by id; NotFoundError if absent."""
+        with Session(self.engine) as s:
+            row = s.get(ReindexJob, job_id)
+            if row is None:
+                raise NotFoundError(f"reindex job {job_id} not found")
+            return _job(row)
+
+    def jobs(self, tenant_id: int, name: str, version: str) -> list[JobRecord]:
+        """The index's reindex jobs, newest first."""
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(ReindexJob)
+                .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
+                       ReindexJob.index_version == version)
+                .order_by(ReindexJob.id.desc())
+            )
+            return [_job(r) for r in rows]
+
+    def stalled(self, idle_s: float) -> list[int]:
+        """Ids of building jobs that recorded no progress for `idle_s` seconds (their task may be lost)."""
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=idle_s)
+        with Session(self.engine) as s:
+            return list(s.scalars(
+                select(ReindexJob.id).where(ReindexJob.state == "building", ReindexJob.updated_at < cutoff)
+            ))
+
+    def running(self, tenant_id: int, name: str, version: str) -> JobRecord | None:
+        """The index's job still building, if any."""
+        return next((j for j in self.jobs(tenant_id, name, version) if j.state == "building"), None)
+
+    def next_generation(self, tenant_id: int, name: str, version: str) -> int:
+        """One more than any generation the index has (hidden ones included)."""
+        with Session(self.engine) as s:
+            top = s.scalar(
+                select(func.max(Index.generation)).where(
+                    Index.tenant_id == tenant_id, Index.name == name,
+                    (Index.version == version) | Index.version.like(f"{version}{HIDDEN}%"),
+                )
+            )
+            return int(top or 0) + 1
+
+    def start(
+        self, tenant_id: int, name: str, version: str, from_index_id: int, to_index_id: int, gate: float,
+        definition: dict[str, Any],
+    ) -> JobRecord:
+        """Record a job building `to_index_id` to replace `from_index_id` (which serves now)."""
+        with Session(self.engine) as s, s.begin():
+            row = ReindexJob(
+                tenant_id=tenant_id, index_name=name, index_version=version, from_index_id=from_index_id,
+                to_index_id=to_index_id, state="building", progress=0.0, gate=gate, definition=definition,
+            )
+            s.add(row)
+            s.flush()
+            job_id = row.id
+        return self.job(job_id)
+
+    def set_progress(self, job_id: int, progress: float, eta_s: float | None) -> None:
+        """Record how far the new generation got (a job that ended is left alone)."""
+        with Session(self.engine) as s, s.begin():
+            s.execute(
+                update(ReindexJob)
+                .where(ReindexJob.id == job_id, ReindexJob.state == "building")
+                .values(progress=progress, eta_s=eta_s, updated_at=func.now())
+            )
+
+    def finish(self, job_id: int, state: str, *, recall: float | None = None, error: str | None = None) -> bool:
+        """End a building job as `state`; False if it had ended already (e.g. cancelled meanwhile)."""
+        with Session(self.engine) as s, s.begin():
+            done = s.execute(
+                update(ReindexJob)
+                .where(ReindexJob.id == job_id, ReindexJob.state == "building")
+                .values(state=state, recall=recall, error=error, progress=1.0 if state == "swapped" else
+                        ReindexJob.progress, updated_at=func.now(), finished_at=func.now())
+            ).rowcount
+        return bool(done)
+
+    def swap(self, job_id: int, recall: float) -> bool:
+        """Make the job's generation serve, in one transaction: the serving row is renamed to its hidden
+        version (kept for rollback), the new one takes the index's version, aliases follow, the job is marked
+        swapped and the data source's `last_reindex_at` is set. False, changing nothing, if the serving row
+        is no longer the one the job started from or the job ended meanwhile."""
+        with Session(self.engine) as s, s.begin():
+            job = s.get(ReindexJob, job_id, with_for_update=True)
+            if job is None or job.state != "building" or job.from_index_id is None or job.to_index_id is None:
+                return False
+            old = s.get(Index, job.from_index_id, with_for_update=True)
+            new = s.get(Index, job.to_index_id, with_for_update=True)
+            if old is None or new is None or old.version != job.index_version:
+                return False
+            _swap_rows(s, old, new)
+            job.state, job.recall, job.progress = "swapped", recall, 1.0
+            job.updated_at = job.finished_at = dt.datetime.now(dt.UTC)
+            source = s.get(DataSource, new.data_source_id, with_for_update=True)
+            if source is not None:
+                meta = dict(source.custom_metadata or {})
+                meta["last_reindex_at"] = dt.datetime.now(dt.UTC).isoformat()
+                source.custom_metadata = meta
+        return True
+
+    def rollback(self, tenant_id: int, name: str, version: str) -> tuple[int, int]:
+        """Serve the generation the last swap replaced again (if still kept); returns (from id, to id)."""
+        with Session(self.engine) as s, s.begin():
+            job = s.scalars(
+                select(ReindexJob)
+                .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
+                       ReindexJob.index_version == version, ReindexJob.state == "swapped")
+                .order_by(ReindexJob.id.desc())
+                .limit(1)
+                .with_for_update()
+            ).one_or_none()
+            if job is None or job.from_index_id is None or job.to_index_id is None:
+                raise ReindexConflictError(f"index {name!r} version {version!r} has no reindex to roll back")
+            serving = s.get(Index, job.to_index_id, with_for_update=True)
+            kept = s.get(Index, job.from_index_id, with_for_update=True)
+            if kept is None:
+                raise ReindexConflictError(
+                    f"the generation before the last reindex of {name!r} {version!r} is no longer kept"
+                )
+            if serving is None or serving.version != version:
+                raise ReindexConflictError(f"index {name!r} version {version!r} changed since its last reindex")
+            _swap_rows(s, serving, kept)
+            job.state = "rolled_back"
+            job.updated_at = dt.datetime.now(dt.UTC)
+            return serving.id, kept.id
+
+    def expired_generations(self, keep_s: float, tenant_id: int | None = None) -> list[tuple[int, str, str, str]]:
+        """(index id, tenant, name, hidden version) of generations no longer needed: kept for rollback longer
+        than `keep_s`, or built by a job that failed or was cancelled."""
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=keep_s)
+        with Session(self.engine) as s:
+            hidden = s.execute(
+                select(Index.id, Tenant.name, Index.name, Index.version)
+                .join(Tenant, Tenant.id == Index.tenant_id)
+                .where(Index.version.like(f"%{HIDDEN}%"), *([Index.tenant_id == tenant_id] if tenant_id else []))
+            ).all()
+            jobs = s.execute(
+                select(ReindexJob.from_index_id, ReindexJob.to_index_id, ReindexJob.state, ReindexJob.updated_at)
+            ).all()
+        needed: set[int] = set()
+        for from_id, to_id, state, updated in jobs:
+            if state == "building" and to_id is not None:
+                needed.add(to_id)  # being built (the job's own failure path removes it)
+            elif state == "swapped" and from_id is not None and updated >= cutoff:
+                needed.add(from_id)  # rollback target
+            elif state == "rolled_back" and to_id is not None and updated >= cutoff:
+                needed.add(to_id)
+        return sorted((i, t, n, v) for i, t, n, v in hidden if i not in needed)
+
+    def shard_progress(self, index_id: int) -> tuple[int, int]:
+        """(lowest built watermark over the index's shards, its data source's head)."""
+        with Session(self.engine) as s:
+            built = s.scalar(select(func.min(IndexShard.built_watermark)).where(IndexShard.index_id == index_id))
+            head = s.scalar(
+                select(DataSource.head_seq).join(Index, Index.data_source_id == DataSource.id).where(
+                    Index.id == index_id
+                )
+            )
+            return int(built or 0), int(head or 0)
+
+
+def _swap_rows(s: Session, serving: Index, replacement: Index) -> None:
+    version = serving.version
+    # Renamed in this order so the (tenant, name, version) uniqueness holds after each statement.
+    serving.version = hidden_version(version, serving.generation)
+    s.flush()
+    replacement.version = version
+    s.flush()
+    s.execute(update(IndexAlias).where(IndexAlias.index_id == serving.id).values(index_id=replacement.id))

@@ -1,0 +1,147 @@
+"""Time travel over index versions: tags that pin versions, the versions that answered as of a seq, and the
+pruning of versions nothing may use any more.
+
+Versions are immutable and each names its files, so an old version stays searchable while its row is kept.
+Kept are: every shard's active version, every tagged version, every version made within the keep window, and
+for each shard the newest version made before that window (so every seq since the window began has a version
+at or below it). The rest are deleted, their files queued for the garbage collector, which deletes a file only
+when no remaining version or log segment names it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import Engine, delete, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from shoal.catalog import garbage
+from shoal.catalog.indexes import VersionRecord, _version
+from shoal.catalog.models import IndexShard, IndexTag, IndexVersion, LogCompaction
+from shoal.errors import NotFoundError
+from shoal.records import check_name
+
+PRUNED = "index-version-pruned"  # garbage reason of files whose versions were pruned
+
+
+def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
+    """Pin the version every shard of the index serves now under `name` (replacing an older tag of that
+    name); returns shard id -> version id (None for a shard with nothing built yet)."""
+    check_name("tag", name)
+    with Session(engine) as s, s.begin():
+        shards = s.execute(select(IndexShard.id, IndexShard.active_version_id).where(IndexShard.index_id == index_id))
+        versions = {int(sid): (int(v) if v is not None else None) for sid, v in shards}
+        s.execute(
+            insert(IndexTag)
+            .values(index_id=index_id, tag=name, versions={str(k): v for k, v in versions.items()})
+            .on_conflict_do_update(index_elements=[IndexTag.index_id, IndexTag.tag],
+                                   set_={"versions": {str(k): v for k, v in versions.items()}})
+        )
+    return versions
+
+
+def tags(engine: Engine, index_id: int) -> dict[str, dict[int, int | None]]:
+    """The index's tags: name -> shard id -> version id."""
+    with Session(engine) as s:
+        rows = s.execute(select(IndexTag.tag, IndexTag.versions).where(IndexTag.index_id == index_id))
+        return {t: {int(k): v for k, v in vs.items()} for t, vs in rows}
+
+
+def untag(engine: Engine, index_id: int, name: str) -> None:
+    """Remove a tag (its versions become prunable like any other); NotFoundError if there is none."""
+    with Session(engine) as s, s.begin():
+        gone = s.execute(delete(IndexTag).where(IndexTag.index_id == index_id, IndexTag.tag == name)).rowcount
+    if not gone:
+        raise NotFoundError(f"tag {name!r} not found")
+
+
+def tagged_versions(engine: Engine, index_id: int, name: str) -> dict[int, VersionRecord | None]:
+    """Shard id -> the version the tag pinned (None: the shard was empty then); NotFoundError if no tag."""
+    pinned = tags(engine, index_id).get(name)
+    if pinned is None:
+        raise NotFoundError(f"tag {name!r} not found")
+    with Session(engine) as s:
+        ids = [v for v in pinned.values() if v is not None]
+        found = {r.id: _version(r) for r in s.scalars(select(IndexVersion).where(IndexVersion.id.in_(ids)))}
+    return {sid: (found[v] if v is not None else None) for sid, v in pinned.items()}
+
+
+def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, VersionRecord | None]:
+    """Shard id -> the newest kept version whose watermark is at or below `seq` (None: the shard's history
+    starts empty and every version of it came later). The log between each version's watermark and `seq`
+    answers the rest exactly, so it must not have been compacted there: NotFoundError otherwise, and when
+    the versions that far back were pruned."""
+    if seq < 0:
+        raise NotFoundError(f"no index version as of seq {seq}")
+    with Session(engine) as s:
+        shard_ids = list(s.scalars(select(IndexShard.id).where(IndexShard.index_id == index_id)))
+        out: dict[int, VersionRecord | None] = {}
+        for sid in shard_ids:
+            rows = list(s.scalars(
+                select(IndexVersion).where(IndexVersion.shard_id == sid).order_by(IndexVersion.watermark.desc(),
+                                                                                   IndexVersion.id.desc())
+            ))
+            at = next((r for r in rows if r.watermark <= seq), None)
+            if at is None and rows and rows[-1].parent_id is not None:
+                raise NotFoundError(f"index versions as of seq {seq} were pruned (SHOAL_VERSION_KEEP_S)")
+            out[sid] = _version(at) if at is not None else None
+        compacted = s.scalar(
+            select(LogCompaction.compacted_through).where(LogCompaction.data_source_id == _source_of(s, index_id))
+        )
+    if compacted:
+        lowest = min((v.watermark if v else 0) for v in out.values()) if out else seq
+        if lowest < seq and lowest < compacted:
+            raise NotFoundError(
+                f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
+                f"above {compacted}, or a tag"
+            )
+    return out
+
+
+def _source_of(s: Session, index_id: int) -> int:
+    from shoal.catalog.models import Index
+
+    return int(s.scalar(select(Index.data_source_id).where(Index.id == index_id)) or 0)
+
+
+def prune_versions(
+    engine: Engine, keep_s: float, grace_s: float, *, now: dt.datetime | None = None, index_id: int | None = None
+) -> int:
+    """Delete the versions nothing may use any more (see the module doc; of one index when `index_id` is
+    given) and queue their files for the garbage collector; returns how many versions went."""
+    now = now or dt.datetime.now(dt.UTC)
+    cutoff = now - dt.timedelta(seconds=keep_s)
+    with Session(engine) as s, s.begin():
+        pinned = {v for vs in s.scalars(select(IndexTag.versions)) for v in vs.values() if v is not None}
+        active = {v for v in s.scalars(select(IndexShard.active_version_id)) if v is not None}
+        query = select(IndexVersion.id, IndexVersion.shard_id, IndexVersion.created_at, IndexVersion.manifest)
+        if index_id is not None:
+            query = query.join(IndexShard, IndexShard.id == IndexVersion.shard_id).where(
+                IndexShard.index_id == index_id
+            )
+        rows = s.execute(
+            query.order_by(IndexVersion.shard_id, IndexVersion.created_at.desc(), IndexVersion.id.desc())
+        ).all()
+        doomed: list[int] = []
+        files: set[str] = set()
+        newest_before: dict[int, int] = {}
+        for vid, sid, created, manifest in rows:
+            if created >= cutoff or vid in active or vid in pinned:
+                continue
+            if sid not in newest_before:
+                newest_before[sid] = vid  # the version in force when the keep window began
+                continue
+            doomed.append(vid)
+            files.update(_files(manifest))
+        if doomed:
+            s.execute(delete(IndexVersion).where(IndexVersion.id.in_(doomed)))
+            garbage.enqueue(s.connection(), sorted(files), PRUNED, now + dt.timedelta(seconds=grace_s))
+    return len(doomed)
+
+
+def _files(manifest: dict[str, Any]) -> list[str]:
+    from shoal.artifacts.segment import segment_files
+
+    return [p for seg in manifest.get("segments", []) for p in segment_files(seg)]

@@ -1,0 +1,271 @@
+"""Reindex as a managed job: build a new generation aside, catch up, check recall, swap atomically.
+
+1. `start_reindex` records the job and creates the new generation (an index row under a hidden version, with
+   its own empty shards); commits and the sweep queue its materialization like any other index's.
+2. `run_reindex` (a Celery task runs it) builds the new generation from the log up to the head, then catches
+   up until its watermark reaches the head it saw last; it measures recall@k of the new generation against
+   exact search on a sample of stored vectors and swaps it in only when the recall meets the job's gate.
+   The swap renames two catalog rows in one transaction; searchers load the new generation whole, then
+   replace their view of the index in one step, so every answer comes from one generation.
+3. A failed or cancelled job leaves the old generation serving and drops its own rows and files; the old
+   generation of a swapped job is kept for `rollback` until `drop_expired_generations` removes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+
+from shoal.artifacts.segment import SegmentCache, vectors_of
+from shoal.catalog.generations import Generations, JobRecord, hidden_version
+from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
+from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.engines.metrics import exact_top_k, higher_is_nearer
+from shoal.errors import ReindexConflictError, ValidationError
+from shoal.indexing.builder import LeaseBusyError, ShardBuilder
+from shoal.indexing.spec import resolve_index
+from shoal.ingest.reader import fold, read_log
+from shoal.searcher.execute import execute, prepare_queries
+from shoal.searcher.views import IndexView, load_shard
+from shoal.storage import Storage
+
+log = logging.getLogger(__name__)
+
+EXACT_ALGORITHMS = ("flat", "flat_sparse")
+
+
+def start_reindex(
+    catalog: Catalog,
+    indexes: IndexCatalog,
+    name: str,
+    version: str,
+    *,
+    algorithm: str | None = None,
+    metric: str | None = None,
+    params: dict[str, Any] | None = None,
+    gate: float | None = None,
+    ann_gate: float = 0.95,
+) -> JobRecord:
+    """Record a reindex of the index (name, version) with a new algorithm, metric or params (each defaults to
+    the current one) and create its generation; ReindexConflictError if one is running already."""
+    gens = Generations(indexes.engine)
+    current = indexes.get_index(name, version)
+    if gens.running(indexes.tenant_id, name, version) is not None:
+        raise ReindexConflictError(f"index {name!r} version {version!r} is being reindexed already")
+    source = catalog.get_data_source(current.spec.source_name, current.spec.source_version)
+    changes: dict[str, Any] = {}
+    if algorithm is not None:
+        changes["algorithm"] = algorithm
+        changes["params"] = {}  # the old algorithm's params may not apply to the new one
+    if metric is not None:
+        changes["metric"] = metric
+    if params is not None:
+        changes["params"] = dict(params)
+    generation = gens.next_generation(indexes.tenant_id, name, version)
+    spec = dataclasses.replace(current.spec, version=hidden_version(version, generation), **changes)
+    resolved = resolve_index(spec, source.spec)
+    if gate is None:
+        gate = 1.0 if resolved.algorithm in EXACT_ALGORITHMS else ann_gate
+    if not 0.0 <= gate <= 1.0:
+        raise ValidationError(f"recall gate must be between 0 and 1 (got {gate})")
+    new = indexes.create_index(resolved, source, generation=generation)
+    definition = {"algorithm": resolved.algorithm, "metric": resolved.metric, "params": dict(resolved.params),
+                  "generation": generation}
+    return gens.start(indexes.tenant_id, name, version, current.id, new.id, gate, definition)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReindexOutcome:
+    """How a reindex ended."""
+
+    job_id: int
+    state: str  # swapped | failed | cancelled
+    recall: float | None
+    error: str | None = None
+
+
+def run_reindex(
+    engine: Engine,
+    storage: Storage,
+    job_id: int,
+    *,
+    builder: ShardBuilder | None = None,
+    sample: int = 200,
+    k: int = 10,
+    timeout_s: float = 24 * 3600,
+    on_swap: Callable[[IndexRecord], None] | None = None,
+) -> ReindexOutcome:
+    """Build, check and swap the job's generation (idempotent: a job that ended returns its outcome)."""
+    gens = Generations(engine)
+    job = gens.job(job_id)
+    if job.state != "building":
+        return ReindexOutcome(job_id, job.state, job.recall, job.error)
+    builder = builder or ShardBuilder(engine, storage)
+    shards = ShardCatalog(engine)
+    try:
+        new, source = _generation(engine, job)
+        _catch_up(gens, builder, job, new, timeout_s)
+        if gens.job(job_id).state != "building":
+            return _abandon(engine, storage, gens, job, "cancelled", None, "cancelled while building")
+        recall = measure_recall(storage, shards, new, source, sample=sample, k=k)
+    except ReindexConflictError as exc:
+        return _abandon(engine, storage, gens, job, "failed", None, str(exc))
+    if recall is not None and recall < job.gate:
+        return _abandon(engine, storage, gens, job, "failed", recall,
+                        f"recall@{k} {recall:.4f} below the gate {job.gate:.4f}: the old generation keeps serving")
+    if not gens.swap(job_id, recall if recall is not None else 1.0):
+        now = gens.job(job_id)
+        state = now.state
+        if state == "swapped":  # another run of this job (a redelivered task) swapped first
+            return ReindexOutcome(job_id, "swapped", now.recall)
+        if state == "cancelled":
+            return _abandon(engine, storage, gens, job, "cancelled", recall, "cancelled before the swap")
+        return _abandon(engine, storage, gens, job, "failed", recall,
+                        "the index changed while the new generation was built (dropped or reindexed)")
+    log.info("reindex %s of %s/%s swapped in generation %s (recall %s)", job_id, job.index_name,
+             job.index_version, job.definition.get("generation"), recall)
+    if on_swap is not None:
+        on_swap(new)
+    return ReindexOutcome(job_id, "swapped", recall)
+
+
+def _generation(engine: Engine, job: JobRecord) -> tuple[IndexRecord, SourceRecord]:
+    if job.to_index_id is None:
+        raise ReindexConflictError("the new generation is gone")
+    shards = ShardCatalog(engine)
+    new = _index_by_id(shards, job.to_index_id)
+    if new is None:
+        raise ReindexConflictError("the new generation is gone")
+    _, index, source = shards.shard_context(new.shards[0].id)
+    return index, source
+
+
+def _index_by_id(shards: ShardCatalog, index_id: int) -> IndexRecord | None:
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from shoal.catalog.models import IndexShard
+
+    with Session(shards.engine) as s:
+        shard_id = s.scalar(select(IndexShard.id).where(IndexShard.index_id == index_id).limit(1))
+    if shard_id is None:
+        return None
+    return shards.shard_context(shard_id)[1]
+
+
+def _catch_up(gens: Generations, builder: ShardBuilder, job: JobRecord, new: IndexRecord, timeout_s: float) -> None:
+    """Materialize every shard until the lowest built watermark reaches the head seen at the last check."""
+    started = time.monotonic()
+    while True:
+        _, head = gens.shard_progress(new.id)
+        for shard in new.shards:
+            try:
+                builder.materialize(shard.id)
+            except LeaseBusyError:
+                pass  # a worker builds this shard right now (commits queue it too); wait for it below
+        built, _ = gens.shard_progress(new.id)
+        elapsed = time.monotonic() - started
+        progress = 1.0 if head == 0 else min(1.0, built / head)
+        eta = elapsed / progress * (1 - progress) if progress > 0 else None
+        gens.set_progress(job.id, progress, eta)
+        if built >= head:
+            return
+        if gens.job(job.id).state != "building":
+            return
+        if elapsed > timeout_s:
+            raise ReindexConflictError(f"the new generation did not catch up within {timeout_s:.0f} s")
+        time.sleep(0.2)  # another worker holds a shard's lease: check again shortly
+
+
+def measure_recall(
+    storage: Storage, shards: ShardCatalog, index: IndexRecord, source: SourceRecord, *, sample: int, k: int
+) -> float | None:
+    """recall@k of the index's active versions against exact search over the log folded at their
+    watermark, on up to `sample` stored vectors as queries. A hit counts when its distance is within the
+    exact k-th distance (so ties cannot make an exact engine look inexact). None for sparse sources."""
+    if source.spec.vectors_are_sparse:
+        return None
+    cache = SegmentCache()
+    views = []
+    for shard in index.shards:
+        active = shards.active_version(shard.id)
+        views.append(load_shard(storage, cache, index, shard.id, shard.shard_no, active))
+    view = IndexView(index, source, tuple(views))
+    watermark = view.min_watermark
+    if watermark == 0:
+        return 1.0
+    state = fold(read_log(shards.engine, storage, source.id, 0, watermark))
+    if state.num_rows == 0:
+        return 1.0
+    vectors = vectors_of(state, False, source.spec.vector_dimension)
+    rng = np.random.default_rng(20261122)
+    rows = rng.choice(len(vectors), size=min(sample, len(vectors)), replace=False)
+    queries = prepare_queries(source.spec, vectors[rows])
+    kk = min(k, len(vectors))
+    exact, _ = exact_top_k(index.spec.metric, queries, vectors, kk)
+    hits = execute(view, queries, kk, lambda values: True, {}, False)
+    higher = higher_is_nearer(index.spec.metric)
+    found = 0
+    for bound, qhits in zip(exact[:, -1], hits, strict=True):
+        tol = 1e-5 * max(1.0, abs(float(bound)))
+        found += sum(1 for h in qhits if (h.distance >= bound - tol if higher else h.distance <= bound + tol))
+    return found / (len(rows) * kk)
+
+
+def _abandon(
+    engine: Engine, storage: Storage, gens: Generations, job: JobRecord, state: str, recall: float | None, error: str
+) -> ReindexOutcome:
+    """End the job as failed or cancelled and drop its generation (rows, then files)."""
+    gens.finish(job.id, state, recall=recall, error=error)
+    drop_generation(engine, storage, job.to_index_id)
+    log.warning("reindex %s of %s/%s %s: %s", job.id, job.index_name, job.index_version, state, error)
+    return ReindexOutcome(job.id, state, recall, error)
+
+
+def drop_generation(engine: Engine, storage: Storage, index_id: int | None) -> int:
+    """Drop a generation that does not serve: its catalog rows first (so nothing points at its files), then
+    its files; returns how many files went. Serving generations are refused."""
+    from shoal.artifacts.segment import segment_files
+
+    if index_id is None:
+        return 0
+    shards = ShardCatalog(engine)
+    index = _index_by_id(shards, index_id)
+    if index is None:
+        return 0
+    if "~g" not in index.spec.version:
+        raise ReindexConflictError(f"generation {index_id} serves index {index.spec.name!r}: not dropped")
+    tenant_id = _tenant_id(engine, index_id)
+    manifests = IndexCatalog(engine, tenant_id, index.tenant).drop_index(index.spec.name, index.spec.version)
+    paths = {p for m in manifests for seg in m["segments"] for p in segment_files(seg)}
+    for path in paths:
+        storage.delete_quietly(path)
+    log.info("dropped generation %s of index %s (%s, %d files)", index_id, index.spec.name, index.spec.version,
+             len(paths))
+    return len(paths)
+
+
+def _tenant_id(engine: Engine, index_id: int) -> int:
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from shoal.catalog.models import Index
+
+    with Session(engine) as s:
+        return int(s.scalar(select(Index.tenant_id).where(Index.id == index_id)) or 0)
+
+
+def drop_expired_generations(engine: Engine, storage: Storage, keep_s: float, tenant_id: int | None = None) -> int:
+    """Drop generations kept for rollback longer than `keep_s`, and leftovers of failed or cancelled jobs (of
+    one tenant when `tenant_id` is given)."""
+    dropped = 0
+    for index_id, *_ in Generations(engine).expired_generations(keep_s, tenant_id):
+        drop_generation(engine, storage, index_id)
+        dropped += 1
+    return dropped

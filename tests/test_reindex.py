@@ -1,0 +1,208 @@
+"""Reindex: a new generation built aside, gated by recall against exact search, swapped atomically (also
+under continuous searches), rolled back, cancelled; failed jobs leave the old generation serving."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shoal import DataSourceSpec, Shoal
+from shoal.errors import InvalidNameError, NotFoundError, ReindexConflictError
+from shoal.indexing.builder import ShardBuilder
+from shoal.records import AttributeType, IndexSpec
+from shoal.workers.reindex import drop_expired_generations, start_reindex
+
+DIM = 16
+SPEC = DataSourceSpec("docs", "1", DIM, {"id": AttributeType.INT64}, ["id"])
+HNSW16 = {"M": 16, "ef_construction": 100, "ef_search": 32}
+HNSW32 = {"M": 32, "ef_construction": 100, "ef_search": 32}
+
+
+def _setup(shoal: Shoal, algorithm: str = "flat", params: dict[str, int] | None = None, n: int = 2_000) -> np.ndarray:
+    shoal.create_data_source(SPEC)
+    rng = np.random.default_rng(11)
+    vectors = rng.normal(size=(n, DIM)).astype(np.float32)
+    shoal.producer("docs", "1").upload_columns(vectors, {"id": np.arange(n)})
+    shoal.create_index(IndexSpec("ix", "1", "docs", "1", algorithm=algorithm, metric="euclidean",
+                                 params=params or {}, id_attributes=["id"]))
+    builder = ShardBuilder(shoal.engine, shoal.storage)
+    for shard in shoal.get_index("ix", "1").shards:
+        builder.materialize(shard.id)
+    return rng.normal(size=(50, DIM)).astype(np.float32)
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def _ids(results: list[list[object]]) -> list[tuple[int, ...]]:
+    return [tuple(h.attributes["id"] for h in hits) for hits in results]  # type: ignore[attr-defined]
+
+
+def test_reindex_swaps_rolls_back_and_old_generation_expires(local_shoal: Shoal) -> None:
+    queries = _setup(local_shoal)
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        flat = _ids(searcher.search("ix", "1", queries, 10))
+        job = local_shoal.reindex("ix", "1", algorithm="hnsw", params=HNSW16, wait=True)
+        assert job.state == "swapped", job
+        assert job.recall is not None and job.recall >= 0.95
+        assert job.gate == 0.95
+        assert local_shoal.get_index("ix", "1").spec.algorithm == "hnsw"
+        assert [i.spec.version for i in local_shoal.list_indexes()] == ["1"]  # generations stay hidden
+        assert "last_reindex_at" in local_shoal.get_data_source("docs", "1").spec.custom_metadata
+        searcher.refresh()
+        assert searcher.view("ix", "1").index.spec.algorithm == "hnsw"
+        hnsw = _ids(searcher.search("ix", "1", queries, 10))
+        agree = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(flat, hnsw, strict=True)])
+        assert agree >= 0.95
+
+        local_shoal.rollback("ix", "1")
+        searcher.refresh()
+        assert searcher.view("ix", "1").index.spec.algorithm == "flat"
+        assert _ids(searcher.search("ix", "1", queries, 10)) == flat
+        assert local_shoal.reindex_jobs("ix", "1")[0].state == "rolled_back"
+        with pytest.raises(ReindexConflictError, match="no reindex to roll back"):
+            local_shoal.rollback("ix", "1")
+
+        # Past its keep time the generation that does not serve goes, rows and files.
+        root = Path(local_shoal.storage.root)
+        before = _files(root)
+        assert any("~g2" in f for f in before)
+        tenant_id = local_shoal.catalog.tenant_id
+        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0, tenant_id=tenant_id) == 1
+        after = _files(root)
+        assert not any("~g2" in f for f in after)
+        assert _ids(searcher.search("ix", "1", queries, 10)) == flat
+    finally:
+        searcher.close()
+
+
+def test_a_reindex_below_its_recall_gate_fails_and_removes_its_files(local_shoal: Shoal) -> None:
+    queries = _setup(local_shoal)
+    root = Path(local_shoal.storage.root)
+    before = _files(root)
+    # IVF probing 1 of 64 lists over random vectors: far below an exact gate, whatever the clustering.
+    job = local_shoal.reindex("ix", "1", algorithm="ivf", params={"nlist": 64, "nprobe": 1}, gate=1.0, wait=True)
+    assert job.state == "failed"
+    assert job.recall is not None and job.recall < 1.0
+    assert "below the gate" in (job.error or "")
+    assert local_shoal.get_index("ix", "1").spec.algorithm == "flat"
+    assert _files(root) == before  # its own files are gone, the old generation's are all there
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        assert len(searcher.search("ix", "1", queries, 10)[0]) == 10
+    finally:
+        searcher.close()
+
+
+def test_cancel_and_bad_requests(local_shoal: Shoal) -> None:
+    _setup(local_shoal, n=300)
+    job = start_reindex(local_shoal.catalog, local_shoal.indexes, "ix", "1", algorithm="hnsw", params=HNSW16)
+    with pytest.raises(ReindexConflictError, match="being reindexed already"):
+        local_shoal.reindex("ix", "1", algorithm="hnsw", params=HNSW32, wait=True)
+    cancelled = local_shoal.cancel_reindex("ix", "1")
+    assert cancelled.id == job.id and cancelled.state == "cancelled"
+    with pytest.raises(NotFoundError):
+        local_shoal.cancel_reindex("ix", "1")
+    assert local_shoal.get_index("ix", "1").spec.algorithm == "flat"
+    with pytest.raises(NotFoundError):
+        local_shoal.reindex("nope", "1", wait=True)
+    with pytest.raises(InvalidNameError, match="reserved"):
+        local_shoal.create_index(IndexSpec("ix", "1~g5", "docs", "1", id_attributes=["id"]))
+    with pytest.raises(Exception, match="HNSW parameters"):
+        local_shoal.reindex("ix", "1", algorithm="hnsw", params={"M": 8}, wait=True)
+    assert local_shoal.reindex_jobs("ix", "1")[0].state == "cancelled"  # bad requests start no job
+
+
+def test_swap_under_continuous_search_every_answer_from_one_generation(local_shoal: Shoal) -> None:
+    """HNSW M=16 -> M=32 while 8 threads search through a following searcher: no failed query, and each
+    answer is exactly what one generation answers."""
+    queries = _setup(local_shoal, "hnsw", HNSW16, n=3_000)
+    searcher = local_shoal.searcher(follow=True, poll_interval=0.05)
+    try:
+        old = _ids(searcher.search("ix", "1", queries, 10))
+        answers: list[tuple[int, tuple[int, ...]]] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def client(offset: int) -> None:
+            i = offset
+            while not stop.is_set():
+                q = i % len(queries)
+                try:
+                    got = _ids(searcher.search("ix", "1", queries[q : q + 1], 10))[0]
+                except BaseException as exc:  # noqa: BLE001 - every failure is reported
+                    errors.append(exc)
+                    return
+                with lock:
+                    answers.append((q, got))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+        for t in threads:
+            t.start()
+        job = local_shoal.reindex("ix", "1", params=HNSW32, wait=True)
+        assert job.state == "swapped", job
+
+        def serves_new() -> bool:
+            return searcher.view("ix", "1").index.spec.params["M"] == 32
+
+        from conftest import wait_for
+
+        wait_for(serves_new, 60, "the searcher to serve the new generation")
+        seen_new = len(answers)
+        wait_for(lambda: len(answers) > seen_new + 200, 60, "searches on the new generation")
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        new = _ids(searcher.search("ix", "1", queries, 10))
+        assert old != new  # two different graphs
+        mixed = [(q, got) for q, got in answers if got not in (old[q], new[q])]
+        assert not mixed, mixed[:3]
+        assert any(got == old[q] != new[q] for q, got in answers)
+        assert any(got == new[q] != old[q] for q, got in answers)
+    finally:
+        searcher.close()
+
+
+def test_reindex_over_http_runs_in_a_real_worker_and_shows_progress(make_settings, redis_url) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+    from conftest import serve_api, start_worker, stop_process, wait_for
+
+    settings = make_settings("local", redis_url=redis_url)
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    with Shoal(settings, notify=False) as shoal:
+        queries = _setup(shoal, n=1_000)
+    worker = start_worker(settings)
+    try:
+        with serve_api(settings) as base:
+            api = f"{base}/api/v1/indexes/ix/1"
+            started = httpx.post(f"{api}/reindex", json={"algorithm": "hnsw", "params": HNSW16}, timeout=30)
+            assert started.status_code == 202, started.text
+            assert started.json()["state"] == "building"
+            again = httpx.post(f"{api}/reindex", json={"algorithm": "hnsw", "params": HNSW16}, timeout=30)
+            assert again.status_code in (202, 409)  # 409 while the first one still builds
+
+            def swapped() -> bool:
+                jobs = httpx.get(f"{api}/reindex", timeout=30).json()
+                return any(j["state"] == "swapped" for j in jobs)
+
+            wait_for(swapped, 120, "the worker to swap the new generation in")
+            job = next(j for j in httpx.get(f"{api}/reindex", timeout=30).json() if j["state"] == "swapped")
+            assert job["progress"] == 1.0 and job["recall"] >= job["gate"] == 0.95
+            assert httpx.get(api, timeout=30).json()["algorithm"] == "hnsw"
+            back = httpx.post(f"{api}/rollback", timeout=30)
+            assert back.status_code == 200, back.text
+            assert back.json()["algorithm"] == "flat"
+            assert httpx.post(f"{api}/rollback", timeout=30).status_code == 409
+            assert httpx.delete(f"{api}/reindex", timeout=30).status_code == 404  # nothing running
+            body = {"k": 3, "queryVectors": [{"isSparse": False, "coordinates": queries[0].tolist()}]}
+            assert httpx.post(f"{base}/api/v1/search/ix/1", json=body, timeout=30).status_code == 200
+    finally:
+        stop_process(worker)
