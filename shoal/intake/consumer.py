@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-from kombu import Connection, Consumer, Producer
+import redis
+from kombu import Connection, Producer
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
@@ -33,6 +34,7 @@ from shoal.config.celery_app import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
+from shoal.intake.delivery import ReliableQueue
 from shoal.intake.topology import Target
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class IntakeConsumer:
         self._held_points = 0
         self._first_held_at = 0.0
         self._dead_producer: Producer | None = None
+        self._delivery: ReliableQueue | None = None
         self._backoff = 0.0
         self._written_sources: set[tuple[str, int]] = set()  # (tenant, source id) this consumer wrote to
 
@@ -91,78 +94,85 @@ class IntakeConsumer:
     def run(self) -> None:
         """Consume until `stop` is set, reconnecting to the broker whenever it goes away."""
         url = broker_url(self.settings)
-        options = {
-            "visibility_timeout": self.settings.intake_visibility_timeout_s,
-            # Restoring a dead consumer's messages takes a short-lived lock in Redis; kombu keeps it 300 s when
-            # its holder dies, which would stall redelivery that long. A restore takes well under 10 s.
-            "unacked_mutex_expire": 10,
-        }
         delay = 0.5
         while not self.stop.is_set():
-            conn = Connection(url, transport_options=options)
+            conn = Connection(url)
+            client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
             try:
                 conn.connect()
                 delay = 0.5
-                self._serve(conn)
-            except (OSError, *conn.recoverable_connection_errors, *conn.recoverable_channel_errors,
-                    *conn.connection_errors) as exc:
-                # Messages we held come back after the visibility timeout; their ids make that harmless.
+                self._serve(conn, client)
+            except (OSError, redis.RedisError, *conn.recoverable_connection_errors,
+                    *conn.recoverable_channel_errors, *conn.connection_errors) as exc:
+                # What we held stays in our processing list; a consumer puts it back once our liveness key
+                # expires (this one too, after reconnecting); message ids make redelivery harmless.
                 log.warning("broker connection lost (%s); reconnecting in %.1fs", exc, delay)
                 self._drop_held()
                 self.stop.wait(delay)
                 delay = min(delay * 2, 5.0)
             finally:
                 self._dead_producer = None
-                try:
-                    conn.release()
-                except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is gone anyway
-                    pass
+                for closing in (conn.release, client.close):
+                    try:
+                        closing()
+                    except Exception:  # noqa: BLE001 - a broken connection may fail to close; it is gone anyway
+                        pass
         self.close()
 
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, conn: Connection, client: redis.Redis) -> None:
         channel = conn.channel()
+        # Declared (with its binding) so the exchange routes into the queue's list, and dead letters are kept.
+        self.queue(channel).declare()
         self._dead_producer = Producer(conn.channel())
-        # Declare the dead-letter queue up front so dead letters published before anyone reads are kept.
         self.dead_queue(self._dead_producer.channel).declare()
-        consumer = Consumer(channel, queues=[self.queue], on_message=self._receive, no_ack=False,
-                            prefetch_count=self.settings.intake_prefetch)
-        consumer.consume()
-        consuming = True
+        self._delivery = delivery = ReliableQueue(
+            client, channel, self.queue.name, self.settings.intake_visibility_timeout_s
+        )
+        delivery.heartbeat()
+        delivery.recover()
+        beat_at = time.monotonic()
         log.info("consuming %s (group %s) on %s", self.queue.name, self.group, self.exchange_name)
-        while not self.stop.is_set():
-            if self._backoff:
-                self.stop.wait(self._backoff)
-                self._backoff = 0.0
-            timeout = 0.5
-            if self._held:
-                timeout = max(0.0, self._first_held_at + self.settings.intake_max_wait_ms / 1000 - time.monotonic())
-            if consuming:
-                try:
-                    conn.drain_events(timeout=max(timeout, 0.001))
-                except TimeoutError:
-                    pass
-            else:
-                self.stop.wait(0.5)
-            if self._held and (
-                self._held_points >= self.settings.intake_max_points
-                or time.monotonic() - self._first_held_at >= self.settings.intake_max_wait_ms / 1000
-            ):
-                self._flush()
-            # Backpressure: stop taking messages while an index we write to lags past the bound; they wait in
-            # the broker, so the lag grows instead of this process's memory.
-            lagging = self._lagging()
-            if lagging and consuming:
-                self._flush()
-                consumer.cancel()
-                consuming, self.paused = False, True
-                paused_at = time.monotonic()
-                log.warning("pausing intake: index lag past the bound (%s)", lagging)
-            elif not lagging and not consuming:
-                consumer.consume()
-                consuming, self.paused = True, False
-                self.stats.paused_s += time.monotonic() - paused_at
-                log.info("resuming intake")
-        self._flush()
+        paused_at = 0.0
+        try:
+            while not self.stop.is_set():
+                if time.monotonic() - beat_at > delivery.lease_s / 3:
+                    delivery.heartbeat()
+                    delivery.recover()
+                    beat_at = time.monotonic()
+                if self._backoff:
+                    self.stop.wait(self._backoff)
+                    self._backoff = 0.0
+                timeout = 0.5
+                if self._held:
+                    wait_s = self.settings.intake_max_wait_ms / 1000
+                    timeout = max(0.0, self._first_held_at + wait_s - time.monotonic())
+                if not self.paused:
+                    message = delivery.get(min(timeout, 0.5))
+                    if message is not None:
+                        self._receive(message)
+                else:
+                    self.stop.wait(0.5)
+                if self._held and (
+                    self._held_points >= self.settings.intake_max_points
+                    or len(self._held) >= self.settings.intake_prefetch
+                    or time.monotonic() - self._first_held_at >= self.settings.intake_max_wait_ms / 1000
+                ):
+                    self._flush()
+                # Backpressure: stop taking messages while an index we write to lags past the bound; they wait
+                # in the broker, so the lag grows instead of this process's memory.
+                lagging = self._lagging()
+                if lagging and not self.paused:
+                    self._flush()
+                    self.paused, paused_at = True, time.monotonic()
+                    log.warning("pausing intake: index lag past the bound (%s)", lagging)
+                elif not lagging and self.paused:
+                    self.paused = False
+                    self.stats.paused_s += time.monotonic() - paused_at
+                    log.info("resuming intake")
+            self._flush()
+            delivery.release()
+        finally:
+            self._delivery = None
 
     # -- receiving ----------------------------------------------------------------------------------------
 
@@ -231,7 +241,7 @@ class IntakeConsumer:
             self._written_sources.add((target.tenant, producer.source.id))
             seen = set(before)
             for h, bid in zip(items, ids, strict=True):
-                h.message.ack()
+                self._ack(h.message)
                 if bid is not None and bid in seen:
                     self.stats.duplicates += 1
                 else:
@@ -259,9 +269,14 @@ class IntakeConsumer:
                 )
             )
 
+    def _ack(self, message: Message) -> None:
+        assert self._delivery is not None
+        self._delivery.ack(message)
+
     def _requeue(self, messages: list[Message]) -> None:
+        assert self._delivery is not None
         for m in messages:
-            m.requeue()
+            self._delivery.requeue(m)
             self.stats.requeued += 1
 
     def _drop_held(self) -> None:
@@ -286,7 +301,7 @@ class IntakeConsumer:
             declare=[self.dead_queue],
             retry=True,
         )
-        message.ack()
+        self._ack(message)
         self.stats.dead += 1
         self.stats.reasons = [*self.stats.reasons[-99:], reason]
         log.warning("dead-lettered a message: %s", reason)
