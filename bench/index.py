@@ -64,6 +64,7 @@ import shoal.searcher.searcher as searcher_mod
 from shoal.artifacts.segment import SegmentCache
 from shoal.catalog.db import resolve_database_url
 from shoal.catalog.indexes import ShardCatalog
+from shoal.cli.worker import start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.engines.base import Engine, available_cores
@@ -595,35 +596,15 @@ class FreshResult:
         return [b.served - b.acked for b in self.batches if b.served is not None]
 
 
-def worker_env(settings: Settings) -> dict[str, str]:
-    """The environment that makes the worker build the same Settings (as tests/conftest.py does)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"SHOAL_{name.upper()}"] = str(value)
-    return env
-
-
 def start_worker(settings: Settings) -> tuple[subprocess.Popen[bytes], Path]:
     log = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
-    args = [
-        sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "worker", "--pool", "solo",
-        "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-        "--beat", "--schedule", str(settings.data_dir / f"beat-{uuid.uuid4().hex[:6]}"),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, env=worker_env(settings), stdout=out, stderr=subprocess.STDOUT)
-    return proc, log
+    argv = worker_argv(beat=True, schedule=settings.data_dir / f"beat-{uuid.uuid4().hex[:6]}", pool="solo",
+                       loglevel="info", quick=True)
+    return start_worker_process(argv, log, settings.child_env()), log
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+    stop_worker_process(proc, timeout)
 
 
 def wait_for(

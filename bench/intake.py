@@ -69,6 +69,7 @@ from sqlalchemy.orm import Session
 from shoal.catalog.db import resolve_database_url
 from shoal.catalog.models import IndexShard, ProducerBatch
 from shoal.catalog.repo import head_of
+from shoal.cli.worker import start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.intake.consumer import BATCH_ID_PREFIX
@@ -137,12 +138,8 @@ def percentile(xs: list[float] | np.ndarray, p: float) -> float:
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
-    """The environment that makes a child process build the same Settings (as tests/conftest.py does)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"SHOAL_{name.upper()}"] = str(value)
-    return env
+    """The environment that makes a child process build the same Settings."""
+    return settings.child_env()
 
 
 # -- publishers: threads or processes, one Publisher each ----------------------------------------------
@@ -726,24 +723,13 @@ def run_lag(ctx: Ctx, stop: threading.Event) -> list[LagResult]:
 
 def start_worker(settings: Settings) -> tuple[subprocess.Popen[bytes], Path]:
     log = settings.data_dir / f"worker-{TAG}.log"
-    args = [
-        sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "worker", "--pool", "solo",
-        "--loglevel", "INFO", "--without-gossip", "--without-mingle",
-        "--beat", "--schedule", str(settings.data_dir / f"beat-{TAG}"),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT)
-    return proc, log
+    argv = worker_argv(beat=True, schedule=settings.data_dir / f"beat-{TAG}", pool="solo", loglevel="info",
+                       quick=True)
+    return start_worker_process(argv, log, settings.child_env()), log
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+    stop_worker_process(proc, timeout)
 
 
 TASK_DONE = re.compile(r"Task shoal\.workers\.tasks\.(\w+)\[[0-9a-f-]+\] succeeded")

@@ -204,10 +204,9 @@ class Shoal:
 
     def drop_index(self, name: str, version: str) -> int:
         """Delete an index with all its versions, then its files; return how many files went."""
-        from shoal.artifacts.segment import segment_files
+        from shoal.artifacts.segment import manifest_files
 
-        manifests = self.indexes.drop_index(name, version)
-        paths = {p for m in manifests for seg in m["segments"] for p in segment_files(seg)}
+        paths = manifest_files(self.indexes.drop_index(name, version))
         for path in paths:
             self.storage.delete_quietly(path)
         return len(paths)
@@ -267,10 +266,9 @@ class Shoal:
         self._announce_index(self.get_index(name, version))
 
     def _announce_index(self, index: IndexRecord) -> None:
-        from shoal.searcher.searcher import announce_version
+        from shoal.searcher.searcher import announce_index
 
-        for shard in index.shards:
-            announce_version(self.broker_url(), shard.id, 0)
+        announce_index(self.broker_url(), index)
 
     # -- time travel --------------------------------------------------------------------------------
 

@@ -139,11 +139,7 @@ def local_shoal(make_settings: Callable[..., Settings]) -> Iterator[Shoal]:
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process build the same Settings."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"SHOAL_{name.upper()}"] = str(value)
-    return env
+    return settings.child_env()
 
 
 def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str) -> subprocess.Popen[str]:

@@ -14,6 +14,7 @@ import io
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +214,11 @@ def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> L
     )
     keys = rows[KEY].to_numpy(zero_copy_only=False)
     return LoadedSegment(entry["id"], rows, keys, rows[SEQ].to_numpy(), splits)
+
+
+def manifest_files(manifests: Iterable[dict[str, Any]]) -> set[str]:
+    """Every storage path the segments of these version manifests reference."""
+    return {p for m in manifests for entry in m.get("segments", ()) for p in segment_files(entry)}
 
 
 def segment_files(entry: dict[str, Any]) -> list[str]:

@@ -11,12 +11,12 @@ when no remaining version or log segment names it.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
 
 from sqlalchemy import Engine, delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from shoal.artifacts.segment import manifest_files
 from shoal.catalog import garbage
 from shoal.catalog.indexes import VersionRecord, _version
 from shoal.catalog.models import IndexShard, IndexTag, IndexVersion, LogCompaction
@@ -134,14 +134,8 @@ def prune_versions(
                 newest_before[sid] = vid  # the version in force when the keep window began
                 continue
             doomed.append(vid)
-            files.update(_files(manifest))
+            files.update(manifest_files([manifest]))
         if doomed:
             s.execute(delete(IndexVersion).where(IndexVersion.id.in_(doomed)))
             garbage.enqueue(s.connection(), sorted(files), PRUNED, now + dt.timedelta(seconds=grace_s))
     return len(doomed)
-
-
-def _files(manifest: dict[str, Any]) -> list[str]:
-    from shoal.artifacts.segment import segment_files
-
-    return [p for seg in manifest.get("segments", []) for p in segment_files(seg)]

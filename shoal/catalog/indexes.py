@@ -285,6 +285,17 @@ class ShardCatalog:
                 raise NotFoundError(f"index shard {shard_id} belongs to a data source in the trash")
             return _shard(shard), _index(s, index, tenant), _record(source, tenant)
 
+    def index_by_id(self, index_id: int) -> tuple[int, IndexRecord, SourceRecord] | None:
+        """(tenant id, index, data source) of an index row (any generation), or None when it is gone."""
+        with Session(self.engine) as s:
+            index = s.get(Index, index_id)
+            if index is None:
+                return None
+            tenant = s.scalars(select(Tenant.name).where(Tenant.id == index.tenant_id)).one()
+            source = s.get(DataSource, index.data_source_id)
+            assert source is not None
+            return index.tenant_id, _index(s, index, tenant), _record(source, tenant)
+
     def shards_of_source(self, source_id: int) -> list[int]:
         """Ids of every shard of every index over the data source."""
         with Session(self.engine) as s:

@@ -172,6 +172,14 @@ class Settings(BaseSettings):
         """Where the log lives: the configured URI or the data directory's storage folder."""
         return self.storage_uri or str(self.data_dir / "storage")
 
+    def child_env(self) -> dict[str, str]:
+        """This process's environment, with SHOAL_* replaced so that a child process builds these Settings."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+        for name, value in self.model_dump().items():
+            if value is not None:
+                env[f"SHOAL_{name.upper()}"] = str(value)
+        return env
+
     def describe(self) -> dict[str, Any]:
         """Settings as shown to an operator: secrets and passwords inside URLs masked."""
         shown = self.model_dump(mode="json")

@@ -17,7 +17,7 @@ import pyarrow as pa
 import redis
 
 from shoal.artifacts.segment import SegmentCache
-from shoal.catalog.indexes import IndexCatalog, ShardCatalog
+from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import head_of
 from shoal.client import Shoal
 from shoal.errors import ValidationError
@@ -42,6 +42,13 @@ def announce_version(redis_url: str, shard_id: int, version_id: int) -> None:
             client.close()
     except redis.RedisError as exc:
         log.warning("could not announce version %s of shard %s: %s", version_id, shard_id, exc)
+
+
+def announce_index(redis_url: str, index: IndexRecord) -> None:
+    """Tell searchers an index changed whole (a reindex swap or rollback): they reload the shards they do not
+    know, which is every shard of a new generation."""
+    for shard in index.shards:
+        announce_version(redis_url, shard.id, 0)
 
 
 class Searcher:

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine
 
-from shoal.artifacts.segment import SegmentCache, vectors_of
-from shoal.catalog.generations import Generations, JobRecord, hidden_version
+from shoal.artifacts.segment import SegmentCache, manifest_files, vectors_of
+from shoal.catalog.generations import Generations, JobRecord, hidden_version, is_hidden
 from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
@@ -136,27 +136,11 @@ def run_reindex(
 
 
 def _generation(engine: Engine, job: JobRecord) -> tuple[IndexRecord, SourceRecord]:
-    if job.to_index_id is None:
+    found = ShardCatalog(engine).index_by_id(job.to_index_id) if job.to_index_id is not None else None
+    if found is None:
         raise ReindexConflictError("the new generation is gone")
-    shards = ShardCatalog(engine)
-    new = _index_by_id(shards, job.to_index_id)
-    if new is None:
-        raise ReindexConflictError("the new generation is gone")
-    _, index, source = shards.shard_context(new.shards[0].id)
+    _, index, source = found
     return index, source
-
-
-def _index_by_id(shards: ShardCatalog, index_id: int) -> IndexRecord | None:
-    from sqlalchemy import select
-    from sqlalchemy.orm import Session
-
-    from shoal.catalog.models import IndexShard
-
-    with Session(shards.engine) as s:
-        shard_id = s.scalar(select(IndexShard.id).where(IndexShard.index_id == index_id).limit(1))
-    if shard_id is None:
-        return None
-    return shards.shard_context(shard_id)[1]
 
 
 def _catch_up(gens: Generations, builder: ShardBuilder, job: JobRecord, new: IndexRecord, timeout_s: float) -> None:
@@ -231,34 +215,20 @@ def _abandon(
 def drop_generation(engine: Engine, storage: Storage, index_id: int | None) -> int:
     """Drop a generation that does not serve: its catalog rows first (so nothing points at its files), then
     its files; returns how many files went. Serving generations are refused."""
-    from shoal.artifacts.segment import segment_files
-
-    if index_id is None:
+    found = ShardCatalog(engine).index_by_id(index_id) if index_id is not None else None
+    if found is None:
         return 0
-    shards = ShardCatalog(engine)
-    index = _index_by_id(shards, index_id)
-    if index is None:
-        return 0
-    if "~g" not in index.spec.version:
+    tenant_id, index, _ = found
+    if not is_hidden(index.spec.version):
         raise ReindexConflictError(f"generation {index_id} serves index {index.spec.name!r}: not dropped")
-    tenant_id = _tenant_id(engine, index_id)
-    manifests = IndexCatalog(engine, tenant_id, index.tenant).drop_index(index.spec.name, index.spec.version)
-    paths = {p for m in manifests for seg in m["segments"] for p in segment_files(seg)}
+    paths = manifest_files(
+        IndexCatalog(engine, tenant_id, index.tenant).drop_index(index.spec.name, index.spec.version)
+    )
     for path in paths:
         storage.delete_quietly(path)
     log.info("dropped generation %s of index %s (%s, %d files)", index_id, index.spec.name, index.spec.version,
              len(paths))
     return len(paths)
-
-
-def _tenant_id(engine: Engine, index_id: int) -> int:
-    from sqlalchemy import select
-    from sqlalchemy.orm import Session
-
-    from shoal.catalog.models import Index
-
-    with Session(engine) as s:
-        return int(s.scalar(select(Index.tenant_id).where(Index.id == index_id)) or 0)
 
 
 def drop_expired_generations(engine: Engine, storage: Storage, keep_s: float, tenant_id: int | None = None) -> int:

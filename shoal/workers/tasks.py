@@ -198,24 +198,15 @@ SWEEP_GENERATIONS = "shoal.workers.tasks.sweep_generations"
 @app.task(base=ShoalTask, name=REINDEX)
 def reindex(job_id: int) -> dict[str, Any]:
     """Build, check and swap in the generation of one reindex job (see shoal.workers.reindex)."""
-    from shoal.searcher.searcher import announce_version
+    from shoal.config.celery_app import broker_url
+    from shoal.searcher.searcher import announce_index
     from shoal.workers.reindex import run_reindex
 
     ctx = context.get()
-
-    def announce(index: Any) -> None:
-        # Searchers reload an index whose shards they do not know; any announcement wakes them.
-        for shard in index.shards:
-            announce_version(_broker(ctx), shard.id, 0)
-
-    outcome = run_reindex(ctx.engine, ctx.storage, job_id, builder=ctx.builder, on_swap=announce)
+    broker = broker_url(ctx.settings)
+    outcome = run_reindex(ctx.engine, ctx.storage, job_id, builder=ctx.builder,
+                          on_swap=lambda index: announce_index(broker, index))
     return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error}
-
-
-def _broker(ctx: Any) -> str:
-    from shoal.config.celery_app import broker_url
-
-    return broker_url(ctx.settings)
 
 
 @app.task(base=ShoalTask, name=SWEEP_GENERATIONS)
