@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -75,7 +75,7 @@ def _built_up_to(shoal: Shoal, seq: int) -> Callable[[], bool]:
     return check
 
 
-def _hits_table(hits: list[Hit]) -> Table:
+def _hits_table(hits: Sequence[Hit]) -> Table:
     table = Table()
     table.add_column("rank", justify="right")
     table.add_column("package")
@@ -249,7 +249,7 @@ def _search_and_read_your_writes(
     return queries[0]
 
 
-def _top(hits: list[Hit]) -> str:
+def _top(hits: Sequence[Hit]) -> str:
     if not hits:
         return "no hit"
     return f"{hits[0].attributes['package']} (distance {hits[0].distance:.4f})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -128,7 +129,7 @@ def _vector_json(vector: Any) -> Any:
     return None if vector is None else [float(v) for v in vector]
 
 
-def hits_table(hits: list[Hit], attributes: tuple[str, ...], title: str, *, vectors: bool = False) -> Table:
+def hits_table(hits: Sequence[Hit], attributes: tuple[str, ...], title: str, *, vectors: bool = False) -> Table:
     """One row per hit, nearest first: rank, distance, the attributes, and on request the vector."""
     table = Table(title=title, title_justify="left")
     table.add_column("rank", justify="right")

@@ -621,7 +621,9 @@ class DatasetService:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= rules.MAX_TOP_K:
             raise _invalid(f"top_k must be an integer in 1..{rules.MAX_TOP_K}", field="top_k")
 
-    def _hits(self, record: DatasetRecord, vector: Sequence[float], top_k: int, consistency: Consistency) -> list[Hit]:
+    def _hits(
+        self, record: DatasetRecord, vector: Sequence[float], top_k: int, consistency: Consistency
+    ) -> Sequence[Hit]:
         self._check_query(record, vector, top_k)
         try:
             if self.searcher.view(record.name, rules.VERSION).source.id != record.source_id:

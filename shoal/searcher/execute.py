@@ -3,9 +3,10 @@ the log tail when the consistency level needs it, k-way merged by the metric's d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -16,26 +17,13 @@ from shoal.engines import Engine, get_engine
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.indexing.sharding import shard_numbers, split_keys
-from shoal.ingest.batch import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
+from shoal.ingest.batch import KEY, SEQ, check_value
 from shoal.ingest.reader import fold
 from shoal.records import DataSourceSpec, IndexSpec, SparseVector
+from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
 from shoal.searcher.views import IndexView
 
-
-class Hit(NamedTuple):
-    """One nearest data point: its id, split and payload attributes, its distance and (on request) its vector.
-
-    A named tuple rather than a dataclass: a search builds k of them per query, and a tuple is built several
-    times faster than a frozen dataclass (which sets each field through object.__setattr__).
-    """
-
-    attributes: dict[str, Any]
-    distance: float
-    vector: list[float] | SparseVector | None = None
-
-
-# Builds a Hit from its three fields without the named tuple's keyword-handling __new__ (k times a query).
-new_hit = tuple.__new__
+__all__ = ["Hit", "Hits", "Tail", "attributes_of", "build_tails", "execute", "prepare_queries", "split_matcher"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +61,7 @@ class Tail:
                     groups.append(
                         _TailGroup(
                             {a: json_value(first[a]) for a in spec.split_attributes},
-                            part,
-                            _pylists(part),
+                            RowSource(part, _pylists(part), spec.stored_attributes()),
                             engine_cls.build(vectors, spec.metric, None),
                         )
                     )
@@ -85,13 +72,25 @@ class Tail:
 @dataclass(frozen=True)
 class _TailGroup:
     values: dict[str, Any]  # the split's attribute values
-    table: pa.Table
-    column: Callable[[str], list[Any]]
+    source: RowSource  # the upserts
     engine: Engine  # exact: the tail is small and must be answered exactly
 
 
 def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | SparseRows:
     """Query vectors checked against the data source: count, dimension, dense or sparse, finite."""
+    if (
+        type(queries) is np.ndarray
+        and queries.dtype == np.float32
+        and queries.ndim == 2
+        and queries.shape[0]
+        and queries.shape[1] == source.vector_dimension
+        and not source.vectors_are_sparse
+        and queries.flags.c_contiguous
+        and math.isfinite(queries.sum())
+    ):
+        # The usual call, checked in a few attribute reads and one reduction: a finite sum means every
+        # coordinate is finite (NaN and inf propagate); a sum that overflowed takes the full check below.
+        return queries
     if source.vectors_are_sparse:
         items = list(queries)
         if not items:
@@ -181,14 +180,7 @@ def build_tails(view: IndexView, entries: pa.Table) -> dict[int, Tail]:
 class _Block:
     distances: np.ndarray  # [q, m]
     rows: np.ndarray  # [q, m], -1 for none
-    table: pa.Table
-    column: Callable[[str], list[Any]]  # Python values of a column of `table`, by row
-
-
-def _vector_value(table: pa.Table, row: int, sparse: bool) -> list[float] | SparseVector:
-    if sparse:
-        return SparseVector(table[SPARSE_INDICES][row].as_py(), table[SPARSE_VALUES][row].as_py())
-    return table[VECTOR][row].as_py()
+    source: RowSource  # the rows `rows` points into
 
 
 def execute(
@@ -198,7 +190,7 @@ def execute(
     matches: Callable[[dict[str, Any]], bool],
     tails: dict[int, Tail],
     retrieve_vectors: bool,
-) -> list[list[Hit]]:
+) -> list[Hits]:
     """The k nearest live data points per query over every matching split of every shard, plus the tails."""
     spec, source = view.index.spec, view.source.spec
     nq = len(queries)
@@ -225,14 +217,14 @@ def execute(
                 rows = np.where(labels >= 0, labels + split.start, -1) if split.start else labels
                 if hidden is not None:
                     rows = np.where((rows >= 0) & ~hidden[np.maximum(rows, 0)], rows, -1)
-                blocks.append(_Block(dist, rows, seg.rows, seg.column))
+                blocks.append(_Block(dist, rows, seg_view.source))
     for tail in tails.values():
         for group in tail.groups(spec, source):
             if matches(group.values):
                 dist, rows = group.engine.search(queries, min(k, len(group.engine)), checked=True)
-                blocks.append(_Block(dist, rows, group.table, group.column))
+                blocks.append(_Block(dist, rows, group.source))
 
-    return _merge(blocks, nq, k, view.higher_is_nearer, view.stored, retrieve_vectors, source.vectors_are_sparse)
+    return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
 
 
 def _pylists(table: pa.Table) -> Callable[[str], list[Any]]:
@@ -246,33 +238,42 @@ def _pylists(table: pa.Table) -> Callable[[str], list[Any]]:
     return column
 
 
-def _merge(
-    blocks: list[_Block], nq: int, k: int, higher: bool, stored: Sequence[str], retrieve_vectors: bool, sparse: bool
-) -> list[list[Hit]]:
+def search_one_block(engine: Engine, source: RowSource, queries: np.ndarray | SparseRows, k: int,
+                     retrieve_vectors: bool) -> list[Hits]:
+    """`execute` for a view that is one engine over all its rows (one shard, segment and split, nothing
+    deleted, no tail): the engine's answer is the result, with no masks, over-fetch or merge."""
+    want = min(k, len(engine))
+    if want == 0:
+        return [Hits([], [], (source,)) for _ in range(len(queries))]
+    dist, labels = engine.search(queries, want, checked=True)
+    return _block_hits(dist.tolist(), labels.tolist(), source, k, retrieve_vectors)
+
+
+def _block_hits(
+    d_rows: list[list[float]], r_rows: list[list[int]], source: RowSource, k: int, retrieve_vectors: bool
+) -> list[Hits]:
+    """Hits per query from one block's rows: each row is nearest first already; -1 entries are dropped."""
+    sources = (source,)
+    results = []
+    for d_row, r_row in zip(d_rows, r_rows, strict=True):
+        if len(r_row) > k or (r_row and min(r_row) < 0):
+            kept = [i for i, row in enumerate(r_row) if row >= 0][:k]
+            d_row, r_row = [d_row[i] for i in kept], [r_row[i] for i in kept]
+        results.append(Hits(r_row, d_row, sources, None, retrieve_vectors))
+    return results
+
+
+def _merge(blocks: list[_Block], nq: int, k: int, higher: bool, retrieve_vectors: bool) -> list[Hits]:
     """k-way merge of every block's candidates, per query, by the metric's direction (ties: first block).
 
     Every block comes from an engine, so each row of a block is already nearest first (with -1 where a row was
     filtered out): one block needs no sorting at all, which is the common case of one segment and one split.
     """
     if not blocks:
-        return [[] for _ in range(nq)]
+        return [Hits([], [], ()) for _ in range(nq)]
     if len(blocks) == 1:
         b = blocks[0]
-        pairs = tuple(zip(stored, [b.column(a) for a in stored], strict=True))
-        table = b.table
-        results: list[list[Hit]] = []
-        # Python lists per query row: indexing numpy arrays element by element costs ~100 ns a scalar.
-        for d_row, r_row in zip(b.distances.tolist(), b.rows.tolist(), strict=True):
-            hits = []
-            for d, row in zip(d_row, r_row, strict=True):
-                if row < 0:
-                    continue  # filtered or padding; the valid entries keep their order
-                vec = _vector_value(table, row, sparse) if retrieve_vectors else None
-                hits.append(new_hit(Hit, ({a: c[row] for a, c in pairs}, d, vec)))
-                if len(hits) == k:
-                    break
-            results.append(hits)
-        return results
+        return _block_hits(b.distances.tolist(), b.rows.tolist(), b.source, k, retrieve_vectors)
     dist = np.concatenate([b.distances.astype(np.float64, copy=False) for b in blocks], axis=1)
     rows = np.concatenate([b.rows for b in blocks], axis=1)
     owner = np.concatenate([np.full(b.rows.shape[1], i) for i, b in enumerate(blocks)])
@@ -281,19 +282,9 @@ def _merge(
     dist = np.take_along_axis(dist, order, axis=1)
     rows = np.take_along_axis(rows, order, axis=1)
     owners = owner[order]
-    columns = [tuple(zip(stored, [b.column(a) for a in stored], strict=True)) for b in blocks]
+    sources = tuple(b.source for b in blocks)
     results = []
     for d_row, r_row, o_row in zip(dist.tolist(), rows.tolist(), owners.tolist(), strict=True):
-        hits = []
-        for d, row, bi in zip(d_row, r_row, o_row, strict=True):
-            if row < 0:
-                break  # sorted last: no valid entry follows
-            vec = _vector_value(blocks[bi].table, row, sparse) if retrieve_vectors else None
-            hits.append(new_hit(Hit, ({a: c[row] for a, c in columns[bi]}, d, vec)))
-        results.append(hits)
+        n = r_row.index(-1) if -1 in r_row else len(r_row)  # filtered entries sort last
+        results.append(Hits(r_row[:n], d_row[:n], sources, o_row[:n], retrieve_vectors))
     return results
-
-
-def attributes_of(hits: Sequence[Hit]) -> list[dict[str, Any]]:
-    """Just the attributes of each hit (handy in tests and the CLI)."""
-    return [h.attributes for h in hits]

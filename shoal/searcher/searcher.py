@@ -23,11 +23,18 @@ from shoal.client import Shoal
 from shoal.errors import ValidationError
 from shoal.ingest.reader import read_log
 from shoal.searcher.consistency import Consistency
-from shoal.searcher.execute import Hit, Tail, build_tails, execute, prepare_queries, split_matcher
+from shoal.searcher.execute import (
+    Hits,
+    Tail,
+    build_tails,
+    execute,
+    prepare_queries,
+    search_one_block,
+    split_matcher,
+)
 from shoal.searcher.views import IndexView, load_shard
 
 log = logging.getLogger(__name__)
-_EVENTUAL = Consistency.eventual()
 
 VERSIONS_CHANNEL = "shoal:index-versions"
 
@@ -89,27 +96,28 @@ class Searcher:
         consistency: Consistency | None = None,
         tag: str | None = None,
         as_of: int | None = None,
-    ) -> list[list[Hit]]:
+    ) -> list[Hits]:
         """The k nearest data points for each query vector, nearest first, at the requested consistency.
 
         Time travel: `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of
         that seq (a write token's), from the newest kept version at or below it plus the log up to it.
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
             return self._search_history(index_name, index_version, queries, k, split_filter, retrieve_vectors,
                                         consistency, tag, as_of)
-        consistency = consistency or _EVENTUAL
-        view = self.view(index_name, index_version)
-        level = consistency.level
-        if level == "eventual":
+        # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
+        view = self._views.get((index_name, index_version)) or self._load(index_name, index_version)
+        if consistency is None or consistency.level == "eventual":
             required = 0
-        elif level == "at_least":
+        elif consistency.level == "at_least":
             required = consistency.seq
         else:
             required = head_of(self.shoal.engine, view.source.id)[0]
         q = prepare_queries(view.source.spec, queries)
+        if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
+            return search_one_block(block[0], block[1], q, k, retrieve_vectors)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
         return execute(view, q, k, matches, tails, retrieve_vectors)
@@ -117,7 +125,7 @@ class Searcher:
     def _search_history(
         self, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
-    ) -> list[list[Hit]]:
+    ) -> list[Hits]:
         from shoal.catalog import history
 
         if tag is not None and as_of is not None:
@@ -150,7 +158,7 @@ class Searcher:
                 tails = build_tails(view, pa.Table.from_batches(batches))
         return execute(view, q, k, matches, tails, retrieve_vectors)
 
-    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[list[Hit]]:
+    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
         """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
         by the index before a move or wholly by the one after it."""
         target = self.shoal.aliases.get(alias)

@@ -10,7 +10,9 @@ import numpy as np
 from shoal.artifacts.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.catalog.indexes import IndexRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord
+from shoal.engines.base import Engine
 from shoal.engines.metrics import higher_is_nearer as _higher_is_nearer
+from shoal.searcher.hits import RowSource
 from shoal.storage import Storage
 
 
@@ -21,6 +23,7 @@ class SegmentView:
     segment: LoadedSegment
     deleted: np.ndarray  # bool per row
     deleted_count: int
+    source: RowSource  # what hits of this segment read their attributes and vectors from
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,17 @@ class IndexView:
         return self.index.spec.stored_attributes()
 
     @cached_property
+    def one_block(self) -> tuple[Engine, RowSource] | None:
+        """The engine and rows of an index served by a single engine over all its rows (one shard, one
+        segment, one split, nothing deleted), the common case of a small or freshly merged index; else None."""
+        if len(self.shards) != 1 or len(self.shards[0].segments) != 1:
+            return None
+        seg = self.shards[0].segments[0]
+        if seg.deleted_count or len(seg.segment.splits) != 1:
+            return None
+        return seg.segment.splits[0].engine, seg.source
+
+    @cached_property
     def higher_is_nearer(self) -> bool:
         """True when a larger distance is nearer (dot product)."""
         return _higher_is_nearer(self.index.spec.metric)
@@ -72,10 +86,11 @@ def load_shard(
     if version is None:
         return ShardView(shard_id, shard_no, None, 0, ())
     views = []
+    stored = index.spec.stored_attributes()
     for entry in version.manifest["segments"]:
         segment = cache.load(storage, entry, index.spec)
         deleted = np.zeros(segment.rows.num_rows, dtype=bool)
         gone = read_deletions(storage, entry)
         deleted[gone] = True
-        views.append(SegmentView(segment, deleted, int(len(gone))))
+        views.append(SegmentView(segment, deleted, int(len(gone)), RowSource(segment.rows, segment.column, stored)))
     return ShardView(shard_id, shard_no, version.id, version.watermark, tuple(views))
