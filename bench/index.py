@@ -385,7 +385,7 @@ def searcher_for_ef(shoal: Shoal, searcher: Searcher, index: str, ef: int) -> Se
         return searcher  # the index's own ef: the normal path
     other = shoal.searcher(follow=False)
     view = view_with_ef(shoal, searcher, index, ef)
-    other.view = lambda name, version: view  # type: ignore[method-assign]
+    other._views[(index, "1")] = view  # noqa: SLF001
     return other
 
 

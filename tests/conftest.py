@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -143,7 +144,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str) -> subprocess.Popen[str]:
-    """A real Celery worker process (solo pool: the task runs in the process a test may SIGKILL)."""
+    """A real Celery worker process (solo pool: the task runs in the process a test may SIGKILL), in a session
+    of its own so that `kill_worker` takes its embedded beat (a child process) down with it."""
     args = [sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "worker", "--pool", "solo",
             "--loglevel", "INFO", "--without-gossip", "--without-mingle", *extra]
     if beat:
@@ -152,9 +154,21 @@ def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     path = settings.data_dir / f"worker-{uuid.uuid4().hex[:6]}.log"
     log = open(path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(args, env=settings_env(settings) | env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(args, env=settings_env(settings) | env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     proc.log_path = path  # type: ignore[attr-defined]
+    proc.own_session = True  # type: ignore[attr-defined]
     return proc
+
+
+def kill_worker(proc: subprocess.Popen[str], timeout: float = 10) -> None:
+    """SIGKILL a worker from `start_worker` and every process of its session, as a machine crash would: killing
+    only the worker would orphan its beat child, which would go on scheduling tasks after the test."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout)
 
 
 def stop_process(proc: subprocess.Popen[str], timeout: float = 20) -> None:
@@ -166,6 +180,10 @@ def stop_process(proc: subprocess.Popen[str], timeout: float = 20) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+    if getattr(proc, "own_session", False):
+        # A worker's session: its beat child ends with it, except when the worker was killed; never leave one.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_helper(script: str, args: list[str], settings: Settings, **kwargs: object) -> subprocess.Popen[str]:

@@ -3,16 +3,14 @@ worker SIGKILLed during materialization and merge, repeatedly, never leaves a br
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import signal
 import time
 import uuid
 
 import numpy as np
 import pytest
-from conftest import start_worker, stop_process, wait_for
+from conftest import kill_worker, start_worker, stop_process, wait_for
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -145,8 +143,7 @@ def _kill_during(worker, task: str, chooser: random.Random) -> bool:  # type: ig
     wait_for(lambda: _running_builds(worker.log_path, task) > 0, 90, f"the worker to start {task}")
     time.sleep(chooser.uniform(0.0, 0.4))  # most builds here take 0.5 s or more: usually lands inside
     running = _running_builds(worker.log_path, task) > 0
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait(10)
+    kill_worker(worker)
     return running
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from shoal.engines import envelope
 from shoal.engines.metrics import Metric, as_metric, worst_distance
-from shoal.engines.params import reject_unknown
+from shoal.engines.params import int_param, reject_unknown
 from shoal.engines.sparse import SparseRows
 from shoal.errors import ValidationError
 
@@ -60,6 +60,8 @@ class Engine(ABC):
     # Whether `_search` may return label -1 (fewer than k found, e.g. IVF probing few lists); an engine that
     # never does says False and skips the masking pass.
     may_miss: ClassVar[bool] = True
+    # Parameters a single search may override (name -> inclusive integer range), e.g. HNSW's ef_search.
+    search_params: ClassVar[dict[str, tuple[int, int]]] = {}
 
     def __init__(self, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         self.metric = metric
@@ -94,6 +96,29 @@ class Engine(ABC):
             )
         return m
 
+    @classmethod
+    def check_search_params(cls, params: Mapping[str, Any] | None) -> dict[str, int] | None:
+        """Per-search parameter overrides, checked: None or {} gives None (the index's own); an unknown name or
+        a value out of range raises ValidationError naming it."""
+        if not params:
+            return None
+        known, checked = cls.search_params, {}
+        for name, value in params.items():
+            limits = known.get(name)
+            if limits is None or type(value) is not int or not limits[0] <= value <= limits[1]:
+                break  # the slow path below names what is wrong
+            checked[name] = value
+        else:
+            return checked  # every value a plain int in range: the usual call, checked per search
+        unknown = sorted(set(params) - set(cls.search_params))
+        if unknown:
+            accepted = ", ".join(sorted(cls.search_params)) or "none"
+            raise ValidationError(
+                f"algorithm {cls.algorithm!r} takes no search parameter(s) {', '.join(map(repr, unknown))} "
+                f"(accepted: {accepted})"
+            )
+        return {name: int_param(name, value, *cls.search_params[name]) for name, value in params.items()}
+
     # ---- building and searching -------------------------------------------------------------------------
 
     @classmethod
@@ -110,7 +135,13 @@ class Engine(ABC):
         return cls._build(data, m, p, max(1, threads or available_cores()))
 
     def search(
-        self, queries: Vectors, k: int, *, threads: int = 1, checked: bool = False
+        self,
+        queries: Vectors,
+        k: int,
+        *,
+        threads: int = 1,
+        checked: bool = False,
+        params: Mapping[str, int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The k nearest rows of each query: (distances float32 [q, k], labels int64 [q, k]).
 
@@ -120,6 +151,7 @@ class Engine(ABC):
         parallelises across segments, hence 1 by default); the flat engines use numpy's BLAS threads.
         `checked`: the caller already made `queries` what `_dense`/`_sparse` return, with this dimension
         (the searcher does, once per search, in prepare_queries); skips checking them again per engine.
+        `params`: overrides of query-time parameters for this call, as `check_search_params` returns them.
         """
         if type(k) is not int or k < 0:  # the exact-type test first: this runs once per query and segment
             if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
@@ -133,7 +165,7 @@ class Engine(ABC):
         if not (len(q) and k_eff):
             return (np.full((len(q), k), worst_distance(self.metric), dtype=np.float32),
                     np.full((len(q), k), -1, dtype=np.int64))
-        d, lab = self._search(q, k_eff, max(1, int(threads)))
+        d, lab = self._search(q, k_eff, max(1, int(threads)), params)
         if k_eff == k and not self.may_miss:
             return d, lab  # the common case of HNSW: nothing to pad or mask, no copies (runs once per query)
         missing = lab < 0
@@ -144,6 +176,20 @@ class Engine(ABC):
         distances[:, :k_eff] = np.where(missing, worst_distance(self.metric), d)
         labels[:, :k_eff] = lab
         return distances, labels
+
+    def search_lists(
+        self, queries: Vectors, k: int, params: Mapping[str, int] | None = None
+    ) -> tuple[list[list[float]], list[list[int]]]:
+        """`search` of checked queries (as `_dense`/`_sparse` return them) as Python lists per query, nearest
+        first, with missing results dropped rather than padded: the form search results are built from."""
+        distances, labels = self.search(queries, min(k, len(self)), checked=True, params=params)
+        d_rows, l_rows = distances.tolist(), labels.tolist()
+        if self.may_miss:
+            for i, row in enumerate(l_rows):
+                if row and min(row) < 0:
+                    kept = [j for j, label in enumerate(row) if label >= 0]
+                    d_rows[i], l_rows[i] = [d_rows[i][j] for j in kept], [row[j] for j in kept]
+        return d_rows, l_rows
 
     def __len__(self) -> int:
         return self._count
@@ -189,8 +235,11 @@ class Engine(ABC):
         """Build from checked vectors (float32 C-contiguous, or SparseRows) and normalized params."""
 
     @abstractmethod
-    def _search(self, queries: Any, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
-        """Search checked queries for 1 <= k <= len(self); labels -1 mark missing results."""
+    def _search(
+        self, queries: Any, k: int, threads: int, params: Mapping[str, int] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Search checked queries for 1 <= k <= len(self); labels -1 mark missing results. `params`: checked
+        overrides of the query-time parameters (None: the engine's own)."""
 
     def _header(self) -> dict[str, Any]:
         """Extra JSON-able header fields for `_load`."""

@@ -11,6 +11,7 @@ candidates and finally fall back to a streaming float64 scan, so the answer alwa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Self
 
 import numpy as np
@@ -84,7 +85,9 @@ class FlatEngine(Engine):
 
     # ---- search -----------------------------------------------------------------------------------------
 
-    def _search(self, queries: np.ndarray, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(
+        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         out_d = np.empty((len(queries), k), dtype=np.float32)
         out_l = np.empty((len(queries), k), dtype=np.int64)
         for s, e in _row_blocks(len(queries), _QUERY_BATCH):

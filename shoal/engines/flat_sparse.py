@@ -7,6 +7,7 @@ O(nnz) with float64 accumulation and the same formulas as `exact_distances`, so 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Self
 
 import numpy as np
@@ -51,7 +52,9 @@ class FlatSparseEngine(Engine):
         qv = q_values.astype(np.float64)
         return from_products(self.metric, self._rows.dot(q_indices, q_values), np.dot(qv, qv), self._sq_norms)
 
-    def _search(self, queries: SparseRows, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(
+        self, queries: SparseRows, k: int, threads: int, params: Mapping[str, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         out_d = np.empty((len(queries), k), dtype=np.float32)
         out_l = np.empty((len(queries), k), dtype=np.int64)
         for i in range(len(queries)):

@@ -24,6 +24,8 @@ from shoal.errors import ValidationError
 DEFAULTS = {"M": 16, "ef_construction": 200, "ef_search": 64}
 _LIMITS = {"M": (2, 512), "ef_construction": (1, 1 << 16), "ef_search": (1, 1 << 16)}
 _SPACES = {Metric.COSINE: "cosine", Metric.DOT_PRODUCT: "ip", Metric.EUCLIDEAN: "l2", Metric.L2_SQUARED: "l2"}
+# Metrics whose distance is hnswlib's own, unconverted.
+_NATIVE = frozenset({Metric.COSINE, Metric.L2_SQUARED})
 # Fixed so that a single-threaded build is reproducible (a multi-threaded one depends on insertion timing).
 SEED = 20261122
 
@@ -44,12 +46,14 @@ class HnswEngine(Engine):
 
     # hnswlib raises rather than return fewer than k; _search then answers exactly: never a -1 label.
     may_miss = False
+    search_params = {"ef_search": _LIMITS["ef_search"]}
 
     def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         super().__init__(metric, params, dim, count)
         self._index = index  # None when there are no rows
+        self._ef_search: int = params["ef_search"]
         # hnswlib keeps ef on the index, not per call: serialize "set ef, query" so concurrent searches with
-        # different k cannot run with each other's ef.
+        # different k or ef_search cannot run with each other's ef.
         self._lock = threading.Lock()
 
     @classmethod
@@ -77,9 +81,14 @@ class HnswEngine(Engine):
             index.add_items(vectors, np.arange(n), num_threads=threads)
         return cls(index, metric, params, dim, n)
 
-    def _search(self, queries: np.ndarray, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(
+        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
+        if ef < k:
+            ef = k
         with self._lock:
-            self._index.set_ef(max(self._params["ef_search"], k))
+            self._index.set_ef(ef)
             try:
                 labels, dist = self._index.knn_query(queries, k=k, num_threads=threads)
             except RuntimeError:
@@ -89,7 +98,8 @@ class HnswEngine(Engine):
             # points to (especially in the non-metric 'ip' space), so with k near n no ef is enough:
             # answer such a batch exactly instead.
             return self._exact(queries, k)
-        labels = labels.astype(np.int64)
+        # hnswlib's labels are uint64 row numbers below 2**63: the same bits read as int64, without a copy.
+        labels = labels.view(np.int64)
         # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
         # and this runs once per query.
         d = dist
@@ -99,9 +109,33 @@ class HnswEngine(Engine):
             d = np.sqrt(np.maximum(d, np.float32(0.0)))
         # Re-sort so equal distances come in label order, like every other engine (hnswlib's own order is
         # already by distance, so only rows with ties need it: skipping it is most of a query's overhead).
-        if d.shape[1] > 1 and _has_ties(d):
+        if k > 1 and _has_ties(d):
             d, labels = top_k_of(self.metric, d, labels, k)
-        return d.astype(np.float32, copy=False), labels
+            d = d.astype(np.float32, copy=False)
+        return d, labels
+
+    def search_lists(
+        self, queries: np.ndarray, k: int, params: Mapping[str, int] | None = None
+    ) -> tuple[list[list[float]], list[list[int]]]:
+        """As Engine.search_lists, in fewer steps for the usual one query with cosine or l2_squared (hnswlib's
+        own distance, nothing to convert): this is every single-query search of an HNSW index, and each numpy
+        call saved is a few microseconds against hnswlib's 100-300."""
+        n = self._count
+        if self.metric not in _NATIVE or n == 0 or k > n or len(queries) != 1:
+            return super().search_lists(queries, k, params)
+        ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
+        with self._lock:
+            self._index.set_ef(ef if ef > k else k)
+            try:
+                labels, dist = self._index.knn_query(queries, k=k, num_threads=1)
+            except RuntimeError:  # fewer than k reachable: the general path answers exactly
+                labels = None
+        if labels is None:
+            return super().search_lists(queries, k, params)
+        d_row = dist[0].tolist()
+        if len(set(d_row)) < len(d_row):  # ties (sorted row: equal values are neighbours): label order
+            return super().search_lists(queries, k, params)
+        return [d_row], labels.tolist()
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,

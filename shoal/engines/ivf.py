@@ -61,6 +61,7 @@ class IvfEngine(Engine):
     algorithm = "ivf"
     supported_metrics = _SUPPORTED
     sparse = False
+    search_params = {"nprobe": (1, _MAX_NLIST)}
 
     def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         super().__init__(metric, params, dim, count)
@@ -105,12 +106,14 @@ class IvfEngine(Engine):
             index.add(vectors)
         return cls(index, metric, effective, dim, n)
 
-    def _search(self, queries: np.ndarray, k: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(
+        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         faiss = _faiss()
         if self.metric is Metric.COSINE:
             queries = _unit_rows(queries)
         # Per-call search parameters: unlike index.nprobe they are safe under concurrent searches.
-        nprobe = min(self._params["nprobe"], self._index.nlist)
+        nprobe = min(params["nprobe"] if params and "nprobe" in params else self._params["nprobe"], self._index.nlist)
         with _omp_threads(threads):
             dist, labels = self._index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
         d = dist.astype(np.float64)

@@ -3,7 +3,6 @@ the log tail when the consistency level needs it, k-way merged by the metric's d
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,21 +75,26 @@ class _TailGroup:
     engine: Engine  # exact: the tail is small and must be answered exactly
 
 
+_F32 = np.dtype(np.float32)
+
+
 def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | SparseRows:
     """Query vectors checked against the data source: count, dimension, dense or sparse, finite."""
     if (
         type(queries) is np.ndarray
-        and queries.dtype == np.float32
+        and queries.dtype is _F32
+        and queries.shape[-1:] == (source.vector_dimension,)
         and queries.ndim == 2
-        and queries.shape[0]
-        and queries.shape[1] == source.vector_dimension
-        and not source.vectors_are_sparse
+        and queries.size
         and queries.flags.c_contiguous
-        and math.isfinite(queries.sum())
+        and not source.vectors_are_sparse
     ):
-        # The usual call, checked in a few attribute reads and one reduction: a finite sum means every
-        # coordinate is finite (NaN and inf propagate); a sum that overflowed takes the full check below.
-        return queries
+        # The usual call, checked in a few attribute reads and one dot product: a finite sum of squares means
+        # every coordinate is finite (NaN and inf propagate); one that overflowed takes the full check below.
+        flat = queries.reshape(-1)
+        squares = float(flat.dot(flat))
+        if squares - squares == 0.0:
+            return queries
     if source.vectors_are_sparse:
         items = list(queries)
         if not items:
@@ -190,6 +194,7 @@ def execute(
     matches: Callable[[dict[str, Any]], bool],
     tails: dict[int, Tail],
     retrieve_vectors: bool,
+    params: Mapping[str, int] | None = None,
 ) -> list[Hits]:
     """The k nearest live data points per query over every matching split of every shard, plus the tails."""
     spec, source = view.index.spec, view.source.spec
@@ -212,7 +217,7 @@ def execute(
                 want = min(size, k + gone)
                 if want <= 0:
                     continue
-                dist, labels = split.engine.search(queries, want, checked=True)
+                dist, labels = split.engine.search(queries, want, checked=True, params=params)
                 # Labels are split-local; -1 (an engine that found fewer, like IVF over few lists) stays -1.
                 rows = np.where(labels >= 0, labels + split.start, -1) if split.start else labels
                 if hidden is not None:
@@ -236,17 +241,6 @@ def _pylists(table: pa.Table) -> Callable[[str], list[Any]]:
         return cache[name]
 
     return column
-
-
-def search_one_block(engine: Engine, source: RowSource, queries: np.ndarray | SparseRows, k: int,
-                     retrieve_vectors: bool) -> list[Hits]:
-    """`execute` for a view that is one engine over all its rows (one shard, segment and split, nothing
-    deleted, no tail): the engine's answer is the result, with no masks, over-fetch or merge."""
-    want = min(k, len(engine))
-    if want == 0:
-        return [Hits([], [], (source,)) for _ in range(len(queries))]
-    dist, labels = engine.search(queries, want, checked=True)
-    return _block_hits(dist.tolist(), labels.tolist(), source, k, retrieve_vectors)
 
 
 def _block_hits(

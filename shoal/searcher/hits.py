@@ -90,9 +90,9 @@ class Hits(Sequence[Hit]):
         for source in self._sources:
             if name not in source.stored:
                 raise KeyError(f"hits carry no attribute {name!r} (they carry {', '.join(source.stored)})")
-        if not self.rows:
-            return []
         if self._owners is None:
+            if not self.rows:
+                return []
             values = self._sources[0].column(name)
             return [values[r] for r in self.rows]
         columns = [s.column(name) for s in self._sources]

@@ -29,7 +29,6 @@ from shoal.searcher.execute import (
     build_tails,
     execute,
     prepare_queries,
-    search_one_block,
     split_matcher,
 )
 from shoal.searcher.views import IndexView, load_shard
@@ -96,17 +95,20 @@ class Searcher:
         consistency: Consistency | None = None,
         tag: str | None = None,
         as_of: int | None = None,
+        search_params: Mapping[str, int] | None = None,
     ) -> list[Hits]:
         """The k nearest data points for each query vector, nearest first, at the requested consistency.
 
         Time travel: `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of
         that seq (a write token's), from the newest kept version at or below it plus the log up to it.
+        `search_params` overrides the index's query-time parameters for this search only, without a rebuild:
+        `ef_search` for HNSW, `nprobe` for IVF (unknown names and bad values raise ValidationError).
         """
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
             return self._search_history(index_name, index_version, queries, k, split_filter, retrieve_vectors,
-                                        consistency, tag, as_of)
+                                        consistency, tag, as_of, search_params)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get((index_name, index_version)) or self._load(index_name, index_version)
         if consistency is None or consistency.level == "eventual":
@@ -116,15 +118,23 @@ class Searcher:
         else:
             required = head_of(self.shoal.engine, view.source.id)[0]
         q = prepare_queries(view.source.spec, queries)
+        params = view.engine_class.check_search_params(search_params) if search_params else None
         if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
-            return search_one_block(block[0], block[1], q, k, retrieve_vectors)
+            # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
+            # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
+            engine, sources = block[0], (block[1],)
+            if not len(engine):
+                return [Hits([], [], sources) for _ in range(len(q))]
+            d_rows, r_rows = engine.search_lists(q, k, params)
+            return [Hits(r, d, sources, None, retrieve_vectors) for d, r in zip(d_rows, r_rows, strict=True)]
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
-        return execute(view, q, k, matches, tails, retrieve_vectors)
+        return execute(view, q, k, matches, tails, retrieve_vectors, params)
 
     def _search_history(
         self, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
+        search_params: Mapping[str, int] | None,
     ) -> list[Hits]:
         from shoal.catalog import history
 
@@ -150,13 +160,14 @@ class Searcher:
         )
         view = IndexView(index, source, shards)
         q = prepare_queries(source.spec, queries)
+        params = view.engine_class.check_search_params(search_params)
         matches = split_matcher(index.spec, source.spec, split_filter)
         tails = {}
         if as_of is not None and as_of > view.min_watermark:
             batches = list(read_log(self.shoal.engine, self.shoal.storage, source.id, view.min_watermark, as_of))
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
-        return execute(view, q, k, matches, tails, retrieve_vectors)
+        return execute(view, q, k, matches, tails, retrieve_vectors, params)
 
     def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
         """`search` on the index the alias names now: resolved once per call, so a search is answered wholly

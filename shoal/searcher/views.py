@@ -10,7 +10,7 @@ import numpy as np
 from shoal.artifacts.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.catalog.indexes import IndexRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord
-from shoal.engines.base import Engine
+from shoal.engines.base import Engine, get_engine
 from shoal.engines.metrics import higher_is_nearer as _higher_is_nearer
 from shoal.searcher.hits import RowSource
 from shoal.storage import Storage
@@ -56,6 +56,11 @@ class IndexView:
     def stored(self) -> tuple[str, ...]:
         """The attributes every result carries (id, split and payload attributes)."""
         return self.index.spec.stored_attributes()
+
+    @cached_property
+    def engine_class(self) -> type[Engine]:
+        """The engine class of the index's algorithm (it checks per-search parameters)."""
+        return get_engine(self.index.spec.algorithm)
 
     @cached_property
     def one_block(self) -> tuple[Engine, RowSource] | None:
