@@ -29,7 +29,6 @@ the end, also on errors and Ctrl-C; SHOAL_DATABASE_URL / SHOAL_STORAGE_URI are h
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -61,7 +60,6 @@ import shoal.artifacts.segment as segment_mod
 import shoal.indexing.builder as builder_mod
 import shoal.searcher.execute as execute_mod
 import shoal.searcher.searcher as searcher_mod
-from shoal.artifacts.segment import SegmentCache
 from shoal.catalog.db import resolve_database_url
 from shoal.catalog.indexes import ShardCatalog
 from shoal.cli.worker import start_worker_process, stop_worker_process, worker_argv
@@ -73,8 +71,8 @@ from shoal.engines.hnsw import HnswEngine
 from shoal.indexing.builder import ShardBuilder
 from shoal.records import DataSourceSpec, IndexSpec
 from shoal.searcher.consistency import Consistency
+from shoal.searcher.hits import Hits
 from shoal.searcher.searcher import Searcher
-from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
@@ -258,6 +256,8 @@ def search_breakdown() -> Breakdown:
     bd.wrap(Engine, "search", lambda a: f"search:{type(a[0]).__name__} k={a[2]}")
     bd.wrap(execute_mod, "_merge", "merge")
     bd.wrap(HnswEngine, "_search", "hnsw_search")
+    bd.wrap(HnswEngine, "search_lists", "lists")
+    bd.wrap(Hits, "column", "ids")
     bd.wrap(execute_mod, "_masked", "masked")
     bd.wrap(execute_mod, "exact_distances", "tail_exact")
     bd.wrap(execute_mod, "vectors_of", "tail_vectors")
@@ -353,40 +353,14 @@ def run_materialize(shoal: Shoal, data: Data, source: str, n: int, args: argpars
 class SearchRow:
     ef: int
     mode: str  # single | batched
-    ours_qps: list[float] = field(default_factory=list)
+    ours_qps: list[float] = field(default_factory=list)  # search + read the ids of the hits (Hits.column)
+    call_qps: list[float] = field(default_factory=list)  # the search call alone (Hits returned, nothing read)
+    hits_qps: list[float] = field(default_factory=list)  # search + make every Hit object (attributes dicts)
     raw_qps: list[float] = field(default_factory=list)
     graph_qps: list[float] = field(default_factory=list)  # raw knn_query on shoal's own hnswlib graph
     ours_recall: float = 0.0
     raw_recall: float = 0.0
     graph_recall: float = 0.0
-
-
-def view_with_ef(shoal: Shoal, searcher: Searcher, index: str, ef: int) -> IndexView:
-    """The served view of `index`, reloaded from the same segment files with ef_search = `ef`.
-
-    ef_search is a query-time parameter (Engine.from_bytes takes it from the params it is given), but
-    Shoal has no API to change it on an existing index; this builds the view the searcher would build if
-    the index's params said `ef`, without rebuilding anything.
-    """
-    base = searcher.view(index, "1")
-    spec = dataclasses.replace(base.index.spec, params={**base.index.spec.params, "ef_search": ef})
-    record = dataclasses.replace(base.index, spec=spec)
-    cache = SegmentCache()
-    shards = tuple(
-        load_shard(shoal.storage, cache, record, s.shard_id, s.shard_no, shoal.shards.version(s.version_id))
-        for s in base.shards
-        if s.version_id is not None
-    )
-    return IndexView(record, base.source, shards)
-
-
-def searcher_for_ef(shoal: Shoal, searcher: Searcher, index: str, ef: int) -> Searcher:
-    if ef == HNSW_PARAMS["ef_search"]:
-        return searcher  # the index's own ef: the normal path
-    other = shoal.searcher(follow=False)
-    view = view_with_ef(shoal, searcher, index, ef)
-    other._views[(index, "1")] = view  # noqa: SLF001
-    return other
 
 
 def single_round(fns: dict[str, Callable[[int], Any]], n: int, rotate: int) -> dict[str, tuple[float, list[Any]]]:
@@ -408,8 +382,19 @@ def single_round(fns: dict[str, Callable[[int], Any]], n: int, rotate: int) -> d
     return {name: (n / spent[name], out[name]) for name in names}
 
 
-def ours_fn(s: Searcher, index: str, queries: np.ndarray) -> Callable[[int], Any]:
-    return lambda i: s.search(index, "1", queries[i : i + 1], K, consistency=EVENTUAL)[0]
+def ours_fns(s: Searcher, index: str, queries: np.ndarray, ef: int) -> dict[str, Callable[[int], Any]]:
+    """Our three single-query sides: the ids of the hits (what raw's labels are), the bare call, Hit objects."""
+    # The index's own ef_search is 64: other values are a per-search parameter (no rebuild, same graph).
+    params = None if ef == HNSW_PARAMS["ef_search"] else {"ef_search": ef}
+
+    def call(i: int) -> Any:
+        return s.search(index, "1", queries[i : i + 1], K, consistency=EVENTUAL, search_params=params)[0]
+
+    return {
+        "ours": lambda i: call(i).column("id"),
+        "call": call,
+        "hits": lambda i: list(call(i)),
+    }
 
 
 def raw_fn(target: Any, queries: np.ndarray) -> Callable[[int], Any]:
@@ -420,11 +405,14 @@ def hit_ids(results: list[Any]) -> np.ndarray:
     return np.array([[h.attributes["id"] for h in hits] for hits in results])
 
 
-def ours_batched(s: Searcher, index: str, queries: np.ndarray) -> tuple[float, np.ndarray]:
+def ours_batched(s: Searcher, index: str, queries: np.ndarray, ef: int, objects: bool) -> tuple[float, np.ndarray]:
+    """All queries in one call, then the ids of every query's hits read (or, with `objects`, every Hit made)."""
+    params = None if ef == HNSW_PARAMS["ef_search"] else {"ef_search": ef}
     t0 = time.perf_counter()
-    out = s.search(index, "1", queries, K, consistency=EVENTUAL)
+    out = s.search(index, "1", queries, K, consistency=EVENTUAL, search_params=params)
+    ids = [[h.attributes["id"] for h in hits] for hits in out] if objects else [hits.column("id") for hits in out]
     elapsed = time.perf_counter() - t0
-    return len(queries) / elapsed, hit_ids(out)
+    return len(queries) / elapsed, np.array(ids)
 
 
 def raw_batched(index: Any, queries: np.ndarray) -> tuple[float, np.ndarray]:
@@ -446,42 +434,41 @@ def run_search(
     graph = shoal_graph(searcher, index)
     rows: list[SearchRow] = []
     for ef in args.efs:
-        s = searcher_for_ef(shoal, searcher, index, ef)
-        try:
-            # hnswlib keeps ef on the index object. At ef=64 shoal's engine sets 64 on `graph` before each
-            # search; for other ef values it searches its own copy of the graph, so `graph` keeps this ef.
-            mat.raw_index.set_ef(ef)
-            graph.set_ef(ef)
-            fns = {"ours": ours_fn(s, index, q), "raw": raw_fn(mat.raw_index, q), "graph": raw_fn(graph, q)}
-            single_round(fns, min(100, n), 0)  # warm-up: view loaded, pages touched, first-call paths
-            single = SearchRow(ef, "single")
-            batched = SearchRow(ef, "batched")
-            for r in range(args.search_rounds):
-                got = single_round(fns, n, r)
-                single.ours_qps.append(got["ours"][0])
-                single.raw_qps.append(got["raw"][0])
-                single.graph_qps.append(got["graph"][0])
-                single.ours_recall = recall(hit_ids(got["ours"][1]), gt)
-                single.raw_recall = recall(np.array(got["raw"][1]), gt)
-                single.graph_recall = recall(np.array(got["graph"][1]), gt)
-                for side in ("ours", "raw", "graph") if r % 2 == 0 else ("graph", "raw", "ours"):
-                    if side == "ours":
-                        qps, found = ours_batched(s, index, q)
-                        batched.ours_qps.append(qps)
-                        batched.ours_recall = recall(found, gt)
-                    else:
-                        qps, found = raw_batched(mat.raw_index if side == "raw" else graph, q)
-                        (batched.raw_qps if side == "raw" else batched.graph_qps).append(qps)
-            rows += [single, batched]
-            for row in (single, batched):
-                console.print(
-                    f"  ef={ef} {row.mode}: ours {np.median(row.ours_qps):,.0f} qps, raw "
-                    f"{np.median(row.raw_qps):,.0f} qps, raw on shoal's graph {np.median(row.graph_qps):,.0f} qps"
-                    + (f"; recall ours {row.ours_recall:.4f}, raw {row.raw_recall:.4f}" if row.mode == "single" else "")
-                )
-        finally:
-            if s is not searcher:
-                s.close()
+        # hnswlib keeps ef on the index object: shoal's engine sets it (under its lock) before each search, to
+        # the index's ef_search or the search's own; `graph` (the same object) is searched at that ef too.
+        mat.raw_index.set_ef(ef)
+        graph.set_ef(ef)
+        fns = {**ours_fns(searcher, index, q, ef), "raw": raw_fn(mat.raw_index, q), "graph": raw_fn(graph, q)}
+        single_round(fns, min(100, n), 0)  # warm-up: view loaded, pages touched, first-call paths
+        single = SearchRow(ef, "single")
+        batched = SearchRow(ef, "batched")
+        for r in range(args.search_rounds):
+            got = single_round(fns, n, r)
+            single.ours_qps.append(got["ours"][0])
+            single.call_qps.append(got["call"][0])
+            single.hits_qps.append(got["hits"][0])
+            single.raw_qps.append(got["raw"][0])
+            single.graph_qps.append(got["graph"][0])
+            single.ours_recall = recall(np.array(got["ours"][1]), gt)
+            single.raw_recall = recall(np.array(got["raw"][1]), gt)
+            single.graph_recall = recall(np.array(got["graph"][1]), gt)
+            sides = ("ours", "hits", "raw", "graph")
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                if side in ("ours", "hits"):
+                    qps, found = ours_batched(searcher, index, q, ef, side == "hits")
+                    (batched.ours_qps if side == "ours" else batched.hits_qps).append(qps)
+                    batched.ours_recall = recall(found, gt)
+                else:
+                    qps, found = raw_batched(mat.raw_index if side == "raw" else graph, q)
+                    (batched.raw_qps if side == "raw" else batched.graph_qps).append(qps)
+        rows += [single, batched]
+        for row in (single, batched):
+            console.print(
+                f"  ef={ef} {row.mode}: ours {np.median(row.ours_qps):,.0f} qps (Hit objects "
+                f"{np.median(row.hits_qps):,.0f}), raw {np.median(row.raw_qps):,.0f} qps, raw on shoal's graph "
+                f"{np.median(row.graph_qps):,.0f} qps"
+                + (f"; recall ours {row.ours_recall:.4f}, raw {row.raw_recall:.4f}" if row.mode == "single" else "")
+            )
     # Where one eventual query's time goes: a separate pass (the wrappers cost ~1 us per call), with raw
     # knn_query on the same graph interleaved query by query.
     graph.set_ef(64)
@@ -490,7 +477,7 @@ def run_search(
         spent = 0.0
         for i in range(n):
             t0 = time.perf_counter()
-            searcher.search(index, "1", q[i : i + 1], K, consistency=EVENTUAL)
+            searcher.search(index, "1", q[i : i + 1], K, consistency=EVENTUAL)[0].column("id")
             t1 = time.perf_counter()
             graph.knn_query(q[(i + n // 2) % n], k=K, num_threads=1)  # another query: no cache reuse
             raw_spent += time.perf_counter() - t1
@@ -813,13 +800,19 @@ def print_main_table(
         rr = oq / rq
         table.add_row(
             "2",
-            f"QPS ef={row.ef}, {row.mode}, 1 thread",
+            f"QPS ef={row.ef}, {row.mode}, 1 thread: search + read the hits' ids",
             f"{oq:,.0f}",
             f"{rq:,.0f} (raw) / {gq:,.0f} (raw on our graph)",
             fmt_ratio(rr, rr >= 0.9) + f" / {oq / gq:.2f}x",
             ">= 0.9x raw",
             ok(rr >= 0.9),
         )
+        others = [("search + make every Hit object", row.hits_qps)]
+        if row.call_qps:
+            others.insert(0, ("the search call alone (hits not read)", row.call_qps))
+        for label, qps in others:
+            xq = float(np.median(qps))
+            table.add_row("2", f"  same, {label}", f"{xq:,.0f}", "", f"{xq / rq:.2f}x / {xq / gq:.2f}x", "", "")
         if row.mode == "single":
             d = row.ours_recall - row.raw_recall
             table.add_row(
@@ -956,6 +949,8 @@ def print_query_breakdown(title: str, bd: Breakdown, raw: dict[str, float] | Non
         items.append(("read_log of the tail (list segments, read files, sha256, decode)", s["tail_read"]))
         items.append(("build_tails (split by shard, fold)", s["tail_fold"]))
     items.append(("prepare_queries + split_matcher", s["prepare"]))
+    if "lists" in s:
+        items.append(("HnswEngine.search_lists: lock, set_ef, hnswlib knn_query, tolist, tie check", s["lists"]))
     for key in engine_keys:
         engine, k = key.split(":", 1)[1].split(" ", 1)
         if engine == "HnswEngine":
@@ -974,7 +969,10 @@ def print_query_breakdown(title: str, bd: Breakdown, raw: dict[str, float] | Non
     inside = sum(s[k] for k in engine_keys) + s["masked"] + s["tail_exact"] + s["tail_vectors"] + s["merge"]
     items.append(("execute: the rest (per split: over-fetch, deletions, masks)", s["execute"] - inside))
     outside = s["execute"] + s["prepare"] + s["head"] + s["tail_read"] + s["tail_fold"]
-    items.append(("Searcher.search: the rest (view lookup, consistency, Table.from_batches)", total - outside))
+    outside += s["lists"] + s["ids"]
+    items.append(("Searcher.search: the rest (view lookup, consistency, params, Hits)", total - outside))
+    if "ids" in s:
+        items.append(("Hits.column('id'): read the ids of the hits", s["ids"]))
     table = Table(title=title)
     table.add_column("step")
     table.add_column("us/query", justify="right")
@@ -1005,11 +1003,13 @@ def print_notes(
     if 2 not in args.skip:
         lines.append(
             f"2: ours = Searcher(follow=False).search(..., k={K}, consistency=eventual) with one query per call "
-            f"(single) or all {args.queries} in one call (batched); raw = knn_query(q, k={K}, num_threads=1) after "
-            f"set_ef(ef) on the raw build of part 1 (its own graph: multi-threaded builds differ run to run) and on "
-            f"the hnswlib graph inside shoal's engine (same graph: isolates the searcher's overhead). ef != 64 rows "
-            f"load the same segment files with ef_search overridden (no API changes ef_search on an index). QPS = "
-            f"median over {args.search_rounds} round(s); single: the three sides interleaved query by query."
+            f"(single) or all {args.queries} in one call (batched), then the ids of the hits read "
+            f"(Hits.column('id'): raw's labels are its ids); 'make every Hit object' builds each hit's attribute "
+            f"dict instead. ef != 64 (the index's ef_search) is passed as search_params={{'ef_search': ef}}: same "
+            f"graph, no rebuild. raw = knn_query(q, k={K}, num_threads=1) after set_ef(ef) on the raw build of part "
+            f"1 (its own graph: multi-threaded builds differ run to run) and on the hnswlib graph inside shoal's "
+            f"engine (same graph: isolates the searcher's overhead). QPS = median over {args.search_rounds} "
+            f"round(s); single: the five sides interleaved query by query, each on a different query."
         )
     if fresh is not None:
         t = fresh.tasks

@@ -545,3 +545,30 @@ def test_concurrent_hnsw_searches_with_different_k() -> None:
     for t in threads:
         t.join()
     assert not failures
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "hnsw", "ivf", "flat_sparse"])
+@pytest.mark.parametrize("metric", ["cosine", "l2_squared", "dot_product"])
+def test_search_lists_agree_with_search_and_order_ties_by_label(algorithm: str, metric: str) -> None:
+    """`search_lists` (what the searcher builds results from) answers what `search` does, one query or many,
+    and equal distances come in label order: rows 7, 19, 30, 41 and 52 hold the same vector."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((60, 8)).astype(np.float32)
+    x[[19, 30, 41, 52]] = x[7]
+    q = np.vstack([x[7:8], rng.standard_normal((3, 8)).astype(np.float32)])
+    cls = get_engine(algorithm)
+    vectors, queries = (SparseRows.from_dense(x), SparseRows.from_dense(q)) if cls.sparse else (x, q)
+    engine = cls.build(vectors, metric, exhaustive(algorithm))
+    d, lab = engine.search(queries, 10)
+    for i in range(len(q)):
+        one = queries[i : i + 1] if not cls.sparse else SparseRows.from_dense(q[i : i + 1])
+        got_d, got_l = engine.search_lists(one, 10)
+        assert got_l == [lab[i].tolist()]
+        np.testing.assert_allclose(got_d[0], d[i], rtol=1e-6, atol=1e-6)
+    many_d, many_l = engine.search_lists(queries, 10)
+    assert many_l == lab.tolist()
+    if metric != "dot_product":  # for the others the copies are the nearest rows of query 0, all tied
+        assert lab[0][:5].tolist() == [7, 19, 30, 41, 52]
+    # k above the row count: every row once, nothing padded.
+    assert sorted(engine.search_lists(queries[:1] if not cls.sparse else SparseRows.from_dense(q[:1]), 100)[1][0]) \
+        == list(range(60))

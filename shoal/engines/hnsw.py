@@ -132,10 +132,11 @@ class HnswEngine(Engine):
                 labels = None
         if labels is None:
             return super().search_lists(queries, k, params)
-        d_row = dist[0].tolist()
-        if len(set(d_row)) < len(d_row):  # ties (sorted row: equal values are neighbours): label order
-            return super().search_lists(queries, k, params)
-        return [d_row], labels.tolist()
+        d_row, l_row = dist[0].tolist(), labels[0].tolist()
+        if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
+            pairs = sorted(zip(d_row, l_row, strict=True))
+            d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
+        return [d_row], [l_row]
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,

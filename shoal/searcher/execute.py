@@ -91,8 +91,7 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
     ):
         # The usual call, checked in a few attribute reads and one dot product: a finite sum of squares means
         # every coordinate is finite (NaN and inf propagate); one that overflowed takes the full check below.
-        flat = queries.reshape(-1)
-        squares = float(flat.dot(flat))
+        squares = float(np.vdot(queries, queries))
         if squares - squares == 0.0:
             return queries
     if source.vectors_are_sparse:

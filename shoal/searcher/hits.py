@@ -93,8 +93,7 @@ class Hits(Sequence[Hit]):
         if self._owners is None:
             if not self.rows:
                 return []
-            values = self._sources[0].column(name)
-            return [values[r] for r in self.rows]
+            return list(map(self._sources[0].column(name).__getitem__, self.rows))
         columns = [s.column(name) for s in self._sources]
         return [columns[o][r] for r, o in zip(self.rows, self._owners, strict=True)]
 

@@ -126,6 +126,8 @@ class Searcher:
             if not len(engine):
                 return [Hits([], [], sources) for _ in range(len(q))]
             d_rows, r_rows = engine.search_lists(q, k, params)
+            if len(d_rows) == 1:  # one query: no comprehension (in Python 3.11 it costs a function call)
+                return [Hits(r_rows[0], d_rows[0], sources, None, retrieve_vectors)]
             return [Hits(r, d, sources, None, retrieve_vectors) for d, r in zip(d_rows, r_rows, strict=True)]
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
