@@ -797,15 +797,17 @@ def print_main_table(
     table.add_section()
     for row in search:
         oq, rq, gq = (float(np.median(x)) for x in (row.ours_qps, row.raw_qps, row.graph_qps))
-        rr = oq / rq
+        # Judged on the same graph: two multi-threaded builds of the same data differ, and their search speed
+        # differs by up to about a third run to run, which would swamp what the searcher adds.
+        rg = oq / gq
         table.add_row(
             "2",
             f"QPS ef={row.ef}, {row.mode}, 1 thread: search + read the hits' ids",
             f"{oq:,.0f}",
             f"{rq:,.0f} (raw) / {gq:,.0f} (raw on our graph)",
-            fmt_ratio(rr, rr >= 0.9) + f" / {oq / gq:.2f}x",
-            ">= 0.9x raw",
-            ok(rr >= 0.9),
+            f"{oq / rq:.2f}x / " + fmt_ratio(rg, rg >= 0.9),
+            ">= 0.9x raw on our graph",
+            ok(rg >= 0.9),
         )
         others = [("search + make every Hit object", row.hits_qps)]
         if row.call_qps:

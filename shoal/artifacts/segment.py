@@ -162,14 +162,9 @@ class LoadedSegment:
     keys: np.ndarray  # object array of encoded keys, row order
     seqs: np.ndarray
     splits: tuple[LoadedSplit, ...]
-    _columns: dict[str, list[Any]] = field(default_factory=dict, compare=False, repr=False)
-
-    def column(self, name: str) -> list[Any]:
-        """A column of the rows as Python values, converted once: results pick values by row number."""
-        values = self._columns.get(name)
-        if values is None:
-            values = self._columns[name] = self.rows[name].to_pylist()
-        return values
+    # Columns of `rows` converted for picking values by row (lists or numpy arrays), filled by the searcher's
+    # RowSource on first use and kept with the segment: every version and view that serves it shares them.
+    py_columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class SegmentCache:

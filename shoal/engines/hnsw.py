@@ -53,8 +53,10 @@ class HnswEngine(Engine):
         self._index = index  # None when there are no rows
         self._ef_search: int = params["ef_search"]
         # hnswlib keeps ef on the index, not per call: serialize "set ef, query" so concurrent searches with
-        # different k or ef_search cannot run with each other's ef.
+        # different k or ef_search cannot run with each other's ef. `_ef` is the ef this engine last set (the
+        # engine owns `_index`; nothing else sets it), so an unchanged ef is not set again.
         self._lock = threading.Lock()
+        self._ef = 0
 
     @classmethod
     def normalize_params(cls, params: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -88,7 +90,9 @@ class HnswEngine(Engine):
         if ef < k:
             ef = k
         with self._lock:
-            self._index.set_ef(ef)
+            if ef != self._ef:
+                self._index.set_ef(ef)
+                self._ef = ef
             try:
                 labels, dist = self._index.knn_query(queries, k=k, num_threads=threads)
             except RuntimeError:
@@ -124,8 +128,12 @@ class HnswEngine(Engine):
         if self.metric not in _NATIVE or n == 0 or k > n or len(queries) != 1:
             return super().search_lists(queries, k, params)
         ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
+        if ef < k:
+            ef = k
         with self._lock:
-            self._index.set_ef(ef if ef > k else k)
+            if ef != self._ef:
+                self._index.set_ef(ef)
+                self._ef = ef
             try:
                 labels, dist = self._index.knn_query(queries, k=k, num_threads=1)
             except RuntimeError:  # fewer than k reachable: the general path answers exactly

@@ -60,7 +60,7 @@ class Tail:
                     groups.append(
                         _TailGroup(
                             {a: json_value(first[a]) for a in spec.split_attributes},
-                            RowSource(part, _pylists(part), spec.stored_attributes()),
+                            RowSource(part, spec.stored_attributes()),
                             engine_cls.build(vectors, spec.metric, None),
                         )
                     )
@@ -229,17 +229,6 @@ def execute(
                 blocks.append(_Block(dist, rows, group.source))
 
     return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
-
-
-def _pylists(table: pa.Table) -> Callable[[str], list[Any]]:
-    cache: dict[str, list[Any]] = {}
-
-    def column(name: str) -> list[Any]:
-        if name not in cache:
-            cache[name] = table[name].to_pylist()
-        return cache[name]
-
-    return column
 
 
 def _block_hits(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
+import numpy as np
 import pyarrow as pa
 
 from shoal.ingest.batch import SPARSE_INDICES, SPARSE_VALUES, VECTOR
@@ -34,24 +35,53 @@ _new_hit = tuple.__new__
 
 
 class RowSource:
-    """The rows hits point into: an immutable table, its columns as Python lists (by name, converted once by
-    whoever owns the table: a loaded segment keeps them across versions), and the attributes a hit carries."""
+    """The rows hits point into: an immutable table and the attributes a hit carries from it.
 
-    __slots__ = ("column", "sparse", "stored", "table")
+    Each attribute is converted once, on first use, into `cache` (a loaded segment passes its own, so the
+    conversions outlive a view): a numpy array for numbers and booleans without nulls, a list of Python values
+    otherwise. Picking a few rows from a numpy array reads 8 bytes a row; from a list it also touches each
+    value's Python object, which costs a cache miss per row when the hits are scattered over a large segment.
+    """
 
-    def __init__(self, table: pa.Table, column: Callable[[str], list[Any]], stored: Sequence[str]) -> None:
+    __slots__ = ("cache", "sparse", "stored", "table")
+
+    def __init__(
+        self, table: pa.Table, stored: Sequence[str], cache: dict[str, list[Any] | np.ndarray] | None = None
+    ) -> None:
         self.table = table
-        self.column = column
         self.stored = tuple(stored)
+        self.cache = {} if cache is None else cache
         self.sparse = SPARSE_INDICES in table.column_names
 
-    def hits(self, rows: Sequence[int], distances: Sequence[float], vectors: bool) -> list[Hit]:
-        """The Hit of each (row, distance)."""
-        pairs = [(a, self.column(a)) for a in self.stored]
-        return [
-            _new_hit(Hit, ({a: c[row] for a, c in pairs}, d, self.vector(row) if vectors else None))
-            for row, d in zip(rows, distances, strict=True)
-        ]
+    def values(self, name: str) -> list[Any] | np.ndarray:
+        """All values of a stored attribute, by row; KeyError for an attribute hits do not carry."""
+        values = self.cache.get(name)
+        if values is None:
+            if name not in self.stored:
+                raise KeyError(f"hits carry no attribute {name!r} (they carry {', '.join(self.stored)})")
+            column = self.table[name]
+            kind = column.type
+            if column.null_count == 0 and (
+                pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            ):
+                values = column.to_numpy()
+            else:
+                values = column.to_pylist()
+            self.cache[name] = values
+        return values
+
+    def pick(self, name: str, rows: list[int]) -> list[Any]:
+        """The Python values of a stored attribute at `rows`, in that order."""
+        values = self.values(name)
+        if type(values) is list:
+            return list(map(values.__getitem__, rows))
+        return values.take(rows).tolist() if rows else []  # type: ignore[union-attr]
+
+    def attributes(self, rows: list[int]) -> list[dict[str, Any]]:
+        """The attributes dict of each row."""
+        stored = self.stored  # never empty: an index's id attributes are stored
+        columns = [self.pick(a, rows) for a in stored]
+        return [dict(zip(stored, values, strict=True)) for values in zip(*columns, strict=True)]
 
     def vector(self, row: int) -> list[float] | SparseVector:
         """The stored vector of a row."""
@@ -87,31 +117,39 @@ class Hits(Sequence[Hit]):
 
     def column(self, name: str) -> list[Any]:
         """The value of attribute `name` of each hit, nearest first (e.g. `hits.column("id")`)."""
-        for source in self._sources:
-            if name not in source.stored:
-                raise KeyError(f"hits carry no attribute {name!r} (they carry {', '.join(source.stored)})")
         if self._owners is None:
-            if not self.rows:
-                return []
-            return list(map(self._sources[0].column(name).__getitem__, self.rows))
-        columns = [s.column(name) for s in self._sources]
-        return [columns[o][r] for r, o in zip(self.rows, self._owners, strict=True)]
+            return self._sources[0].pick(name, self.rows) if self._sources else []
+        return self._by_source(lambda source, rows: source.pick(name, rows))
+
+    def _by_source(self, read: Callable[[RowSource, list[int]], list[Any]]) -> list[Any]:
+        """`read` applied to each source's rows at once, the results put back in hit order."""
+        out: list[Any] = [None] * len(self.rows)
+        owners = self._owners
+        assert owners is not None
+        for o, source in enumerate(self._sources):
+            where = [i for i, owner in enumerate(owners) if owner == o]
+            if where:
+                for i, value in zip(where, read(source, [self.rows[i] for i in where]), strict=True):
+                    out[i] = value
+        return out
 
     def _all(self) -> list[Hit]:
         hits = self._hits
         if hits is None:
             if not self.rows:
                 hits = []
-            elif self._owners is None:
-                hits = self._sources[0].hits(self.rows, self.distances, self._vectors)
             else:
-                sources = self._sources
-                pairs = [[(a, s.column(a)) for a in s.stored] for s in sources]
+                if self._owners is None:
+                    attributes = self._sources[0].attributes(self.rows)
+                else:
+                    attributes = self._by_source(RowSource.attributes)
+                if self._vectors:
+                    sources, owners = self._sources, self._owners or [0] * len(self.rows)
+                    vectors = [sources[o].vector(r) for r, o in zip(self.rows, owners, strict=True)]
+                else:
+                    vectors = [None] * len(self.rows)
                 hits = [
-                    _new_hit(
-                        Hit, ({a: c[r] for a, c in pairs[o]}, d, sources[o].vector(r) if self._vectors else None)
-                    )
-                    for r, d, o in zip(self.rows, self.distances, self._owners, strict=True)
+                    _new_hit(Hit, fields) for fields in zip(attributes, self.distances, vectors, strict=True)
                 ]
             self._hits = hits
         return hits

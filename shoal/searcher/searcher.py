@@ -123,8 +123,6 @@ class Searcher:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
             engine, sources = block[0], (block[1],)
-            if not len(engine):
-                return [Hits([], [], sources) for _ in range(len(q))]
             d_rows, r_rows = engine.search_lists(q, k, params)
             if len(d_rows) == 1:  # one query: no comprehension (in Python 3.11 it costs a function call)
                 return [Hits(r_rows[0], d_rows[0], sources, None, retrieve_vectors)]

@@ -65,11 +65,12 @@ class IndexView:
     @cached_property
     def one_block(self) -> tuple[Engine, RowSource] | None:
         """The engine and rows of an index served by a single engine over all its rows (one shard, one
-        segment, one split, nothing deleted), the common case of a small or freshly merged index; else None."""
+        segment, one split, nothing deleted, some rows), the common case of a small or freshly merged index;
+        else None."""
         if len(self.shards) != 1 or len(self.shards[0].segments) != 1:
             return None
         seg = self.shards[0].segments[0]
-        if seg.deleted_count or len(seg.segment.splits) != 1:
+        if seg.deleted_count or len(seg.segment.splits) != 1 or not len(seg.segment.splits[0].engine):
             return None
         return seg.segment.splits[0].engine, seg.source
 
@@ -97,5 +98,5 @@ def load_shard(
         deleted = np.zeros(segment.rows.num_rows, dtype=bool)
         gone = read_deletions(storage, entry)
         deleted[gone] = True
-        views.append(SegmentView(segment, deleted, int(len(gone)), RowSource(segment.rows, segment.column, stored)))
+        views.append(SegmentView(segment, deleted, int(len(gone)), RowSource(segment.rows, stored, segment.py_columns)))
     return ShardView(shard_id, shard_no, version.id, version.watermark, tuple(views))
