@@ -967,7 +967,7 @@ def print_query_breakdown(title: str, bd: Breakdown, raw: dict[str, float] | Non
             ("exact_distances over the whole tail (float64) + vectors_of", s["tail_exact"] + s["tail_vectors"])
         )
     if "merge" in s:
-        items.append(("_merge: k-way merge, Hit objects", s["merge"]))
+        items.append(("_merge: k-way merge into Hits", s["merge"]))
     inside = sum(s[k] for k in engine_keys) + s["masked"] + s["tail_exact"] + s["tail_vectors"] + s["merge"]
     items.append(("execute: the rest (per split: over-fetch, deletions, masks)", s["execute"] - inside))
     outside = s["execute"] + s["prepare"] + s["head"] + s["tail_read"] + s["tail_fold"]

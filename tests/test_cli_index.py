@@ -304,6 +304,11 @@ def test_status_and_search_through_materialization(tenant: str, monkeypatch: pyt
     assert "not a split attribute" in fails("search", "docs.flat", "1", "--query", q, "--split", "title=x")
     assert "wrong query dimension: expected 8, got 3" in fails("search", "docs.flat", "1", "--query", "1,2,3")
     assert "not found" in fails("search", "nope", "1", "--query", q)
+    assert "takes no search parameter(s) 'ef_search'" in fails(
+        "search", "docs.flat", "1", "--query", q, "--param", "ef_search=100"
+    )
+    shoal_cli("search", "docs.flat", "1", "--query", q, "--param", "ef_search", code=2)
+    shoal_cli("search", "docs.flat", "1", "--query", q, "--param", "ef_search=many", code=2)
     shoal_cli("search", "docs.flat", "1", "--query", q, "--consistency", "soon", code=2)
     shoal_cli("search", "docs.flat", "1", "--query", "a,b", code=2)
     shoal_cli("search", "docs.flat", "1", code=2)

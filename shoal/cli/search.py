@@ -129,6 +129,20 @@ def _vector_json(vector: Any) -> Any:
     return None if vector is None else [float(v) for v in vector]
 
 
+def parse_search_params(items: list[str]) -> dict[str, int]:
+    """--param NAME=INTEGER options as a dict; the engine checks names and ranges."""
+    params: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            params[name.strip()] = int(value)
+        except ValueError:
+            raise typer.BadParameter(f"expected NAME=INTEGER, got {item!r}", param_hint="--param") from None
+    return params
+
+
 def hits_table(hits: Sequence[Hit], attributes: tuple[str, ...], title: str, *, vectors: bool = False) -> Table:
     """One row per hit, nearest first: rank, distance, the attributes, and on request the vector."""
     table = Table(title=title, title_justify="left")
@@ -176,6 +190,14 @@ def search(
         ),
     ] = "eventual",
     vectors: Annotated[bool, typer.Option("--vectors", help="Also return each hit's vector.")] = False,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--param",
+            help="A query-time parameter for this search only, NAME=INTEGER: ef_search (HNSW) or nprobe (IVF); "
+            "repeat for more.",
+        ),
+    ] = None,
     as_json: AsJson = False,
     tenant: Tenant = None,
 ) -> None:
@@ -185,6 +207,7 @@ def search(
     not reflect yet, so a write is found the moment its token is acknowledged.
     """
     level = parse_consistency(consistency)
+    search_params = parse_search_params(param or [])
     if not query and query_file is None:
         raise typer.BadParameter("give at least one --query or a --query-file", param_hint="--query")
     with open_shoal(tenant) as shoal:
@@ -198,7 +221,8 @@ def search(
                 queries += load_query_file(query_file, source.vectors_are_sparse)
             split_filter = parse_split_filter(split, source)
             results = searcher.search(
-                index, version, queries, k, split_filter=split_filter, retrieve_vectors=vectors, consistency=level
+                index, version, queries, k, split_filter=split_filter, retrieve_vectors=vectors, consistency=level,
+                search_params=search_params,
             )
             served = searcher.served_watermarks(index, version)
         finally:

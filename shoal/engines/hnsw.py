@@ -135,7 +135,7 @@ class HnswEngine(Engine):
                 self._index.set_ef(ef)
                 self._ef = ef
             try:
-                labels, dist = self._index.knn_query(queries, k=k, num_threads=1)
+                labels, dist = self._index.knn_query(queries, k, 1)  # positional: pybind11 parses them faster
             except RuntimeError:  # fewer than k reachable: the general path answers exactly
                 labels = None
         if labels is None:

@@ -122,7 +122,7 @@ class Searcher:
         if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
-            engine, sources = block[0], (block[1],)
+            engine, sources = block
             d_rows, r_rows = engine.search_lists(q, k, params)
             if len(d_rows) == 1:  # one query: no comprehension (in Python 3.11 it costs a function call)
                 return [Hits(r_rows[0], d_rows[0], sources, None, retrieve_vectors)]

@@ -63,7 +63,7 @@ class IndexView:
         return get_engine(self.index.spec.algorithm)
 
     @cached_property
-    def one_block(self) -> tuple[Engine, RowSource] | None:
+    def one_block(self) -> tuple[Engine, tuple[RowSource]] | None:
         """The engine and rows of an index served by a single engine over all its rows (one shard, one
         segment, one split, nothing deleted, some rows), the common case of a small or freshly merged index;
         else None."""
@@ -72,7 +72,7 @@ class IndexView:
         seg = self.shards[0].segments[0]
         if seg.deleted_count or len(seg.segment.splits) != 1 or not len(seg.segment.splits[0].engine):
             return None
-        return seg.segment.splits[0].engine, seg.source
+        return seg.segment.splits[0].engine, (seg.source,)
 
     @cached_property
     def higher_is_nearer(self) -> bool:
