@@ -155,3 +155,27 @@ def test_bad_search_params_are_refused(shoal: Shoal, data: tuple[np.ndarray, np.
             searcher.search(index, "1", data[1][:1], K, search_params=params)  # type: ignore[arg-type]
     finally:
         searcher.close()
+
+
+@pytest.mark.parametrize("metric", ["l2_squared", "cosine", "dot_product", "euclidean"])
+def test_nan_and_inf_queries_are_refused_by_every_path(shoal: Shoal, data: tuple[np.ndarray, np.ndarray],
+                                                       metric: str) -> None:
+    """NaN or inf anywhere in a query is refused, whether one float32 query (the fast path of an index of one
+    HNSW engine), a batch or lists; large finite coordinates are not."""
+    shoal.create_index(IndexSpec("Hnsw", "1", "Points", "1", algorithm="hnsw", metric=metric))
+    ShardBuilder(shoal.engine, shoal.storage).materialize(shoal.get_index("Hnsw", "1").shards[0].id)
+    queries = data[1][:3].copy()
+    searcher = shoal.searcher(follow=False)
+    try:
+        for bad in (np.nan, np.inf, -np.inf):
+            for row, col in ((0, 0), (0, DIM - 1), (2, 5)):
+                q = queries.copy()
+                q[row, col] = bad
+                for attempt in (q[row : row + 1], q, q[row : row + 1].tolist()):
+                    with pytest.raises(ValidationError, match="query coordinates must be finite"):
+                        searcher.search("Hnsw", "1", attempt, K)
+        # Large finite coordinates are fine, even where a distance overflows float32.
+        huge = np.full((1, DIM), 3e37, dtype=np.float32)
+        assert len(searcher.search("Hnsw", "1", huge, K)[0]) == K
+    finally:
+        searcher.close()

@@ -52,6 +52,7 @@ class HnswEngine(Engine):
         super().__init__(metric, params, dim, count)
         self._index = index  # None when there are no rows
         self._ef_search: int = params["ef_search"]
+        self._native = metric in _NATIVE  # kept: an Enum hashes in Python, and search_lists runs per query
         # hnswlib keeps ef on the index, not per call: serialize "set ef, query" so concurrent searches with
         # different k or ef_search cannot run with each other's ef. `_ef` is the ef this engine last set (the
         # engine owns `_index`; nothing else sets it), so an unchanged ef is not set again.
@@ -125,7 +126,7 @@ class HnswEngine(Engine):
         own distance, nothing to convert): this is every single-query search of an HNSW index, and each numpy
         call saved is a few microseconds against hnswlib's 100-300."""
         n = self._count
-        if self.metric not in _NATIVE or n == 0 or k > n or len(queries) != 1:
+        if not self._native or n == 0 or k > n or len(queries) != 1:
             return super().search_lists(queries, k, params)
         ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
         if ef < k:

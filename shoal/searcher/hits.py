@@ -118,7 +118,16 @@ class Hits(Sequence[Hit]):
     def column(self, name: str) -> list[Any]:
         """The value of attribute `name` of each hit, nearest first (e.g. `hits.column("id")`)."""
         if self._owners is None:
-            return self._sources[0].pick(name, self.rows) if self._sources else []
+            if not self._sources:
+                return []
+            # RowSource.pick inlined: this runs once per query, and each Python call costs there.
+            source = self._sources[0]
+            values = source.cache.get(name) if name in source.stored else None
+            if values is None:
+                values = source.values(name)  # converts on first use; KeyError for an attribute not carried
+            if type(values) is list:
+                return list(map(values.__getitem__, self.rows))
+            return values.take(self.rows).tolist() if self.rows else []  # type: ignore[union-attr]
         return self._by_source(lambda source, rows: source.pick(name, rows))
 
     def _by_source(self, read: Callable[[RowSource, list[int]], list[Any]]) -> list[Any]:

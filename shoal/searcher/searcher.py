@@ -117,16 +117,16 @@ class Searcher:
             required = consistency.seq
         else:
             required = head_of(self.shoal.engine, view.source.id)[0]
-        q = prepare_queries(view.source.spec, queries)
         params = view.engine_class.check_search_params(search_params) if search_params else None
         if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
             engine, sources = block
-            d_rows, r_rows = engine.search_lists(q, k, params)
+            d_rows, r_rows = engine.search_lists(prepare_queries(view.source.spec, queries), k, params)
             if len(d_rows) == 1:  # one query: no comprehension (in Python 3.11 it costs a function call)
                 return [Hits(r_rows[0], d_rows[0], sources, None, retrieve_vectors)]
             return [Hits(r, d, sources, None, retrieve_vectors) for d, r in zip(d_rows, r_rows, strict=True)]
+        q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         tails = self._tail(view, required) if required > view.min_watermark else {}
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
