@@ -452,8 +452,10 @@ def run_search(
             single.ours_recall = recall(np.array(got["ours"][1]), gt)
             single.raw_recall = recall(np.array(got["raw"][1]), gt)
             single.graph_recall = recall(np.array(got["graph"][1]), gt)
+            # Each side twice per round, in ABCD DCBA order: one batched call is a single ~0.3 s timing, which a
+            # burst of a neighbour's load on a shared machine can slow by 10-20%.
             sides = ("ours", "hits", "raw", "graph")
-            for side in sides if r % 2 == 0 else sides[::-1]:
+            for side in sides + sides[::-1]:
                 if side in ("ours", "hits"):
                     qps, found = ours_batched(searcher, index, q, ef, side == "hits")
                     (batched.ours_qps if side == "ours" else batched.hits_qps).append(qps)
@@ -797,17 +799,18 @@ def print_main_table(
     table.add_section()
     for row in search:
         oq, rq, gq = (float(np.median(x)) for x in (row.ours_qps, row.raw_qps, row.graph_qps))
-        # Judged on the same graph: two multi-threaded builds of the same data differ, and their search speed
-        # differs by up to about a third run to run, which would swamp what the searcher adds.
-        rg = oq / gq
+        # The target is the issue's, against the raw build. Two multi-threaded builds of the same data differ,
+        # and their search speed differs by up to about a third run to run, so the ratio on our own graph (what
+        # the searcher adds, nothing else) is printed beside it and judged too.
+        rr, rg = oq / rq, oq / gq
         table.add_row(
             "2",
             f"QPS ef={row.ef}, {row.mode}, 1 thread: search + read the hits' ids",
             f"{oq:,.0f}",
             f"{rq:,.0f} (raw) / {gq:,.0f} (raw on our graph)",
-            f"{oq / rq:.2f}x / " + fmt_ratio(rg, rg >= 0.9),
-            ">= 0.9x raw on our graph",
-            ok(rg >= 0.9),
+            fmt_ratio(rr, rr >= 0.9) + " / " + fmt_ratio(rg, rg >= 0.9),
+            ">= 0.9x raw (/ on our graph)",
+            f"{ok(rr >= 0.9)} / {ok(rg >= 0.9)}",
         )
         others = [("search + make every Hit object", row.hits_qps)]
         if row.call_qps:
@@ -1011,7 +1014,8 @@ def print_notes(
             f"graph, no rebuild. raw = knn_query(q, k={K}, num_threads=1) after set_ef(ef) on the raw build of part "
             f"1 (its own graph: multi-threaded builds differ run to run) and on the hnswlib graph inside shoal's "
             f"engine (same graph: isolates the searcher's overhead). QPS = median over {args.search_rounds} "
-            f"round(s); single: the five sides interleaved query by query, each on a different query."
+            f"round(s) (batched: two calls per side per round, ABCD DCBA); single: the five sides interleaved "
+            f"query by query, each on a different query."
         )
     if fresh is not None:
         t = fresh.tasks
