@@ -87,22 +87,10 @@ class HnswEngine(Engine):
     def _search(
         self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
-        if ef < k:
-            ef = k
-        with self._lock:
-            if ef != self._ef:
-                self._index.set_ef(ef)
-                self._ef = ef
-            try:
-                labels, dist = self._index.knn_query(queries, k=k, num_threads=threads)
-            except RuntimeError:
-                labels = None
-        if labels is None:
-            # hnswlib raises when a graph walk reaches fewer than k rows. Pruning can leave rows no edge
-            # points to (especially in the non-metric 'ip' space), so with k near n no ef is enough:
-            # answer such a batch exactly instead.
+        found = self._knn(queries, k, threads, params)
+        if found is None:
             return self._exact(queries, k)
+        labels, dist = found
         # hnswlib's labels are uint64 row numbers below 2**63: the same bits read as int64, without a copy.
         labels = labels.view(np.int64)
         # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
@@ -128,6 +116,24 @@ class HnswEngine(Engine):
         n = self._count
         if not self._native or n == 0 or k > n or len(queries) != 1:
             return super().search_lists(queries, k, params)
+        found = self._knn(queries, k, 1, params)
+        if found is None:  # fewer than k reachable: the general path answers exactly
+            return super().search_lists(queries, k, params)
+        labels, dist = found
+        d_row, l_row = dist[0].tolist(), labels[0].tolist()
+        if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
+            pairs = sorted(zip(d_row, l_row, strict=True))
+            d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
+        return [d_row], [l_row]
+
+    def _knn(
+        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """hnswlib's (labels, distances) at the search's ef (at least k); None when hnswlib finds fewer than k.
+
+        hnswlib raises when a graph walk reaches fewer than k rows. Pruning can leave rows no edge points to
+        (especially in the non-metric 'ip' space), so with k near n no ef is enough: callers answer exactly.
+        """
         ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
         if ef < k:
             ef = k
@@ -136,16 +142,9 @@ class HnswEngine(Engine):
                 self._index.set_ef(ef)
                 self._ef = ef
             try:
-                labels, dist = self._index.knn_query(queries, k, 1)  # positional: pybind11 parses them faster
-            except RuntimeError:  # fewer than k reachable: the general path answers exactly
-                labels = None
-        if labels is None:
-            return super().search_lists(queries, k, params)
-        d_row, l_row = dist[0].tolist(), labels[0].tolist()
-        if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
-            pairs = sorted(zip(d_row, l_row, strict=True))
-            d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
-        return [d_row], [l_row]
+                return self._index.knn_query(queries, k, threads)  # type: ignore[no-any-return]  # positional: faster
+            except RuntimeError:
+                return None
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,
