@@ -572,3 +572,36 @@ def test_search_lists_agree_with_search_and_order_ties_by_label(algorithm: str, 
     # k above the row count: every row once, nothing padded.
     assert sorted(engine.search_lists(queries[:1] if not cls.sparse else SparseRows.from_dense(q[:1]), 100)[1][0]) \
         == list(range(60))
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2_squared", "dot_product", "euclidean"])
+def test_hnsw_search_one_is_search_lists_for_one_raw_query(metric: str) -> None:
+    """The single-query shortcut answers what search_lists does (ties in label order), refuses NaN and inf, and
+    declines (None) whatever it is not for, leaving it to the checked path."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((300, 8)).astype(np.float32)
+    x[[50, 60]] = x[40]
+    engine = get_engine("hnsw").build(x, metric, {})
+    native = metric in ("cosine", "l2_squared")
+    queries = np.vstack([x[40:41], rng.standard_normal((20, 8)).astype(np.float32)])
+    for i in range(len(queries)):
+        one = engine.search_one(queries[i : i + 1], 10, {"ef_search": 300})
+        if not native:
+            assert one is None
+            continue
+        assert one is not None
+        d_rows, l_rows = engine.search_lists(queries[i : i + 1], 10, {"ef_search": 300})
+        assert one[1] == l_rows[0]
+        np.testing.assert_allclose(one[0], d_rows[0], rtol=1e-6)
+    if native:
+        assert engine.search_one(queries[:1], 3)[1] == [40, 50, 60]  # type: ignore[index]
+        bad = queries[:1].copy()
+        for value in (np.nan, np.inf, -np.inf):
+            bad[0, 3] = value
+            with pytest.raises(ValidationError, match="query coordinates must be finite"):
+                engine.search_one(bad, 10)
+        # Not for it: float64, a batch, a 1-d vector, a wrong dimension, a strided view, k above the row count.
+        for query, k in ((queries[:1].astype(np.float64), 10), (queries[:2], 10), (queries[0], 10),
+                         (queries[:1, :4], 10), (np.asfortranarray(np.tile(queries[:1], (1, 2)))[:, ::2], 10),
+                         (queries[:1], 301)):
+            assert engine.search_one(query, k) is None

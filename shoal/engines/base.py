@@ -191,6 +191,14 @@ class Engine(ABC):
                     d_rows[i], l_rows[i] = [d_rows[i][j] for j in kept], [row[j] for j in kept]
         return d_rows, l_rows
 
+    def search_one(
+        self, query: Any, k: int, params: Mapping[str, int] | None = None
+    ) -> tuple[list[float], list[int]] | None:
+        """An optional shortcut for the commonest search, one query as the caller gave it (unchecked): its k
+        nearest rows as (distances, labels) lists, or None where the shortcut does not apply (the caller then
+        checks the query and calls `search_lists`). A query with NaN or inf raises ValidationError."""
+        return None
+
     def __len__(self) -> int:
         return self._count
 

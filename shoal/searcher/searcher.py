@@ -122,6 +122,9 @@ class Searcher:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
             engine, sources = block
+            one = engine.search_one(queries, k, params)
+            if one is not None:
+                return [Hits(one[1], one[0], sources, None, retrieve_vectors)]
             d_rows, r_rows = engine.search_lists(prepare_queries(view.source.spec, queries), k, params)
             if len(d_rows) == 1:  # one query: no comprehension (in Python 3.11 it costs a function call)
                 return [Hits(r_rows[0], d_rows[0], sources, None, retrieve_vectors)]
