@@ -257,6 +257,7 @@ def search_breakdown() -> Breakdown:
     bd.wrap(execute_mod, "_merge", "merge")
     bd.wrap(HnswEngine, "_search", "hnsw_search")
     bd.wrap(HnswEngine, "search_lists", "lists")
+    bd.wrap(HnswEngine, "search_one", "one")
     bd.wrap(Hits, "column", "ids")
     bd.wrap(execute_mod, "_masked", "masked")
     bd.wrap(execute_mod, "exact_distances", "tail_exact")
@@ -954,6 +955,10 @@ def print_query_breakdown(title: str, bd: Breakdown, raw: dict[str, float] | Non
         items.append(("read_log of the tail (list segments, read files, sha256, decode)", s["tail_read"]))
         items.append(("build_tails (split by shard, fold)", s["tail_fold"]))
     items.append(("prepare_queries + split_matcher", s["prepare"]))
+    if "one" in s:
+        items.append(
+            ("HnswEngine.search_one: query checks, lock, hnswlib knn_query, tolist, NaN and tie checks", s["one"])
+        )
     if "lists" in s:
         items.append(("HnswEngine.search_lists: lock, set_ef, hnswlib knn_query, tolist, tie check", s["lists"]))
     for key in engine_keys:
@@ -974,7 +979,7 @@ def print_query_breakdown(title: str, bd: Breakdown, raw: dict[str, float] | Non
     inside = sum(s[k] for k in engine_keys) + s["masked"] + s["tail_exact"] + s["tail_vectors"] + s["merge"]
     items.append(("execute: the rest (per split: over-fetch, deletions, masks)", s["execute"] - inside))
     outside = s["execute"] + s["prepare"] + s["head"] + s["tail_read"] + s["tail_fold"]
-    outside += s["lists"] + s["ids"]
+    outside += s["one"] + s["lists"] + s["ids"]
     items.append(("Searcher.search: the rest (view lookup, consistency, params, Hits)", total - outside))
     if "ids" in s:
         items.append(("Hits.column('id'): read the ids of the hits", s["ids"]))
