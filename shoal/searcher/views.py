@@ -53,11 +53,6 @@ class IndexView:
         return min((s.watermark for s in self.shards), default=0)
 
     @cached_property
-    def stored(self) -> tuple[str, ...]:
-        """The attributes every result carries (id, split and payload attributes)."""
-        return self.index.spec.stored_attributes()
-
-    @cached_property
     def engine_class(self) -> type[Engine]:
         """The engine class of the index's algorithm (it checks per-search parameters)."""
         return get_engine(self.index.spec.algorithm)
