@@ -112,21 +112,11 @@ class HnswEngine(Engine):
     def search_lists(
         self, queries: np.ndarray, k: int, params: Mapping[str, int] | None = None
     ) -> tuple[list[list[float]], list[list[int]]]:
-        """As Engine.search_lists, in fewer steps for the usual one query with cosine or l2_squared (hnswlib's
-        own distance, nothing to convert): this is every single-query search of an HNSW index, and each numpy
-        call saved is a few microseconds against hnswlib's 100-300."""
-        n = self._count
-        if not self._native or n == 0 or k > n or len(queries) != 1:
+        """As Engine.search_lists; one query goes through `search_one` (checked queries pass its checks)."""
+        one = self.search_one(queries, k, params)
+        if one is None:
             return super().search_lists(queries, k, params)
-        found = self._knn(queries, k, 1, params)
-        if found is None:  # fewer than k reachable: the general path answers exactly
-            return super().search_lists(queries, k, params)
-        labels, dist = found
-        d_row, l_row = dist[0].tolist(), labels[0].tolist()
-        if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
-            pairs = sorted(zip(d_row, l_row, strict=True))
-            d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
-        return [d_row], [l_row]
+        return [one[0]], [one[1]]
 
     def search_one(
         self, query: Any, k: int, params: Mapping[str, int] | None = None
