@@ -627,11 +627,11 @@ def run_freshness(
     if len(preload):
         ingest(shoal, name, data, preload, FRESH_ID_BASE + preload.astype(np.int64), 10_000)
     # Steady state before the worker starts: the preload is materialized in-process (no queue).
-    shoal.notify = False
+    shoal.runtime.notify = False
     shoal.create_index(index_spec(name, name, params, algorithm))
     shard_id = shoal.get_index(name, "1").shards[0].id
     ShardBuilder(shoal.engine, shoal.storage).materialize(shard_id)
-    shoal.notify = True
+    shoal.runtime.notify = True
 
     proc, log = start_worker(settings)
     res.worker_log = str(log)

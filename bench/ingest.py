@@ -333,7 +333,7 @@ def run_case(shoal: Shoal, pool: Pool, batch: int, points: int, args: argparse.N
     name = f"bench-{pool.dim}-b{batch}-{tag}"
     shoal.create_data_source(DataSourceSpec(name, "1", pool.dim, ATTRIBUTES, ["id"]))
     producer = shoal.producer(name, "1")
-    writer = shoal._writers[producer.source.id]
+    writer = shoal.runtime.writer(producer.source)
     raws = {
         kind: RawWriter(shoal, f"bench-raw/{name}-{kind}", RAW_KINDS[kind], args.raw_dir_fsync) for kind in args.raw
     }

@@ -72,7 +72,7 @@ from shoal.catalog.repo import head_of
 from shoal.cli.worker import start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
 from shoal.config.settings import Settings
-from shoal.intake.consumer import BATCH_ID_PREFIX
+from shoal.intake.topology import BATCH_ID_PREFIX
 from shoal.records import DataPoint, DataSourceSpec, IndexSpec
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
@@ -1014,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
             f"data: {data.total:,} real all-MiniLM-L6-v2 vectors (384-d, float16 widened to float32) with "
             f"package and installed_size_kb from points.parquet; ids are unique per data source"
         )
-        from shoal.config.celery_app import broker_url
+        from shoal.config.broker import broker_url
 
         broker = broker_url(base_settings)  # the configured Redis, or the embedded Valkey (started here)
         settings = Settings(**{**overrides, "redis_url": broker, "database_url": resolve_database_url(base_settings)})

@@ -1,30 +1,28 @@
-"""The Python API: one `Shoal` per process and tenant, producers for uploading, readers of the log."""
+"""The Python API: `Shoal`, a tenant's facade over the process's runtime; producers for uploading, readers of
+the log."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Engine
 
-from shoal.catalog.db import make_engine, migrate, resolve_database_url
 from shoal.catalog.generations import Generations, JobRecord
-from shoal.catalog.indexes import AliasCatalog, AliasRecord, IndexCatalog, IndexRecord, ShardCatalog
-from shoal.catalog.repo import Catalog, SegmentRecord, SourceRecord, head_of, list_segments
-from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError, InvalidNameError, NotFoundError, ValidationError
+from shoal.catalog.indexes import AliasRecord, IndexRecord
+from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
+from shoal.config.settings import Settings
+from shoal.errors import InvalidNameError, NotFoundError
 from shoal.ingest.backpressure import Backpressure
-from shoal.ingest.batch import SEQ, columns_to_table, points_to_table, segment_schema
+from shoal.ingest.batch import SEQ, segment_schema
+from shoal.ingest.producer import Producer
 from shoal.ingest.reader import fold, read_log
-from shoal.ingest.writer import LogWriter
-from shoal.records import GENERATION_MARK, DataPoint, DataSourceSpec, IndexSpec, Tombstone, WriteToken, check_name
+from shoal.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name
+from shoal.runtime import Runtime
 from shoal.storage import Storage, source_log_dir
 
 if TYPE_CHECKING:
@@ -33,60 +31,64 @@ if TYPE_CHECKING:
     from shoal.ingest.retention import RetentionResult
     from shoal.searcher.searcher import Searcher
 
-_migrated: set[str] = set()
-_migrate_lock = threading.Lock()
-
-
-def ensure_migrated(url: str) -> None:
-    """Migrate the catalog at `url` once per process (later calls return at once)."""
-    with _migrate_lock:
-        if url not in _migrated:
-            migrate(url)
-            _migrated.add(url)
-
-
 log = logging.getLogger(__name__)
 
 
 class Shoal:
-    """Entry point: connects to the catalog (embedded unless configured), migrates it, opens storage."""
+    """The Python API for one tenant: a thin facade over the process's `Runtime` (catalog pool, storage,
+    broker clients), which it makes (and closes) itself unless one is passed in. Many Shoals of one runtime
+    share its connections, so a scope per tenant costs no pool of its own."""
 
-    def __init__(self, settings: Settings | None = None, *, tenant: str | None = None, notify: bool = True) -> None:
-        self.settings = settings or Settings()
-        self.notify = notify  # queue index materialization after each commit
-        url = resolve_database_url(self.settings)
-        self.engine = make_engine(url)
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        tenant: str | None = None,
+        notify: bool = True,
+        runtime: Runtime | None = None,
+    ) -> None:
+        self._owns_runtime = runtime is None
+        self.runtime = runtime if runtime is not None else Runtime(settings, notify=notify)
         try:
-            ensure_migrated(url)
-            self.catalog = Catalog(self.engine, tenant or self.settings.tenant)
-        except OperationalError as exc:
-            self.engine.dispose()
-            reason = str(exc.orig or exc).strip().splitlines()[0]
-            raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {reason}") from exc
-        self.storage = Storage.from_settings(self.settings)
-        self.indexes = IndexCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
-        self.shards = ShardCatalog(self.engine)
-        self.aliases = AliasCatalog(self.engine, self.catalog.tenant_id, self.catalog.tenant)
+            self.scope = self.runtime.scope(tenant or self.runtime.settings.tenant)
+        except BaseException:
+            if self._owns_runtime:
+                self.runtime.close()
+            raise
+        self.catalog = self.scope.catalog
+        self.indexes = self.scope.indexes
+        self.aliases = self.scope.aliases
+        self.shards = self.runtime.shards
         self.generations = Generations(self.engine)
-        self._writers: dict[int, LogWriter] = {}
-        self._writers_lock = threading.Lock()
-        self._redis: Any = None  # broker client and Celery producer, made on the first notification
-        self._celery: Any = None
-        self._shards_of: dict[int, tuple[float, list[int]]] = {}
-        self.backpressure = Backpressure(
-            self.shards, self.settings.max_index_lag_seqs, self.settings.backpressure_retry_after_s
-        )
+
+    @property
+    def settings(self) -> Settings:
+        """The settings of the runtime this Shoal works on."""
+        return self.runtime.settings
+
+    @property
+    def engine(self) -> Engine:
+        """The catalog's connection pool (the runtime's, shared)."""
+        return self.runtime.engine
+
+    @property
+    def storage(self) -> Storage:
+        """Where the log and the index artifacts live (the runtime's)."""
+        return self.runtime.storage
+
+    @property
+    def backpressure(self) -> Backpressure:
+        """The runtime's backpressure check (index lag per data source, cached for a second)."""
+        return self.runtime.backpressure
 
     @property
     def tenant(self) -> str:
         """The tenant every call of this instance is scoped to."""
-        return self.catalog.tenant
+        return self.scope.tenant
 
     def broker_url(self) -> str:
         """The Redis URL of the broker: configured, or the embedded Valkey (started if needed)."""
-        from shoal.config.celery_app import broker_url
-
-        return broker_url(self.settings)
+        return self.runtime.broker_url()
 
     # -- data sources -------------------------------------------------------------------------------
 
@@ -107,31 +109,25 @@ class Shoal:
         """Delete a data source, its catalog rows and then its log files; return how many files went."""
         record = self.get_data_source(name, version)
         paths = self.catalog.drop_data_source(name, version)
-        with self._writers_lock:
-            self._writers.pop(record.id, None)
+        self.runtime.forget_source(record.id)
         for path in paths:
             self.storage.delete_quietly(path)
         return len(paths)
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def producer(self, name: str, version: str) -> Producer:
-        """A producer for one data source; producers of one Shoal share group commits across threads."""
-        record = self.get_data_source(name, version)
-        with self._writers_lock:
-            writer = self._writers.get(record.id)
-            if writer is None:
-                writer = LogWriter(
-                    self.engine,
-                    self.storage,
-                    record,
-                    group_max_points=self.settings.group_commit_max_points,
-                    retries=self.settings.commit_retries,
-                    lock_timeout_ms=self.settings.lock_timeout_ms,
-                )
-                writer.after_commit = self._after_commit
-                self._writers[record.id] = writer
-        return Producer(record, writer, self.settings.max_batch_points)
+    def producer(self, name: str, version: str, *, fresh: bool = True) -> Producer:
+        """A producer for one data source; producers of one runtime share group commits across threads.
+
+        `fresh=False` may reuse the definition this process read up to 2 s ago (shoal.runtime.SOURCE_TTL_S), as
+        the upload routes do: a source dropped meanwhile is still refused by the commit, which re-reads it under
+        its row lock."""
+        if fresh:
+            record = self.get_data_source(name, version)
+        else:
+            record = self.runtime.source(self.scope, check_name("data source name", name),
+                                         check_name("data source version", version))
+        return Producer(record, self.runtime.writer(record), self.settings.max_batch_points)
 
     def message_token(self, name: str, version: str, message_id: str) -> WriteToken | None:
         """The write token of a published message once a consumer committed it (None before): publishers
@@ -140,7 +136,7 @@ class Shoal:
         from sqlalchemy.orm import Session
 
         from shoal.catalog.models import ProducerBatch
-        from shoal.intake.consumer import BATCH_ID_PREFIX
+        from shoal.intake.topology import BATCH_ID_PREFIX
 
         record = self.get_data_source(name, version)
         with Session(self.engine) as s:
@@ -154,28 +150,12 @@ class Shoal:
     def check_backpressure(self, name: str, version: str) -> None:
         """Raise BackpressureError (HTTP 429) when an index of the data source lags past
         SHOAL_MAX_INDEX_LAG_SEQS; the HTTP upload routes call this before writing."""
-        record = self.get_data_source(name, version)
+        record = self.runtime.source(self.scope, check_name("data source name", name),
+                                     check_name("data source version", version))
         self.backpressure.check(record.id, name)
 
     def _after_commit(self, source_id: int) -> None:
-        if not self.notify:
-            return
-        cached = self._shards_of.get(source_id)
-        # Index definitions change rarely; a short cache saves a catalog query per commit.
-        if cached is None or time.monotonic() - cached[0] > 2.0:
-            cached = (time.monotonic(), self.shards.shards_of_source(source_id))
-            self._shards_of[source_id] = cached
-        if not cached[1]:
-            return
-        from shoal.workers.triggers import notify_indexers, producer_app
-
-        if self._redis is None:
-            import redis
-
-            broker = self.broker_url()
-            self._celery = producer_app(broker)
-            self._redis = redis.Redis.from_url(broker, socket_connect_timeout=2, socket_timeout=2)
-        notify_indexers(self._redis, self._celery, cached[1], self.settings.pending_ttl_s)
+        self.runtime.after_commit(source_id)
 
     # -- indexes ----------------------------------------------------------------------------------
 
@@ -189,8 +169,8 @@ class Shoal:
         source = self.get_data_source(spec.source_name, spec.source_version)
         resolved = resolve_index(spec, source.spec)
         record = self.indexes.create_index(resolved, source, exist_ok=exist_ok)
-        self._shards_of.pop(source.id, None)
-        if self.notify and source.head_seq > 0:
+        self.runtime.forget_shards(source.id)
+        if source.head_seq > 0:
             self._after_commit(source.id)
         return record
 
@@ -206,7 +186,10 @@ class Shoal:
         """Delete an index with all its versions, then its files; return how many files went."""
         from shoal.artifacts.segment import manifest_files
 
+        index = self.get_index(name, version)
         paths = manifest_files(self.indexes.drop_index(name, version))
+        if self.runtime.notify:
+            self._announce_index(index)  # searchers stop serving it now, not at their next poll
         for path in paths:
             self.storage.delete_quietly(path)
         return len(paths)
@@ -266,7 +249,7 @@ class Shoal:
         self._announce_index(self.get_index(name, version))
 
     def _announce_index(self, index: IndexRecord) -> None:
-        from shoal.searcher.searcher import announce_index
+        from shoal.searcher.announce import announce_index
 
         announce_index(self.broker_url(), index)
 
@@ -339,11 +322,14 @@ class Shoal:
             )
         return out
 
-    def searcher(self, *, follow: bool = True, poll_interval: float = 1.0) -> Searcher:
-        """A searcher over this tenant's indexes (follows new versions unless `follow` is False)."""
-        from shoal.searcher.searcher import Searcher
+    def searcher(self, *, follow: bool = True, poll_interval: float | None = None) -> Searcher:
+        """A searcher over this tenant's indexes, with a search service of its own (follows new versions
+        unless `follow` is False; polls every `poll_interval` s, default SHOAL_SEARCHER_POLL_S). Its loaded
+        segments count against the runtime's SHOAL_SEARCHER_CACHE_BYTES."""
+        from shoal.searcher.searcher import Searcher, SearchService
 
-        return Searcher(self, follow=follow, poll_interval=poll_interval)
+        service = SearchService(self.runtime, follow=follow, poll_interval=poll_interval)
+        return Searcher(service, self.scope, owns_service=True)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -406,8 +392,9 @@ class Shoal:
         )
 
     def close(self) -> None:
-        """Release the catalog connections."""
-        self.engine.dispose()
+        """Release the catalog connections and broker clients, when this Shoal made its own runtime."""
+        if self._owns_runtime:
+            self.runtime.close()
 
     def __enter__(self) -> Shoal:
         return self
@@ -430,62 +417,3 @@ class ShardStatus:
     built_lag_seqs: int  # head minus the built watermark: what the workers have not indexed yet
     segments: int
     version_id: int | None
-
-
-class Producer:
-    """Uploads batches to one data source. Thread-safe; concurrent uploads share commits."""
-
-    def __init__(self, source: SourceRecord, writer: LogWriter, max_batch_points: int) -> None:
-        self.source = source
-        self._writer = writer
-        self._max = max_batch_points
-
-    @property
-    def spec(self) -> DataSourceSpec:
-        """The data source's definition batches are validated against."""
-        return self.source.spec
-
-    def _token(self, seq: int) -> WriteToken:
-        return WriteToken(seq, self.source.spec.name, self.source.spec.version)
-
-    def upload(self, items: Sequence[DataPoint | Tombstone], *, batch_id: str | None = None) -> WriteToken:
-        """Append a batch of data points and tombstones, all or nothing.
-
-        Returns once the batch is durable and committed; its token is the seq of its last entry. A batch
-        id that already committed returns the original token and writes nothing.
-        """
-        table = points_to_table(self.spec, items, self._max)
-        return self._token(self._writer.submit(table, _batch_id(batch_id)))
-
-    def upload_columns(
-        self,
-        vectors: np.ndarray,
-        attributes: Mapping[str, Sequence[Any] | np.ndarray | pa.Array],
-        *,
-        batch_id: str | None = None,
-    ) -> WriteToken:
-        """Append a columnar batch of upserts: `vectors` [n, dim] and one column per attribute."""
-        table = columns_to_table(self.spec, vectors, attributes, self._max)
-        return self._token(self._writer.submit(table, _batch_id(batch_id)))
-
-    def append_tables(self, batches: Sequence[tuple[pa.Table, str | None]]) -> list[WriteToken]:
-        """Append batches already validated against this source (by `shoal.ingest.batch` or the intake codec),
-        each all or nothing under its own batch id, sharing commits; their tokens, in order. A batch id that
-        already committed returns its original token and writes nothing."""
-        checked = [(table, _batch_id(batch_id)) for table, batch_id in batches]
-        return [self._token(seq) for seq in self._writer.submit_many(checked)]
-
-    def delete(
-        self, keys: Mapping[str, Sequence[Any] | np.ndarray | pa.Array], *, batch_id: str | None = None
-    ) -> WriteToken:
-        """Append tombstones for the keys given as one column per permanent attribute."""
-        table = columns_to_table(self.spec, None, keys, self._max, delete=True)
-        return self._token(self._writer.submit(table, _batch_id(batch_id)))
-
-
-def _batch_id(batch_id: str | None) -> str | None:
-    if batch_id is None:
-        return None
-    if not isinstance(batch_id, str) or not 1 <= len(batch_id) <= 200:
-        raise ValidationError("batch id must be a string of 1 to 200 characters")
-    return batch_id

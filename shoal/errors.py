@@ -101,3 +101,7 @@ class BackpressureError(ShoalError):
 
 class ReindexConflictError(ShoalError):
     """A reindex or rollback cannot start or finish: another one runs, or the index changed under it (409)."""
+
+
+class CapacityError(ShoalError):
+    """Serving this would take more memory than the process's budget allows (SHOAL_SEARCHER_CACHE_BYTES)."""

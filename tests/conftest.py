@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 from shoal import Shoal
+from shoal.catalog.db import migrate
 from shoal.config.embedded import ensure_postgres, stop_embedded
 from shoal.config.settings import Settings
 
@@ -34,11 +35,14 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Postgres: SHOAL_TEST_DATABASE_URL if given, else an embedded one stopped after the session."""
     given = os.environ.get("SHOAL_TEST_DATABASE_URL")
     if given:
+        migrate(given)  # a configured catalog is migrated explicitly (`shoal migrate`), as in production
         yield given
         return
     data_dir = tmp_path_factory.mktemp("pg")
     try:
-        yield ensure_postgres(data_dir)
+        url = ensure_postgres(data_dir)
+        migrate(url)
+        yield url
     finally:
         stop_embedded(data_dir)
 
@@ -229,3 +233,40 @@ def serve_api(settings: Settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def api_process(settings: Settings, *extra: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`shoal api` as a child process (a real server process, as users run it) on a free loopback port; its
+    output goes to a log file in the data dir. Stopped (SIGTERM, then SIGKILL) when the block ends."""
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    path = settings.data_dir / f"api-{uuid.uuid4().hex[:6]}.log"
+    log = open(path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "api", "--port", str(port), "--no-access-log", *extra],
+        env=settings_env(settings) | env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    proc.log_path = path  # type: ignore[attr-defined]
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, f"shoal api exited: {path.read_text()[-2000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 60, "shoal api to answer /healthz")
+        yield proc, url
+    finally:
+        stop_process(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # uvicorn's worker processes, if any
+        log.close()

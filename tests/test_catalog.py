@@ -45,3 +45,30 @@ def test_an_unreachable_catalog_is_a_clear_configuration_error(tmp_path) -> None
     with pytest.raises(ConfigurationError, match=r"cannot reach the catalog at .*shoal:\*\*\*@127.0.0.1:1") as err:
         Shoal(settings)
     assert "s3cret" not in str(err.value)
+
+
+def test_a_configured_catalog_is_migrated_by_shoal_migrate_only(
+    fresh_db: str, tmp_path  # type: ignore[no-untyped-def]
+) -> None:
+    """With SHOAL_DATABASE_URL, processes refuse an unmigrated catalog and say what to run; `shoal migrate` does
+    it (and says so), and then they start."""
+    from shoal import Shoal
+    from shoal.config.settings import Settings
+    from shoal.errors import ConfigurationError
+
+    settings = Settings(data_dir=tmp_path, database_url=fresh_db, redis_url="redis://127.0.0.1:1/0",
+                        storage_uri=str(tmp_path / "storage"))
+    with pytest.raises(ConfigurationError, match="run `shoal migrate`"):
+        Shoal(settings)
+    engine = create_engine(fresh_db)
+    assert "tenants" not in inspect(engine).get_table_names()  # refusing wrote nothing
+    env = settings.child_env() | {"COLUMNS": "200"}
+    cli = [sys.executable, "-m", "shoal.cli", "migrate"]
+    first = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert first.returncode == 0, first.stderr
+    assert "migrated from an empty database to revision" in first.stdout
+    again = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0 and "already at revision" in again.stdout
+    with Shoal(settings) as shoal:
+        assert shoal.list_data_sources() == []
+    engine.dispose()

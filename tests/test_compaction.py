@@ -35,6 +35,7 @@ from helpers.compaction_checks import (
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.catalog import garbage
+from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.indexing.builder import LeaseBusyError, ShardBuilder
@@ -460,6 +461,7 @@ def test_beat_expires_compacts_and_collects_with_a_real_worker(
     fresh_db: str, redis_url: str, make_shoal: Callable[..., Shoal]
 ) -> None:
     # A database of its own: beat's sweeps cover every tenant, and other tests' files live in other roots.
+    migrate(fresh_db)  # as `shoal migrate` does before a deployment starts
     shoal = make_shoal(
         "local", database_url=fresh_db, redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0,
         lease_seconds=3.0, pending_ttl_s=2.0, task_visibility_timeout_s=5.0, compaction_interval_s=1.0,

@@ -5,15 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from shoal.api import manage, vektonn
+from shoal.api import health, manage, vektonn
 from shoal.api.datasets import install as install_datasets
+from shoal.api.fastpath import FastSearchAPI
+from shoal.api.health import HealthMonitor
 from shoal.api.metrics import Metrics
 from shoal.api.security import TenantContext, reader_tenant
 from shoal.api.state import Tenants
@@ -22,6 +25,7 @@ from shoal.errors import (
     AlreadyExistsError,
     AuthenticationError,
     BackpressureError,
+    CapacityError,
     ConfigurationError,
     NotFoundError,
     PermissionDeniedError,
@@ -42,16 +46,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.tenants = Tenants(settings)
+        app.state.runtime = app.state.tenants.runtime
+        monitor = HealthMonitor(app.state.runtime)  # the API's log says when nothing indexes
+        monitor.start()
         try:
             yield
         finally:
+            monitor.stop()
             app.state.tenants.close()
 
-    app = FastAPI(title="Shoal", version=version("shoal"), lifespan=lifespan)
+    # FastAPI, with the hot search route answered before its middleware and routing (shoal.api.fastpath).
+    app = FastSearchAPI(title="Shoal", version=version("shoal"), lifespan=lifespan)
     app.state.metrics = Metrics()
+    app.include_router(health.router)
     app.include_router(vektonn.router)
     app.include_router(manage.router)
     install_datasets(app)
+
+    def openapi() -> dict[str, Any]:
+        # The Vektonn routes read raw bodies (orjson, no pydantic per point): their documented body schemas
+        # refer to components that no pydantic parameter brings in, so they are added here.
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in vektonn.body_definitions().items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,6 +114,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _unavailable(_: Request, exc: ConfigurationError) -> JSONResponse:
         return _errors(503, [str(exc)])
 
+    @app.exception_handler(CapacityError)
+    async def _over_capacity(_: Request, exc: CapacityError) -> JSONResponse:
+        return _errors(503, [str(exc)])
+
     @app.exception_handler(BackpressureError)
     async def _too_many(_: Request, exc: BackpressureError) -> JSONResponse:
         response = _errors(429, [str(exc)])
@@ -101,15 +128,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _shoal_error(_: Request, exc: ShoalError) -> JSONResponse:
         return _errors(500, [str(exc)])
 
-    @app.get("/healthz", tags=["ops"])
-    def healthz() -> dict[str, str]:
-        """Liveness: the service answers."""
-        return {"status": "ok"}
-
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     def metrics(ctx: Annotated[TenantContext, Depends(reader_tenant)]) -> PlainTextResponse:
         """Prometheus metrics: upload rate, search latency, and the caller's tenant's lag per shard."""
-        body = app.state.metrics.exposition(ctx.handle.shoal.engine, ctx.tenant)
+        body = app.state.metrics.exposition(ctx.handle.shoal.engine, ctx.tenant, app.state.runtime.segment_cache)
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

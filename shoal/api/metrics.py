@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
+from shoal.artifacts.segment import SegmentCache
 from shoal.catalog.indexes import freshness_rows
 
 
@@ -33,6 +35,21 @@ class _LagCollector(Collector):
         yield served
 
 
+class _CacheCollector(Collector):
+    """The process's loaded index segments: bytes, budget and count (process-wide, no tenant in it)."""
+
+    def __init__(self, cache: SegmentCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("shoal_searcher_cache_bytes", "Bytes of index segments loaded by this process's "
+                                "searchers (estimated at load)", value=self.cache.bytes)
+        yield GaugeMetricFamily("shoal_searcher_cache_budget_bytes", "The budget loaded segments are kept under "
+                                "(SHOAL_SEARCHER_CACHE_BYTES)", value=self.cache.budget)
+        yield GaugeMetricFamily("shoal_searcher_cache_segments", "Index segments loaded by this process's searchers",
+                                value=len(self.cache))
+
+
 class Metrics:
     """The service's metrics in a registry of its own (several apps may live in one process)."""
 
@@ -45,8 +62,19 @@ class Metrics:
             "shoal_search_seconds", "Search request latency", ["tenant"], registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
-    def exposition(self, engine: Engine, tenant: str) -> bytes:
-        """The metrics in Prometheus's text format, with the lag of `tenant`'s shards read from the catalog."""
-        lag = CollectorRegistry()
-        lag.register(_LagCollector(engine, tenant))
-        return generate_latest(self.registry) + generate_latest(lag)
+        self._search_by_tenant: dict[str, Any] = {}
+
+    def search_timer(self, tenant: str) -> Any:
+        """A context manager timing one search of `tenant` (the labelled child is looked up once per tenant)."""
+        child = self._search_by_tenant.get(tenant)
+        if child is None:
+            child = self._search_by_tenant.setdefault(tenant, self.search_seconds.labels(tenant))
+        return child.time()
+
+    def exposition(self, engine: Engine, tenant: str, cache: SegmentCache) -> bytes:
+        """The metrics in Prometheus's text format, with the lag of `tenant`'s shards read from the catalog and
+        the process's segment cache."""
+        now = CollectorRegistry()
+        now.register(_LagCollector(engine, tenant))
+        now.register(_CacheCollector(cache))
+        return generate_latest(self.registry) + generate_latest(now)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from shoal.api.state import TenantHandle, Tenants
-from shoal.auth import Role, authenticate, require
+from shoal.auth import Principal, Role, authenticate, cached_principal, require
 
 
 @dataclass(frozen=True)
@@ -20,13 +20,27 @@ class TenantContext:
     handle: TenantHandle
 
 
+def _tenant_context(tenants: Tenants, principal: Principal, need: Role) -> TenantContext:
+    require(principal, need)
+    return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name))
+
+
 def _context(request: Request, need: Role) -> TenantContext:
     tenants: Tenants = request.app.state.tenants
     principal = authenticate(
         tenants.engine, request.headers.get("Authorization"), tenants.settings.resolved_anonymous_tenant
     )
-    require(principal, need)
-    return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name))
+    return _tenant_context(tenants, principal, need)
+
+
+def context_from_cache(tenants: Tenants, authorization: str | None, need: Role) -> TenantContext | None:
+    """The caller's context when it is known without I/O (a cached key verdict, a tenant already served), so a
+    search can be answered on the event loop; None when `reader_tenant` and the like must run in a thread.
+    Raises as they do when the role is not enough."""
+    principal = cached_principal(tenants.engine, authorization, tenants.settings.resolved_anonymous_tenant)
+    if principal is None or not tenants.has(principal.tenant_name):
+        return None
+    return _tenant_context(tenants, principal, need)
 
 
 def reader_tenant(request: Request) -> TenantContext:

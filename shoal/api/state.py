@@ -1,50 +1,52 @@
-"""What the HTTP service keeps per tenant: a Shoal client and a searcher that follows new versions."""
+"""What the HTTP service keeps: one runtime and one search service for the process, and per tenant a cheap
+scope over them (a `Shoal` facade and a `Searcher`), made on first use."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
-from shoal.catalog.db import make_engine, resolve_database_url
-from shoal.client import Shoal, ensure_migrated
+from shoal.client import Shoal
 from shoal.config.settings import Settings
-from shoal.searcher.searcher import Searcher
+from shoal.runtime import Runtime
+from shoal.searcher.searcher import Searcher, SearchService
 
 
-@dataclass
+@dataclass(frozen=True)
 class TenantHandle:
-    """One tenant's client and searcher."""
+    """One tenant's client and searcher, both scopes over the process's runtime."""
 
     shoal: Shoal
     searcher: Searcher
 
 
 class Tenants:
-    """Per-tenant clients, made on first use and kept for the life of the service."""
+    """The process's runtime and search service, and a handle per tenant over them."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        url = resolve_database_url(settings)
-        ensure_migrated(url)
-        self.engine = make_engine(url)  # for authentication, before the caller's tenant is known
+        self.runtime = Runtime(settings)
+        self.engine = self.runtime.engine  # for authentication, before the caller's tenant is known
+        self.search = SearchService(self.runtime)
         self._handles: dict[str, TenantHandle] = {}
         self._lock = threading.Lock()
 
     def get(self, tenant: str) -> TenantHandle:
         """The tenant's handle (created, with its tenant row, on first use)."""
-        with self._lock:
-            handle = self._handles.get(tenant)
-            if handle is None:
-                shoal = Shoal(self.settings, tenant=tenant)
-                handle = TenantHandle(shoal, shoal.searcher())
-                self._handles[tenant] = handle
-            return handle
+        handle = self._handles.get(tenant)  # one dict read: handles are only ever added whole
+        if handle is None:
+            shoal = Shoal(tenant=tenant, runtime=self.runtime)
+            with self._lock:
+                handle = self._handles.setdefault(tenant, TenantHandle(shoal, self.search.for_tenant(shoal.scope)))
+        return handle
+
+    def has(self, tenant: str) -> bool:
+        """True when the tenant's handle exists already (getting it costs no I/O)."""
+        return tenant in self._handles
 
     def close(self) -> None:
-        """Stop every searcher and release connections."""
+        """Stop the search service and release every connection."""
+        self.search.close()
         with self._lock:
-            for h in self._handles.values():
-                h.searcher.close()
-                h.shoal.close()
             self._handles.clear()
-        self.engine.dispose()
+        self.runtime.close()

@@ -1,43 +1,149 @@
 """Vektonn-compatible routes: upload to a data source, search an index. Existing Vektonn clients work as they are.
 
-Extensions Vektonn clients ignore: every upload answers with its write token in `X-Shoal-Write-Token`; a search
-may ask for `X-Shoal-Consistency: eventual|strong|at_least` and `X-Shoal-Required-Token: <seq>`.
+Both routes read the raw body and decode it with orjson straight into columns (shoal.vektonn.wire): no pydantic
+object per point or hit. A search of a loaded index at eventual consistency, by a caller whose key verdict is
+cached, is answered on the event loop before routing (shoal.api.fastpath): it touches neither the catalog nor
+storage. Anything that may block (authentication, a first load, a stronger consistency, an upload) runs here,
+in one threadpool hop.
+
+Extensions Vektonn clients ignore: every upload answers with its write token in `X-Shoal-Write-Token` and may
+carry an `Idempotency-Key` (its batch id: a retry writes nothing twice) or an Arrow IPC stream body; a search
+may ask for `X-Shoal-Consistency: eventual|strong|at_least` and `X-Shoal-Required-Token: <seq>`, and search
+older versions with `X-Shoal-Tag` or `X-Shoal-As-Of`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Header, Request, Response
+from fastapi import APIRouter, Request, Response
+from pydantic import TypeAdapter
+from starlette.concurrency import run_in_threadpool
 
-from shoal.api.convert import hit_dto, points_from_dtos, query_vectors, split_filter, vector_dto
 from shoal.api.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
-from shoal.errors import ValidationError
+from shoal.errors import NotFoundError, ValidationError
 from shoal.searcher.consistency import Consistency
+from shoal.vektonn import wire
 
 router = APIRouter(prefix="/api/v1", tags=["vektonn"])
-ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}
+ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}
 TOKEN_HEADER = "X-Shoal-Write-Token"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+JSON = "application/json"
+ARROW = "application/vnd.apache.arrow.stream"
+MAX_SEQ = (1 << 63) - 1  # seqs are Postgres bigints
+
+# The request bodies, documented in the OpenAPI document although the routes read the raw bytes.
+REF = "#/components/schemas/{model}"
+UPLOAD_SCHEMA = TypeAdapter(list[InputDataPointOrTombstoneDto]).json_schema(ref_template=REF)
+SEARCH_SCHEMA = TypeAdapter(SearchQueryDto).json_schema(ref_template=REF)
 
 
-@router.post("/upload/{dataSourceName}/{dataSourceVersion}", responses=ERRORS, status_code=200)
-def upload(
-    dataSourceName: str,  # noqa: N803 - Vektonn's path parameter names
-    dataSourceVersion: str,  # noqa: N803
-    body: Annotated[list[InputDataPointOrTombstoneDto], Body()],
-    ctx: Annotated[TenantContext, Depends(writer_tenant)],
-    request: Request,
-) -> Response:
-    """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable."""
-    ctx.handle.shoal.check_backpressure(dataSourceName, dataSourceVersion)
-    producer = ctx.handle.shoal.producer(dataSourceName, dataSourceVersion)
-    token = producer.upload(points_from_dtos(producer.spec, body))
-    request.app.state.metrics.uploaded.labels(ctx.tenant).inc(len(body))
+def body_definitions() -> dict[str, Any]:
+    """The schemas the documented bodies refer to (merged into the OpenAPI components by the app)."""
+    return {**UPLOAD_SCHEMA.get("$defs", {}), **SEARCH_SCHEMA.get("$defs", {}), "SearchQueryDto": _bare(SEARCH_SCHEMA)}
+
+
+def _bare(schema: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in schema.items() if k != "$defs"}
+
+
+def _header_doc(name: str, description: str, kind: str = "string") -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": False, "schema": {"type": kind}, "description": description}
+
+
+UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON: {"schema": _bare(UPLOAD_SCHEMA)},
+            ARROW: {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "parameters": [_header_doc(IDEMPOTENCY_HEADER, "The batch id: a repeated upload writes nothing twice.")],
+}
+SEARCH_DOC = {
+    "requestBody": {"required": True, "content": {JSON: {"schema": {"$ref": REF.format(model="SearchQueryDto")}}}},
+    "parameters": [
+        _header_doc("X-Shoal-Consistency", "eventual (default), strong or at_least"),
+        _header_doc("X-Shoal-Required-Token", "a write token (seq) the results must reflect", "integer"),
+        _header_doc("X-Shoal-Tag", "search the versions a tag pinned"),
+        _header_doc("X-Shoal-As-Of", "search as of this seq", "integer"),
+    ],
+}
+
+
+# -- upload ------------------------------------------------------------------------------------------------
+
+
+@router.post("/upload/{dataSourceName}/{dataSourceVersion}", responses=ERRORS, status_code=200,
+             openapi_extra=UPLOAD_DOC)
+async def upload(dataSourceName: str, dataSourceVersion: str, request: Request) -> Response:  # noqa: N803
+    """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable.
+
+    The body is Vektonn's JSON, or an Arrow IPC stream (`Content-Type: application/vnd.apache.arrow.stream`:
+    a `vector` column, one column per attribute, optional boolean `is_deleted`). An `Idempotency-Key` header
+    becomes the batch id: a retry of an upload whose answer was lost returns the same token, writing nothing.
+    """
+    body = await request.body()
+    return await run_in_threadpool(_upload, request, dataSourceName, dataSourceVersion, body)
+
+
+def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
+    ctx = writer_tenant(request)
+    shoal = ctx.handle.shoal
+    shoal.check_backpressure(name, version)
+    producer = shoal.producer(name, version, fresh=False)
+    try:
+        table = _decode_upload(request, producer.spec, body, shoal.settings.max_batch_points)
+    except ValidationError:
+        # The definition may be one this process reused for a moment (runtime.SOURCE_TTL_S): a source dropped
+        # or trashed meanwhile answers 404, as it would have before any body was read.
+        shoal.get_data_source(name, version)
+        raise
+    batch = [(table, request.headers.get(IDEMPOTENCY_HEADER))]
+    try:
+        token = producer.append_tables(batch)[0]
+    except NotFoundError:
+        # The definition this process reused may be of a source dropped since (nothing was written): read
+        # it again; a source of that name made meanwhile takes the batch, else the 404 stands.
+        shoal.runtime.forget_source(producer.source.id)
+        producer = shoal.producer(name, version)
+        token = producer.append_tables(batch)[0]
+    request.app.state.metrics.uploaded.labels(ctx.tenant).inc(table.num_rows)
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
 
 
-def _consistency(level: str | None, token: int | None) -> Consistency:
+def _decode_upload(request: Request, spec: Any, body: bytes, max_points: int) -> Any:
+    kind = (request.headers.get("content-type") or JSON).split(";")[0].strip().lower()
+    if kind == ARROW:
+        return wire.decode_arrow_upload(spec, body, max_points)
+    if kind == JSON or kind.endswith("+json") or kind in ("", "text/plain"):
+        return wire.decode_upload(spec, body, max_points)
+    raise ValidationError(f"unsupported Content-Type {kind!r}: send {JSON} or {ARROW}")
+
+
+# -- search ------------------------------------------------------------------------------------------------
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValidationError(f"header {name}: must be an integer, got {raw!r}") from None
+    if not 0 <= value <= MAX_SEQ:
+        raise ValidationError(f"header {name}: must be a seq between 0 and {MAX_SEQ}, got {raw!r}")
+    return value
+
+
+def _consistency(headers: Mapping[str, str]) -> Consistency:
+    level = headers.get("x-shoal-consistency")
+    token = _int_header(headers, "x-shoal-required-token")
     if token is not None and level in (None, "at_least"):
         return Consistency.at_least(token)
     if level in (None, "eventual"):
@@ -49,104 +155,71 @@ def _consistency(level: str | None, token: int | None) -> Consistency:
     raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
 
 
-def _history(
-    x_shoal_tag: Annotated[str | None, Header()] = None, x_shoal_as_of: Annotated[int | None, Header()] = None
-) -> tuple[str | None, int | None]:
-    """Time travel: search the versions a tag pinned, or as of a seq."""
-    return x_shoal_tag, x_shoal_as_of
+def plain_search(headers: Mapping[str, str]) -> bool:
+    """True for an eventual search of the active versions (no stronger level, token or time travel asked)."""
+    if any(h in headers for h in ("x-shoal-required-token", "x-shoal-tag", "x-shoal-as-of")):
+        return False
+    return headers.get("x-shoal-consistency", "eventual") == "eventual"
 
 
-History = Annotated[tuple[str | None, int | None], Depends(_history)]
+def search_content(
+    ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str]
+) -> bytes:
+    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs."""
+    with metrics.search_timer(ctx.tenant):
+        query = wire.decode_search(body)
+        consistency = _consistency(headers)
+        searcher = ctx.handle.searcher
+        # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
+        source = searcher.view(name, version).source.spec
+        vectors = wire.query_vectors(source, query)
+        results = searcher.search(
+            name, version, vectors, query.k,
+            split_filter=wire.split_filter(source, query),
+            retrieve_vectors=query.retrieve_vectors,
+            consistency=consistency,
+            tag=headers.get("x-shoal-tag"),
+            as_of=_int_header(headers, "x-shoal-as-of"),
+        )
+        # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
+        return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors)
 
 
-def _search(
-    index_name: str,
-    index_version: str,
-    query: SearchQueryDto,
-    ctx: TenantContext,
-    level: str | None,
-    token: int | None,
-    request: Request,
-    history: tuple[str | None, int | None] = (None, None),
-) -> list[SearchResultDto]:
-    with request.app.state.metrics.search_seconds.labels(ctx.tenant).time():
-        return _search_now(index_name, index_version, query, ctx, level, token, history)
+def _search_blocking(request: Request, name: str, version: str, body: bytes) -> Response:
+    content = search_content(reader_tenant(request), request.app.state.metrics, name, version, body, request.headers)
+    return Response(content, media_type=JSON)
 
 
-def _search_now(
-    index_name: str, index_version: str, query: SearchQueryDto, ctx: TenantContext, level: str | None,
-    token: int | None, history: tuple[str | None, int | None] = (None, None),
-) -> list[SearchResultDto]:
-    # The searcher's view holds the definitions already: no catalog round trip per request (bench/api.py).
-    source = ctx.handle.searcher.view(index_name, index_version).source.spec
-    if query.k <= 0:
-        raise ValidationError(f"k must be positive, got {query.k}")
-    vectors = query_vectors(source, query.queryVectors)
-    results = ctx.handle.searcher.search(
-        index_name,
-        index_version,
-        vectors,
-        query.k,
-        split_filter=split_filter(source, query.splitFilter),
-        retrieve_vectors=query.retrieveVectors,
-        consistency=_consistency(level, token),
-        tag=history[0],
-        as_of=history[1],
-    )
-    return [
-        SearchResultDto(queryVector=vector_dto(v), nearestDataPoints=[hit_dto(source, h) for h in hits])
-        for v, hits in zip(vectors, results, strict=True)
-    ]
+async def _search(request: Request, name: str, version: str) -> Response:
+    # The fast cases never get here: shoal.api.fastpath answers them before routing.
+    body = await request.body()
+    return await run_in_threadpool(_search_blocking, request, name, version, body)
 
 
 SEARCH = "/search/{indexName}/{indexVersion}"
 
 
-@router.post(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
-def search_post(
-    indexName: str,  # noqa: N803
-    indexVersion: str,  # noqa: N803
-    query: Annotated[SearchQueryDto, Body()],
-    ctx: Annotated[TenantContext, Depends(reader_tenant)],
-    request: Request,
-    x_shoal_consistency: Annotated[str | None, Header()] = None,
-    x_shoal_required_token: Annotated[int | None, Header()] = None,
-    history: History = (None, None),
-) -> list[SearchResultDto]:
+@router.post(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], openapi_extra=SEARCH_DOC)
+async def search_post(indexName: str, indexVersion: str, request: Request) -> Response:  # noqa: N803
     """The k nearest data points for each query vector, nearest first. `X-Shoal-Tag` or `X-Shoal-As-Of`
     search older versions (time travel)."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request,
-                   history)
+    return await _search(request, indexName, indexVersion)
 
 
-@router.get(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True)
-def search_get(
-    indexName: str,  # noqa: N803
-    indexVersion: str,  # noqa: N803
-    query: Annotated[SearchQueryDto, Body()],
-    ctx: Annotated[TenantContext, Depends(reader_tenant)],
-    request: Request,
-    x_shoal_consistency: Annotated[str | None, Header()] = None,
-    x_shoal_required_token: Annotated[int | None, Header()] = None,
-    history: History = (None, None),
-) -> list[SearchResultDto]:
+@router.get(SEARCH, responses=ERRORS, response_model=list[SearchResultDto], openapi_extra=SEARCH_DOC)
+async def search_get(indexName: str, indexVersion: str, request: Request) -> Response:  # noqa: N803
     """The same search as POST (Vektonn's client sends it as GET with a body)."""
-    return _search(indexName, indexVersion, query, ctx, x_shoal_consistency, x_shoal_required_token, request,
-                   history)
+    return await _search(request, indexName, indexVersion)
 
 
-@router.post(
-    "/aliases/{alias}/search", responses=ERRORS, response_model=list[SearchResultDto], response_model_exclude_none=True
-)
-def search_alias(
-    alias: str,
-    query: Annotated[SearchQueryDto, Body()],
-    ctx: Annotated[TenantContext, Depends(reader_tenant)],
-    request: Request,
-    x_shoal_consistency: Annotated[str | None, Header()] = None,
-    x_shoal_required_token: Annotated[int | None, Header()] = None,
-) -> list[SearchResultDto]:
+@router.post("/aliases/{alias}/search", responses=ERRORS, response_model=list[SearchResultDto],
+             openapi_extra=SEARCH_DOC)
+async def search_alias(alias: str, request: Request) -> Response:
     """A search of the index the alias names now (resolved once per request), as POST /search does."""
-    target = ctx.handle.shoal.get_alias(alias)
-    return _search(target.index_name, target.index_version, query, ctx, x_shoal_consistency, x_shoal_required_token,
-                   request)
+    body = await request.body()
+    return await run_in_threadpool(_search_alias, request, alias, body)
+
+
+def _search_alias(request: Request, alias: str, body: bytes) -> Response:
+    target = reader_tenant(request).handle.shoal.get_alias(alias)
+    return _search_blocking(request, target.index_name, target.index_version, body)

@@ -165,15 +165,27 @@ class LoadedSegment:
     # Columns of `rows` converted for picking values by row (lists or numpy arrays), filled by the searcher's
     # RowSource on first use and kept with the segment: every version and view that serves it shares them.
     py_columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # What the segment costs in memory, estimated once at load (see `load_segment`).
+    nbytes: int = field(default=0, compare=False)
 
 
 class SegmentCache:
-    """Loaded segments by id, least recently used evicted first. Segments are immutable, so sharing is safe."""
+    """Loaded segments by id, accounted in bytes. Segments are immutable, so sharing them is safe.
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
+    A searcher's cache (`keep_unheld=False`) keeps a segment while some holder names it among the segments
+    its views serve (`retain`) and drops it as soon as none does: a superseded segment goes with the last view
+    that served it. `budget` is what the holders must keep `bytes` under; they unload their least recently used
+    views to do so (`over_budget`). A builder's cache (`keep_unheld=True`) has no holders: it keeps the
+    segments it loaded, least recently used dropped first, while they fit the budget.
+    """
+
+    def __init__(self, budget: int = 1 << 30, *, keep_unheld: bool = False) -> None:
+        self.budget = budget
+        self.keep_unheld = keep_unheld
         self._items: OrderedDict[str, LoadedSegment] = OrderedDict()
+        self._held: dict[int, frozenset[str]] = {}  # holder -> the segment ids its views serve
         self._lock = threading.Lock()
+        self.bytes = 0
 
     def load(self, storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
         """The segment of `entry`, from cache or storage (checksums verified)."""
@@ -184,10 +196,53 @@ class SegmentCache:
                 return hit
         loaded = load_segment(storage, entry, index)
         with self._lock:
-            self._items[entry["id"]] = loaded
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-        return loaded
+            kept = self._items.setdefault(entry["id"], loaded)
+            if kept is loaded:
+                self.bytes += loaded.nbytes
+                if self.keep_unheld:
+                    self._trim_unheld()
+        return kept
+
+    def retain(self, holder: int, segments: Iterable[LoadedSegment]) -> None:
+        """Record the segments `holder` serves now and drop every segment no holder serves."""
+        with self._lock:
+            ids = []
+            for seg in segments:  # one a concurrent retain dropped while it loaded comes back
+                ids.append(seg.id)
+                self._items.setdefault(seg.id, seg)
+            self._held[holder] = frozenset(ids)
+            self._drop_unheld()
+
+    def release(self, holder: int) -> None:
+        """Forget a holder (a closed searcher): the segments only it served go."""
+        with self._lock:
+            self._held.pop(holder, None)
+            self._drop_unheld()
+
+    def _live(self) -> frozenset[str]:
+        return frozenset().union(*self._held.values())
+
+    def _drop_unheld(self) -> None:
+        live = self._live()
+        for seg_id in [i for i in self._items if i not in live]:
+            del self._items[seg_id]
+        self.bytes = sum(seg.nbytes for seg in self._items.values())
+
+    def _trim_unheld(self) -> None:
+        live = self._live()
+        for seg_id in [i for i in self._items if i not in live]:  # oldest first
+            if self.bytes <= self.budget or len(self._items) <= 1:
+                return
+            self.bytes -= self._items.pop(seg_id).nbytes
+
+    def over_budget(self) -> int:
+        """How many bytes the loaded segments pass the budget by (0 when within it)."""
+        with self._lock:
+            return max(0, self.bytes - self.budget)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
 
 
 def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
@@ -195,20 +250,21 @@ def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> L
     rows = pq.read_table(pa.BufferReader(_read(storage, f"{entry['dir']}/{ROWS_FILE}", entry["rows_checksum"])))
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
-    splits = tuple(
-        LoadedSplit(
-            s["key"],
-            s["values"],
-            s["start"],
-            s["end"],
-            engine_cls.from_bytes(
-                _read(storage, f"{entry['dir']}/{s['file']}", s["checksum"]).to_pybytes(), metric, index.params
-            ),
-        )
-        for s in entry["splits"]
-    )
+    splits = []
+    engine_bytes = 0
+    for s in entry["splits"]:
+        data = _read(storage, f"{entry['dir']}/{s['file']}", s["checksum"]).to_pybytes()
+        engine_bytes += len(data)  # an engine in memory is about the size of its file (graph or lists + vectors)
+        splits.append(LoadedSplit(s["key"], s["values"], s["start"], s["end"],
+                                  engine_cls.from_bytes(data, metric, index.params)))
     keys = rows[KEY].to_numpy(zero_copy_only=False)
-    return LoadedSegment(entry["id"], rows, keys, rows[SEQ].to_numpy(), splits)
+    seqs = rows[SEQ].to_numpy()
+    n = rows.num_rows
+    # Keys are Python bytes objects (about 40 bytes of header each); the searcher later converts each stored
+    # attribute once into a numpy array or a list of Python values: counted up front at a list's cost.
+    estimate = rows.nbytes + engine_bytes + seqs.nbytes + n * (8 + 40) + rows[KEY].nbytes
+    estimate += n * 64 * len(index.stored_attributes())
+    return LoadedSegment(entry["id"], rows, keys, seqs, tuple(splits), nbytes=int(estimate))
 
 
 def manifest_files(manifests: Iterable[dict[str, Any]]) -> set[str]:

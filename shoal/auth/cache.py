@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,14 +119,19 @@ class VerifiedKeys:
 
 
 _caches: dict[str, VerifiedKeys] = {}
+_by_engine: weakref.WeakKeyDictionary[Engine, VerifiedKeys] = weakref.WeakKeyDictionary()
 _caches_lock = threading.Lock()
 
 
 def cache_for(engine: Engine) -> VerifiedKeys:
     """The process's shared cache for the catalog `engine` points at (engines on one URL share it)."""
+    found = _by_engine.get(engine)  # every request asks: rendering the URL each time costs more than the rest
+    if found is not None:
+        return found
     url = engine.url.render_as_string(hide_password=False)
     with _caches_lock:
         cache = _caches.get(url)
         if cache is None:
             cache = _caches[url] = VerifiedKeys()
+        _by_engine[engine] = cache
         return cache

@@ -239,6 +239,26 @@ def authenticate(
     return principal
 
 
+def cached_principal(engine: Engine, header_value: str | None, anonymous_tenant: str | None = None) -> Principal | None:
+    """The Principal `authenticate` would return, when it is known without any I/O: a cached verdict on the key
+    that is not due for its last-used write, or a cached anonymous tenant. None when `authenticate` must run
+    (it may hash, query or write), so a caller on an event loop knows when to move the work to a thread."""
+    cache = cache_for(engine)
+    if header_value is None or not header_value.strip():
+        if anonymous_tenant is None:
+            return None
+        tenant_id = cache.anonymous_id(anonymous_tenant)
+        return None if tenant_id is None else Principal(anonymous_tenant, tenant_id, ANONYMOUS_ROLE, None)
+    try:
+        presented = _presented_key(header_value)
+    except AuthenticationError:
+        return None
+    entry = cache.get(digest(presented))
+    if entry is None or cache.clock() - entry.touched_at >= TOUCH_INTERVAL_S:
+        return None
+    return entry.principal
+
+
 def _presented_key(header_value: str) -> str:
     parts = header_value.split()
     if parts[0].lower() != AUTH_SCHEME:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, inspect, text
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
 from shoal.config.settings import Settings
+from shoal.errors import ConfigurationError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -28,9 +31,19 @@ def resolve_database_url(settings: Settings) -> str:
     return ensure_postgres(settings.data_dir)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for the catalog, with pre-ping so a restarted server costs one retry, not an error."""
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+def make_engine(url: str, *, pool_size: int = 5, max_overflow: int = 5) -> Engine:
+    """An engine for the catalog, with pre-ping so a restarted server costs one retry, not an error. It holds
+    at most `pool_size + max_overflow` connections, named `shoal/<pid>` in pg_stat_activity (so an operator
+    sees which process holds which connections)."""
+    return create_engine(
+        url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow,
+        connect_args={"application_name": application_name()},
+    )
+
+
+def application_name() -> str:
+    """How this process's catalog connections are named in pg_stat_activity."""
+    return f"shoal/{os.getpid()}"
 
 
 def alembic_config(url: str) -> Config:
@@ -41,6 +54,43 @@ def alembic_config(url: str) -> Config:
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
+
+
+_migrated: set[str] = set()
+_migrate_lock = threading.Lock()
+
+
+def ensure_schema(engine: Engine, url: str, *, auto_migrate: bool) -> None:
+    """Make sure the catalog has the schema this Shoal needs: with `auto_migrate`, migrate it (once per process and
+    URL); without, check its revision and raise ConfigurationError saying to run `shoal migrate` if behind."""
+    with _migrate_lock:
+        if url in _migrated:
+            return
+        if auto_migrate:
+            migrate(url)
+        else:
+            current, head = schema_revision(engine), head_revision(url)
+            if current != head:
+                found = f"schema revision {current}" if current else "no Shoal schema"
+                raise ConfigurationError(
+                    f"the catalog has {found}; this Shoal needs revision {head}: run `shoal migrate` first"
+                )
+        _migrated.add(url)
+
+
+def schema_revision(engine: Engine) -> str | None:
+    """The catalog's Alembic revision (None when it was never migrated)."""
+    with engine.connect() as conn:
+        if not inspect(conn).has_table("alembic_version"):
+            return None
+        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def head_revision(url: str) -> str | None:
+    """The newest revision of Shoal's migrations."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
 
 
 def migrate(url: str) -> None:

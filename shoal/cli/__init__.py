@@ -24,6 +24,7 @@ from shoal.cli.demo import demo
 from shoal.cli.imports import import_file
 from shoal.cli.indexes import index_app
 from shoal.cli.maintenance import gc, log_app
+from shoal.cli.migrate import migrate_command
 from shoal.cli.reindex import reindex, rollback
 from shoal.cli.search import search
 from shoal.cli.server import server_app, settings_command
@@ -54,6 +55,7 @@ app.command("status")(status)
 app.command("worker")(worker)
 app.command("up")(up)
 app.command("settings")(settings_command)
+app.command("migrate")(migrate_command)
 app.command("demo")(demo)
 app.command("api")(api)
 app.command("apply")(apply)

@@ -6,13 +6,15 @@ import time
 from typing import Annotated
 
 import typer
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from shoal.cli.common import AsJson, Tenant, open_shoal, out
 from shoal.cli.formatting import count, echo_json, status_json
 from shoal.client import ShardStatus, Shoal
+from shoal.workers.liveness import DEGRADED, health_report, lag_summary
 
 CAPTION = (
     "built: the watermark of the shard's active version; served: the newest watermark a searcher has loaded "
@@ -34,6 +36,29 @@ def _indexes(shoal: Shoal, name: str | None, version: str | None) -> list[tuple[
     if name is not None and version is not None:
         return [(name, version)]
     return [(r.spec.name, r.spec.version) for r in shoal.list_indexes()]
+
+
+def indexing_warnings(shoal: Shoal) -> list[str]:
+    """Warnings for the table: why lagging shards will not catch up (no live worker, broker down), if so.
+
+    Asks the workers (a ping, about a second) only when some shard lags and no build is under way.
+    """
+    try:
+        lag = lag_summary(shoal.engine)
+    except Exception:  # the table above came from the same catalog: nothing to add if it fails now
+        return []
+    if lag.lagging_shards == 0 or lag.building_shards > 0:
+        return []
+    report = health_report(shoal.engine, shoal.broker_url)
+    return list(report.problems) if report.status == DEGRADED else []
+
+
+def with_warnings(renderable: RenderableType, warnings: list[str]) -> RenderableType:
+    """`renderable` followed by one yellow line per warning."""
+    if not warnings:
+        return renderable
+    lines = [Text("warning: " + w, style="bold yellow") for w in warnings]
+    return Group(renderable, *lines)
 
 
 def freshness_table(rows: list[ShardStatus], title: str) -> Table:
@@ -77,21 +102,27 @@ def status(
     with open_shoal(tenant) as shoal:
         scope = f"{index}/{version}" if index else f"indexes of tenant {shoal.tenant!r}"
 
-        def render() -> Table | Group | str:
+        def render() -> RenderableType:
             rows = collect(shoal, index, version)
             if not rows:
                 return f"No indexes in tenant {shoal.tenant!r}."
             table = freshness_table(rows, f"Freshness of {scope} at {time.strftime('%H:%M:%S')}")
+            # Under the table: why its lag will not shrink, if so (workers serve every tenant: counts are global).
+            warnings = indexing_warnings(shoal) if any(s.head > s.built_watermark for s in rows) else []
             running = [j for r in _indexes(shoal, index, version) for j in shoal.reindex_jobs(*r)[:1]
                        if j.state == "building"]
             if not running:
-                return table
+                return with_warnings(table, warnings)
             from shoal.cli.reindex import jobs_table
 
-            return Group(table, jobs_table(running, "Reindexing (progress of the new generation)"))
+            jobs = jobs_table(running, "Reindexing (progress of the new generation)")
+            return with_warnings(Group(table, jobs), warnings)
 
         if as_json:
-            echo_json([status_json(s) for s in collect(shoal, index, version)])
+            rows = collect(shoal, index, version)
+            # The list stays a list (scripts iterate it): each shard carries the /healthz report as "health".
+            health = health_report(shoal.engine, shoal.broker_url).as_json() if rows else None
+            echo_json([status_json(s) | {"health": health} for s in rows])
             return
         if watch is None:
             out.print(render())

@@ -18,7 +18,7 @@ from sqlalchemy.exc import OperationalError
 
 from shoal.auth import KeyRecord, Role, create_key, create_tenant, list_keys, list_tenants, revoke_key
 from shoal.auth.cache import CACHE_TTL_S
-from shoal.catalog.db import make_engine, migrate, resolve_database_url
+from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 from shoal.cli.common import AsJson, err, first_line, load_settings, out, typer_app
 from shoal.cli.formatting import echo_json, when
 from shoal.config.settings import mask_url
@@ -34,11 +34,12 @@ KeyTenant = Annotated[str, typer.Option("--tenant", help="Tenant the key belongs
 def catalog_engine() -> Iterator[Engine]:
     """An engine on the configured (migrated) catalog, without touching any tenant; disposed afterwards."""
     # Not open_shoal(): a Shoal creates its tenant on first use, and `tenant create` must see it absent.
-    url = resolve_database_url(load_settings())
+    settings = load_settings()
+    url = resolve_database_url(settings)
     engine = make_engine(url)
     try:
         try:
-            migrate(url)
+            ensure_schema(engine, url, auto_migrate=settings.database_url is None)
         except OperationalError as exc:
             raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
         yield engine

@@ -118,13 +118,16 @@ def describe_servers(settings: Settings, broker: str) -> list[str]:
 def _check_catalog(settings: Settings) -> None:
     from sqlalchemy.exc import OperationalError
 
-    from shoal.catalog.db import migrate, resolve_database_url
+    from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 
     url = resolve_database_url(settings)
+    engine = make_engine(url, pool_size=1, max_overflow=0)
     try:
-        migrate(url)
+        ensure_schema(engine, url, auto_migrate=settings.database_url is None)
     except OperationalError as exc:
         raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
+    finally:
+        engine.dispose()
 
 
 def worker(
@@ -166,7 +169,8 @@ def worker(
     a Shoal dependency: `pip install flower`) can watch the workers: `celery -A shoal.config.celery_app flower`
     (it turns on task events; or start the worker with --events).
     """
-    from shoal.config.celery_app import app, broker_url
+    from shoal.config.broker import broker_url
+    from shoal.config.celery_app import app
 
     settings = load_settings()
     _check_catalog(settings)  # reachable and migrated before the worker takes tasks

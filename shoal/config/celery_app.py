@@ -7,18 +7,12 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_process_init
 
+from shoal.config.broker import broker_url
 from shoal.config.settings import Settings
 
+__all__ = ["app", "beat_schedule", "broker_url"]
+
 app = Celery("shoal", include=["shoal.workers.tasks"])
-
-
-def broker_url(settings: Settings) -> str:
-    """The configured Redis URL, or the embedded Valkey's (started if needed)."""
-    if settings.redis_url:
-        return settings.redis_url
-    from shoal.config.embedded import ensure_valkey
-
-    return ensure_valkey(settings.data_dir)
 
 
 SWEEP = "shoal.workers.tasks.sweep"

@@ -54,6 +54,21 @@ class Settings(BaseSettings):
         description="Tenant of HTTP requests without an API key (role write); unset: the Python API's tenant when "
         "the catalog is embedded, else none; empty string: never.",
     )
+    db_pool_size: int = Field(
+        default=5, ge=1, description="Catalog connections one process keeps open (shared by every tenant)."
+    )
+    db_max_overflow: int = Field(
+        default=5, ge=0, description="Catalog connections one process may open beyond the pool under load."
+    )
+    searcher_cache_bytes: int = Field(
+        default_factory=lambda: _half_of_memory(),
+        ge=1 << 20,
+        description="Memory budget of a process's loaded index segments; least recently searched indexes are "
+        "unloaded to stay under it (default: half the machine's memory).",
+    )
+    searcher_poll_s: float = Field(
+        default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
+    )
     max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
     group_commit_max_points: int = Field(
         default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
@@ -189,6 +204,13 @@ class Settings(BaseSettings):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])
         return shown
+
+
+def _half_of_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError, AttributeError):  # not every platform tells
+        return 4 << 30
 
 
 def mask_url(url: str) -> str:

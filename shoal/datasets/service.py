@@ -304,6 +304,7 @@ class DatasetService:
                 raise not_found(name) from None
             log.info("dataset %s (#%d) of tenant %s moved to the trash; purge after %s",
                      name, trashed.id, self.tenant, trashed.purge_after.isoformat())
+            self.shoal.runtime.forget_source(record.source_id)  # uploads of this process see it gone at once
             self._move_mirror_to_trash(record, trashed.id, trashed.deleted_at, trashed.purge_after)
             self._refresh_searcher()
         finally:

@@ -86,7 +86,7 @@ class ShardBuilder:
         self.lease_seconds = lease_seconds
         self.policy = policy or MergePolicy()
         self.on_publish = on_publish  # called with (shard id, version id) after a publish committed
-        self.cache = SegmentCache()
+        self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
 
     # -- shared steps ---------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from shoal.ingest.batch import ARROW_TYPES
 from shoal.records import AttributeType, DataSourceSpec, WriteToken
 
 if TYPE_CHECKING:  # the client sits above ingest; only its type is needed here
-    from shoal.client import Producer
+    from shoal.ingest.producer import Producer
 
 DEFAULT_VECTOR_COLUMN = "vector"
 DEFAULT_BATCH_SIZE = 10_000

@@ -29,19 +29,19 @@ from kombu import Connection, Producer
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
-from shoal.client import Shoal
-from shoal.config.celery_app import broker_url
+from shoal.config.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
+from shoal.ingest.producer import Producer as LogProducer
 from shoal.intake import codec, topology
 from shoal.intake.delivery import ReliableQueue
-from shoal.intake.topology import Target
+from shoal.intake.topology import BATCH_ID_PREFIX, Target
+from shoal.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 # Failures worth a retry of the same message later: the catalog or storage was briefly away.
 TRANSIENT = (OperationalError, OSError, CommitError, ConfigurationError)
-BATCH_ID_PREFIX = "msg:"
 MAX_MESSAGE_ID = 190  # batch ids hold at most 200 characters
 
 
@@ -79,7 +79,7 @@ class IntakeConsumer:
         self.stats = IntakeStats()
         self.stop = threading.Event()
         self.paused = False  # true while backpressure holds intake
-        self._shoals: dict[str, Shoal] = {}
+        self._runtime: Runtime | None = None  # the process's catalog pool, storage and log writers
         self._producers: dict[Target, Any] = {}
         self._held: list[_Held] = []
         self._held_points = 0
@@ -205,14 +205,17 @@ class IntakeConsumer:
         # or trashed later is still refused: the commit re-reads it under its row lock.
         producer = self._producers.get(target)
         if producer is None:
-            producer = self._producers[target] = self._shoal(target.tenant).producer(target.source, target.version)
+            runtime = self.runtime()
+            record = runtime.scope(target.tenant).catalog.get_data_source(target.source, target.version)
+            producer = LogProducer(record, runtime.writer(record), self.settings.max_batch_points)
+            self._producers[target] = producer
         return producer
 
-    def _shoal(self, tenant: str) -> Shoal:
-        shoal = self._shoals.get(tenant)
-        if shoal is None:
-            shoal = self._shoals[tenant] = Shoal(self.settings, tenant=tenant)
-        return shoal
+    def runtime(self) -> Runtime:
+        """The consumer's runtime, made on first use (every tenant it writes for shares it)."""
+        if self._runtime is None:
+            self._runtime = Runtime(self.settings)
+        return self._runtime
 
     # -- committing ---------------------------------------------------------------------------------------
 
@@ -260,7 +263,7 @@ class IntakeConsumer:
         from shoal.catalog.models import ProducerBatch
 
         wanted = [i for i in ids if i]
-        with Session(self._shoal(producer.source.tenant).engine) as s:
+        with Session(self.runtime().engine) as s:
             return set(
                 s.scalars(
                     select(ProducerBatch.batch_id).where(
@@ -315,16 +318,17 @@ class IntakeConsumer:
         for tenant in {t for t, _ in self._written_sources}:
             ids = [sid for t, sid in self._written_sources if t == tenant]
             try:
-                over |= self._shoal(tenant).backpressure.over(ids)
+                over |= self.runtime().backpressure.over(ids)
             except TRANSIENT as exc:
                 log.warning("cannot read index lag: %s", exc)
         return over
 
     def close(self) -> None:
         """Release catalog connections."""
-        for shoal in self._shoals.values():
-            shoal.close()
-        self._shoals.clear()
+        self._producers.clear()
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
 
 
 def dead_letters(settings: Settings, group: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:

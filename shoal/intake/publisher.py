@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 from kombu import Connection, Producer
 
-from shoal.config.celery_app import broker_url
+from shoal.config.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import ValidationError
 from shoal.intake import codec, topology

@@ -21,6 +21,8 @@ MESSAGE_ID = "shoal-message-id"  # also the AMQP message_id property; the consum
 REASON = "shoal-dead-reason"  # on dead letters: why the message was refused
 DEAD_AT = "shoal-dead-at"
 ORIGINAL_ROUTING_KEY = "shoal-routing-key"
+# A committed message's batch id is this prefix plus its message id (how redeliveries are recognised).
+BATCH_ID_PREFIX = "msg:"
 
 
 @dataclass(frozen=True)

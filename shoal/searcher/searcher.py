@@ -7,21 +7,20 @@ the catalog is the fallback when a message is missed or Redis is down.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
 import redis
 
-from shoal.artifacts.segment import SegmentCache
-from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import head_of
-from shoal.client import Shoal
-from shoal.errors import ValidationError
+from shoal.errors import CapacityError, NotFoundError, ShoalError, ValidationError
 from shoal.ingest.reader import read_log
+from shoal.runtime import Runtime, Scope
+from shoal.searcher.announce import VERSIONS_CHANNEL
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import (
     Hits,
@@ -35,38 +34,23 @@ from shoal.searcher.views import IndexView, load_shard
 
 log = logging.getLogger(__name__)
 
-VERSIONS_CHANNEL = "shoal:index-versions"
 
+class SearchService:
+    """Serves the indexes of every tenant of a runtime: one per process (or per `Shoal.searcher()`). Thread-safe;
+    loads versions lazily, follows new ones, and keeps its loaded segments under the runtime's byte budget by
+    unloading the least recently searched indexes. Tenants reach it through `Searcher`, a scope over it."""
 
-def announce_version(redis_url: str, shard_id: int, version_id: int) -> None:
-    """Tell searchers a shard has a new active version (best effort: they also poll)."""
-    try:
-        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
-        try:
-            client.publish(VERSIONS_CHANNEL, json.dumps({"shard": shard_id, "version": version_id}))
-        finally:
-            client.close()
-    except redis.RedisError as exc:
-        log.warning("could not announce version %s of shard %s: %s", version_id, shard_id, exc)
-
-
-def announce_index(redis_url: str, index: IndexRecord) -> None:
-    """Tell searchers an index changed whole (a reindex swap or rollback): they reload the shards they do not
-    know, which is every shard of a new generation."""
-    for shard in index.shards:
-        announce_version(redis_url, shard.id, 0)
-
-
-class Searcher:
-    """Serves searches for one tenant. Thread-safe; loads versions lazily and follows new ones."""
-
-    def __init__(self, shoal: Shoal, *, follow: bool = True, poll_interval: float = 1.0) -> None:
-        self.shoal = shoal
-        self.indexes = IndexCatalog(shoal.engine, shoal.catalog.tenant_id, shoal.tenant)
-        self.shards = ShardCatalog(shoal.engine)
-        self.cache = SegmentCache()
-        self.poll_interval = poll_interval
-        self._views: dict[tuple[str, str], IndexView] = {}
+    def __init__(self, runtime: Runtime, *, follow: bool = True, poll_interval: float | None = None) -> None:
+        self.runtime = runtime
+        self.engine = runtime.engine
+        self.storage = runtime.storage
+        self.shards = runtime.shards
+        self.cache = runtime.segment_cache
+        self.poll_interval = runtime.settings.searcher_poll_s if poll_interval is None else poll_interval
+        # (tenant id, index name, version) -> the view served, and the scope to reload it with.
+        self._views: dict[tuple[int, str, str], IndexView] = {}
+        self._scopes: dict[int, Scope] = {}
+        self._used: dict[tuple[int, str, str], float] = {}  # when each view last answered (unloading order)
         # Per index: the log tail last read for a search stronger than eventual, and the shard versions it was
         # read against. Log segments are immutable: a later search reuses it and reads only newer segments.
         self._tails: dict[int, tuple[tuple[int | None, ...], int, pa.Table | None, dict[int, Tail]]] = {}
@@ -81,10 +65,15 @@ class Searcher:
             for t in self._threads:
                 t.start()
 
+    def for_tenant(self, scope: Scope) -> Searcher:
+        """A searcher of one tenant's indexes over this service."""
+        return Searcher(self, scope)
+
     # -- serving ---------------------------------------------------------------------------------------
 
     def search(
         self,
+        scope: Scope,
         index_name: str,
         index_version: str,
         queries: Any,
@@ -97,26 +86,22 @@ class Searcher:
         as_of: int | None = None,
         search_params: Mapping[str, int] | None = None,
     ) -> list[Hits]:
-        """The k nearest data points for each query vector, nearest first, at the requested consistency.
-
-        Time travel: `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of
-        that seq (a write token's), from the newest kept version at or below it plus the log up to it.
-        `search_params` overrides the index's query-time parameters for this search only, without a rebuild:
-        `ef_search` for HNSW, `nprobe` for IVF (unknown names and bad values raise ValidationError).
-        """
+        """`Searcher.search` for the tenant of `scope`."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
-            return self._search_history(index_name, index_version, queries, k, split_filter, retrieve_vectors,
-                                        consistency, tag, as_of, search_params)
+            return self._search_history(scope, index_name, index_version, queries, k, split_filter,
+                                        retrieve_vectors, consistency, tag, as_of, search_params)
+        key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
-        view = self._views.get((index_name, index_version)) or self._load(index_name, index_version)
+        view = self._views.get(key) or self._load(scope, index_name, index_version)
+        self._used[key] = time.monotonic()
         if consistency is None or consistency.level == "eventual":
             required = 0
         elif consistency.level == "at_least":
             required = consistency.seq
         else:
-            required = head_of(self.shoal.engine, view.source.id)[0]
+            required = head_of(self.engine, view.source.id)[0]
         params = view.engine_class.check_search_params(search_params) if search_params else None
         if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
@@ -135,7 +120,7 @@ class Searcher:
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
 
     def _search_history(
-        self, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
+        self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
         search_params: Mapping[str, int] | None,
     ) -> list[Hits]:
@@ -147,18 +132,18 @@ class Searcher:
             raise ValidationError("a search of older versions (tag, as_of) takes no consistency level")
         if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int)):
             raise ValidationError(f"as_of must be a seq (an integer), got {as_of!r}")
-        index = self.indexes.get_index(name, version)
+        index = scope.indexes.get_index(name, version)
         if tag is not None:
-            versions = history.tagged_versions(self.shoal.engine, index.id, tag)
+            versions = history.tagged_versions(self.engine, index.id, tag)
         else:
             assert as_of is not None
-            head = head_of(self.shoal.engine, index.source_id)[0]
+            head = head_of(self.engine, index.source_id)[0]
             if as_of > head:
                 raise ValidationError(f"as_of seq {as_of} is past the log head {head}")
-            versions = history.versions_as_of(self.shoal.engine, index.id, as_of)
-        source = self.shoal.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
+            versions = history.versions_as_of(self.engine, index.id, as_of)
+        source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
         shards = tuple(
-            load_shard(self.shoal.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
+            load_shard(self.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
             for s in index.shards
         )
         view = IndexView(index, source, shards)
@@ -167,16 +152,10 @@ class Searcher:
         matches = split_matcher(index.spec, source.spec, split_filter)
         tails = {}
         if as_of is not None and as_of > view.min_watermark:
-            batches = list(read_log(self.shoal.engine, self.shoal.storage, source.id, view.min_watermark, as_of))
+            batches = list(read_log(self.engine, self.storage, source.id, view.min_watermark, as_of))
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
-
-    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
-        """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
-        by the index before a move or wholly by the one after it."""
-        target = self.shoal.aliases.get(alias)
-        return self.search(target.index_name, target.index_version, queries, k, **options)
 
     def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
         """The log tail (served watermark, required] per shard; reuses and extends the last one read."""
@@ -188,7 +167,7 @@ class Searcher:
             if cached[1] >= required:  # a tail reaching past `required` still reflects every write up to it
                 return cached[3]
             start, entries = cached[1], cached[2]
-        batches = list(read_log(self.shoal.engine, self.shoal.storage, view.source.id, start, required))
+        batches = list(read_log(self.engine, self.storage, view.source.id, start, required))
         if batches:
             new = pa.Table.from_batches(batches)
             entries = new if entries is None else pa.concat_tables([entries, new])
@@ -197,46 +176,43 @@ class Searcher:
             self._tails[view.index.id] = (versions, required, entries, tails)
         return tails
 
-    def view(self, index_name: str, index_version: str) -> IndexView:
+    def view(self, scope: Scope, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use."""
-        key = (index_name, index_version)
-        with self._lock:
-            view = self._views.get(key)
-        if view is None:
-            view = self._load(index_name, index_version)
-        return view
-
-    def served_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
-        """Shard number -> the watermark this searcher serves."""
-        return {s.shard_no: s.watermark for s in self.view(index_name, index_version).shards}
+        view = self._views.get((scope.tenant_id, index_name, index_version))
+        return view if view is not None else self._load(scope, index_name, index_version)
 
     def refresh(self) -> None:
-        """Load, now, any newer active version of the indexes already served."""
+        """Load, now, any newer active version of the indexes served; stop serving the ones that are gone.
+
+        Only "not found" unloads an index: any other failure (the catalog or storage briefly away) keeps the
+        view served as it is, to be retried at the next poll."""
         with self._lock:
             keys = list(self._views)
-        for name, version in keys:
+        for key in keys:
+            tenant_id, name, version = key
+            scope = self._scopes.get(tenant_id)
+            if scope is None:
+                continue
             try:
-                self._load(name, version)
+                self._load(scope, name, version)
+            except NotFoundError:
+                log.info("index %s/%s of tenant %s is gone: no longer served", name, version, scope.tenant)
+                self._unload(key)
             except Exception as exc:  # noqa: BLE001 - keep serving the old view; retry on the next poll
                 log.warning("could not refresh index %s/%s: %s", name, version, exc)
-                with self._lock:
-                    if not self._index_exists(name, version):
-                        self._views.pop((name, version), None)
 
-    def _index_exists(self, name: str, version: str) -> bool:
-        try:
-            self.indexes.get_index(name, version)
-            return True
-        except Exception:  # noqa: BLE001
-            return False
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes of the segments the process's searchers hold (the runtime's cache, shared)."""
+        return self.cache.bytes
 
-    def _load(self, name: str, version: str) -> IndexView:
+    def _load(self, scope: Scope, name: str, version: str) -> IndexView:
+        key = (scope.tenant_id, name, version)
         # One loader at a time: two racing loads would do the same I/O twice.
         with self._load_lock:
-            index = self.indexes.get_index(name, version)
-            source = self.shoal.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
-            with self._lock:
-                old = self._views.get((name, version))
+            index = scope.indexes.get_index(name, version)
+            source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
+            old = self._views.get(key)
             shards = []
             for shard in index.shards:
                 current = next((s for s in old.shards if s.shard_id == shard.id), None) if old else None
@@ -244,14 +220,49 @@ class Searcher:
                     shards.append(current)
                     continue
                 record = self.shards.version(shard.active_version_id) if shard.active_version_id else None
-                shards.append(load_shard(self.shoal.storage, self.cache, index, shard.id, shard.shard_no, record))
+                shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
             with self._lock:
-                self._views[(name, version)] = view
+                self._views[key] = view
+                self._scopes[scope.tenant_id] = scope
+                self._used.setdefault(key, time.monotonic())
+            self._fit_budget(key)
         for s in view.shards:
             if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards)):
                 self.shards.mark_served(s.shard_id, s.watermark)
         return view
+
+    def _retain(self) -> None:
+        """Tell the cache which segments this service's views hold (the rest can go)."""
+        with self._lock:
+            segments = [seg.segment for v in self._views.values() for sh in v.shards for seg in sh.segments]
+        self.cache.retain(id(self), segments)
+
+    def _unload(self, key: tuple[int, str, str]) -> None:
+        with self._lock:
+            view = self._views.pop(key, None)
+            self._used.pop(key, None)
+            if view is not None:
+                self._tails.pop(view.index.id, None)
+        self._retain()
+
+    def _fit_budget(self, loaded: tuple[int, str, str]) -> None:
+        """Release superseded segments, then unload the least recently searched other indexes while the cache
+        is over its budget; an index that alone passes the budget is not served (CapacityError)."""
+        self._retain()
+        while self.cache.over_budget():
+            with self._lock:
+                others = sorted((t, k) for k, t in self._used.items() if k != loaded and k in self._views)
+            if not others:
+                need = self.cache.bytes
+                self._unload(loaded)
+                raise CapacityError(
+                    f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
+                    f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
+                    "shards from more processes"
+                )
+            log.info("unloading index %s/%s to stay within the searcher memory budget", *others[0][1][1:])
+            self._unload(others[0][1])
 
     # -- following -----------------------------------------------------------------------------------
 
@@ -266,7 +277,7 @@ class Searcher:
     def _listen_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                client = redis.Redis.from_url(self.shoal.broker_url(), socket_timeout=1.0)
+                client = redis.Redis.from_url(self.runtime.broker_url(), socket_timeout=1.0)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(VERSIONS_CHANNEL)
                 while not self._stop.is_set():
@@ -277,10 +288,67 @@ class Searcher:
             except (redis.RedisError, OSError) as exc:
                 log.debug("version announcements unavailable (%s); polling only", exc)
                 self._stop.wait(self.poll_interval)
+            except ShoalError as exc:  # no broker configured or startable: polling only
+                log.debug("version announcements unavailable (%s); polling only", exc)
+                self._stop.wait(max(self.poll_interval, 5.0))
 
     def close(self) -> None:
-        """Stop following new versions."""
+        """Stop following new versions and release the segments this service holds."""
         self._stop.set()
         self._wake.set()
         for t in self._threads:
             t.join(timeout=5)
+        with self._lock:
+            self._views.clear()
+            self._used.clear()
+            self._tails.clear()
+        self.cache.release(id(self))
+
+
+class Searcher:
+    """Serves searches of one tenant's indexes: a scope over a `SearchService` (the process's, in the API;
+    a private one from `Shoal.searcher()`). Thread-safe."""
+
+    def __init__(self, service: SearchService, scope: Scope, *, owns_service: bool = False) -> None:
+        self.service = service
+        self.scope = scope
+        self._owns_service = owns_service
+
+    def search(self, index_name: str, index_version: str, queries: Any, k: int, **options: Any) -> list[Hits]:
+        """The k nearest data points for each query vector, nearest first, at the requested consistency.
+
+        Options: `split_filter` (attribute -> value), `retrieve_vectors`, `consistency` (eventual by default,
+        `Consistency.at_least(token)`, `Consistency.strong()`). Time travel: `tag` searches the versions a tag
+        pinned (as they were); `as_of` answers exactly as of that seq (a write token's), from the newest kept
+        version at or below it plus the log up to it. `search_params` overrides the index's query-time
+        parameters for this search only, without a rebuild: `ef_search` for HNSW, `nprobe` for IVF (unknown
+        names and bad values raise ValidationError).
+        """
+        return self.service.search(self.scope, index_name, index_version, queries, k, **options)
+
+    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
+        """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
+        by the index before a move or wholly by the one after it."""
+        target = self.scope.aliases.get(alias)
+        return self.search(target.index_name, target.index_version, queries, k, **options)
+
+    def view(self, index_name: str, index_version: str) -> IndexView:
+        """The index as currently served, loading it on first use."""
+        return self.service.view(self.scope, index_name, index_version)
+
+    def loaded(self, index_name: str, index_version: str) -> bool:
+        """True when the index is loaded: an eventual search of it reads nothing from the catalog or storage."""
+        return (self.scope.tenant_id, index_name, index_version) in self.service._views
+
+    def served_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
+        """Shard number -> the watermark this searcher serves."""
+        return {s.shard_no: s.watermark for s in self.view(index_name, index_version).shards}
+
+    def refresh(self) -> None:
+        """Load, now, any newer active version of the indexes served (every tenant's of the service)."""
+        self.service.refresh()
+
+    def close(self) -> None:
+        """Stop following new versions (when this searcher made its service; the process's stays)."""
+        if self._owns_service:
+            self.service.close()

@@ -1,29 +1,24 @@
-"""Per-process state of a worker: settings, catalog engine, storage and the shard builder, made once."""
+"""Per-process state of a worker: the runtime (settings, catalog pool, storage, broker) and the shard builder,
+made once per process."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
-import redis
-from sqlalchemy import Engine
-
-from shoal.catalog.db import make_engine, migrate, resolve_database_url
-from shoal.config.celery_app import broker_url
 from shoal.config.settings import Settings
 from shoal.indexing.builder import MergePolicy, ShardBuilder
-from shoal.storage import Storage
+from shoal.runtime import Runtime
+from shoal.searcher.announce import announce_version
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerContext:
-    """What every task of this process shares."""
+    """What every task of this process shares: the runtime (settings, catalog pool, storage, broker client) and
+    the shard builder."""
 
-    settings: Settings
-    engine: Engine
-    storage: Storage
+    runtime: Runtime
     builder: ShardBuilder
-    redis: redis.Redis
 
 
 _lock = threading.Lock()
@@ -35,22 +30,17 @@ def get() -> WorkerContext:
     global _context
     with _lock:
         if _context is None:
-            from shoal.searcher.searcher import announce_version
-
-            settings = Settings()
-            url = resolve_database_url(settings)
-            migrate(url)
-            engine = make_engine(url)
-            storage = Storage.from_settings(settings)
-            broker = broker_url(settings)
+            runtime = Runtime(Settings())
+            broker = runtime.broker_url()
+            settings = runtime.settings
             builder = ShardBuilder(
-                engine,
-                storage,
+                runtime.engine,
+                runtime.storage,
                 lease_seconds=settings.lease_seconds,
                 policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
                 on_publish=lambda shard, version: announce_version(broker, shard, version),
             )
-            _context = WorkerContext(settings, engine, storage, builder, redis.Redis.from_url(broker))
+            _context = WorkerContext(runtime, builder)
         return _context
 
 

@@ -175,7 +175,7 @@ def measure_recall(
     exact k-th distance (so ties cannot make an exact engine look inexact). None for sparse sources."""
     if source.spec.vectors_are_sparse:
         return None
-    cache = SegmentCache()
+    cache = SegmentCache(keep_unheld=True)
     views = []
     for shard in index.shards:
         active = shards.active_version(shard.id)

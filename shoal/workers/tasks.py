@@ -47,14 +47,15 @@ class ShoalTask(Task):
 def materialize_shard(shard_id: int) -> dict[str, Any]:
     """Bring one index shard up to its data source's head; queue a merge when the policy asks for one."""
     ctx = context.get()
-    started(ctx.redis, MATERIALIZE, shard_id)
+    rt = ctx.runtime
+    started(rt.redis(), MATERIALIZE, shard_id)
     try:
         result = ctx.builder.materialize(shard_id)
     except NotFoundError:
         log.info("shard %s is gone (index dropped); nothing to do", shard_id)
         return {"shard": shard_id, "dropped": True}
     if ctx.builder.needs_merge(shard_id):
-        enqueue(ctx.redis, app, MERGE, shard_id, ctx.settings.pending_ttl_s)
+        enqueue(rt.redis(), app, MERGE, shard_id, rt.settings.pending_ttl_s)
     return {"shard": shard_id, "version": result.version_id, "watermark": result.watermark, "changed": result.changed}
 
 
@@ -62,7 +63,8 @@ def materialize_shard(shard_id: int) -> dict[str, Any]:
 def merge_shard(shard_id: int) -> dict[str, Any]:
     """Merge the segments the policy picks in one index shard."""
     ctx = context.get()
-    started(ctx.redis, MERGE, shard_id)
+    rt = ctx.runtime
+    started(rt.redis(), MERGE, shard_id)
     try:
         result = ctx.builder.merge(shard_id)
     except NotFoundError:
@@ -76,9 +78,10 @@ def sweep() -> dict[str, int]:
     SHOAL_SWEEP_INTERVAL_S): the safety net for triggers a broker outage dropped. Coalesced by `enqueue`, so
     runs that overlap, with each other or with commits, queue each shard at most once."""
     ctx = context.get()
+    rt = ctx.runtime
     lagging = 0
     for shard_id, built, head in ctx.builder.shards.all_shards():
-        if built < head and enqueue(ctx.redis, app, MATERIALIZE, shard_id, ctx.settings.pending_ttl_s):
+        if built < head and enqueue(rt.redis(), app, MATERIALIZE, shard_id, rt.settings.pending_ttl_s):
             lagging += 1
     return {"lagging": lagging}
 
@@ -89,12 +92,13 @@ def sweep_merges() -> dict[str, int]:
     SHOAL_MERGE_INTERVAL_S). A lagging shard is left to its materialization, which queues the merge after
     it. Coalesced by `enqueue`, like `sweep`."""
     ctx = context.get()
+    rt = ctx.runtime
     merges = 0
     for shard_id, built, head in ctx.builder.shards.all_shards():
         if (
             built >= head
             and ctx.builder.needs_merge(shard_id)
-            and enqueue(ctx.redis, app, MERGE, shard_id, ctx.settings.pending_ttl_s)
+            and enqueue(rt.redis(), app, MERGE, shard_id, rt.settings.pending_ttl_s)
         ):
             merges += 1
     return {"merges": merges}
@@ -108,7 +112,9 @@ def purge_trash() -> dict[str, Any]:
     from shoal.catalog.trash import purge_due
 
     ctx = context.get()
-    result = purge_due(ctx.engine, ctx.storage)
+
+    rt = ctx.runtime
+    result = purge_due(rt.engine, rt.storage)
     if result.sources or result.pending:
         log.info("purge_trash: purged %d data sources, deleted %d files and folders (%d left by an earlier run)",
                  len(result.sources), result.files, result.pending)
@@ -123,10 +129,11 @@ def compact_log(source_id: int) -> dict[str, Any]:
     """Compact one data source's log below the lowest watermark of its indexes. Idempotent: a second run
     finds nothing to rewrite; one overlapping it loses the swap and discards its files."""
     ctx = context.get()
-    started(ctx.redis, COMPACT_LOG, source_id)
+    rt = ctx.runtime
+    started(rt.redis(), COMPACT_LOG, source_id)
     try:
         result = compaction.compact_log(
-            ctx.engine, ctx.storage, source_id, compaction.CompactionPolicy.from_settings(ctx.settings)
+            rt.engine, rt.storage, source_id, compaction.CompactionPolicy.from_settings(rt.settings)
         )
     except NotFoundError:
         return {"source": source_id, "dropped": True}
@@ -138,12 +145,13 @@ def sweep_compaction() -> dict[str, int]:
     """Queue a compaction of every data source whose log is worth compacting (beat runs this every
     SHOAL_COMPACTION_INTERVAL_S). Coalesced by `enqueue`: at most one pending compaction per source."""
     ctx = context.get()
+    rt = ctx.runtime
     queued = 0
     due = compaction.due_for_compaction(
-        ctx.engine, min_seqs=ctx.settings.compaction_min_seqs, tombstone_retention_s=ctx.settings.tombstone_retention_s
+        rt.engine, min_seqs=rt.settings.compaction_min_seqs, tombstone_retention_s=rt.settings.tombstone_retention_s
     )
     for source_id in due:
-        if enqueue(ctx.redis, app, COMPACT_LOG, source_id, ctx.settings.pending_ttl_s):
+        if enqueue(rt.redis(), app, COMPACT_LOG, source_id, rt.settings.pending_ttl_s):
             queued += 1
     return {"due": len(due), "queued": queued}
 
@@ -154,17 +162,18 @@ def apply_retention() -> dict[str, int]:
     (beat runs this every SHOAL_RETENTION_INTERVAL_S), then queue the indexes' materialization. Idempotent:
     what one run expired the next finds deleted; an overlapping run's commit is refused under the lock."""
     ctx = context.get()
+    rt = ctx.runtime
     sources = expired = failed = 0
-    for record in retention.sources_with_retention(ctx.engine):
+    for record in retention.sources_with_retention(rt.engine):
         sources += 1
         try:
             result = retention.apply_retention(
-                ctx.engine,
-                ctx.storage,
+                rt.engine,
+                rt.storage,
                 record,
-                max_batch_points=ctx.settings.max_batch_points,
-                lock_timeout_ms=ctx.settings.lock_timeout_ms,
-                commit_retries=ctx.settings.commit_retries,
+                max_batch_points=rt.settings.max_batch_points,
+                lock_timeout_ms=rt.settings.lock_timeout_ms,
+                commit_retries=rt.settings.commit_retries,
             )
         except (NotFoundError, CommitError) as exc:  # dropped meanwhile, or too busy: the next run retries
             failed += 1
@@ -176,7 +185,7 @@ def apply_retention() -> dict[str, int]:
             continue
         if result.expired:
             expired += result.expired
-            notify_indexers(ctx.redis, app, ctx.builder.shards.shards_of_source(record.id), ctx.settings.pending_ttl_s)
+            notify_indexers(rt.redis(), app, ctx.builder.shards.shards_of_source(record.id), rt.settings.pending_ttl_s)
     return {"sources": sources, "expired": expired, "skipped": failed}
 
 
@@ -185,8 +194,9 @@ def collect_garbage() -> dict[str, int]:
     """Delete the files no catalog row references once their grace period (SHOAL_GC_GRACE_S) ended, in every
     tenant, logging each (beat runs this every SHOAL_GC_INTERVAL_S). Safe to overlap with itself."""
     ctx = context.get()
+    rt = ctx.runtime
     result = gc.collect_garbage(
-        ctx.engine, ctx.storage, grace_s=ctx.settings.gc_grace_s, lock_timeout_ms=ctx.settings.lock_timeout_ms
+        rt.engine, rt.storage, grace_s=rt.settings.gc_grace_s, lock_timeout_ms=rt.settings.lock_timeout_ms
     )
     return result.to_json()
 
@@ -198,13 +208,15 @@ SWEEP_GENERATIONS = "shoal.workers.tasks.sweep_generations"
 @app.task(base=ShoalTask, name=REINDEX)
 def reindex(job_id: int) -> dict[str, Any]:
     """Build, check and swap in the generation of one reindex job (see shoal.workers.reindex)."""
-    from shoal.config.celery_app import broker_url
-    from shoal.searcher.searcher import announce_index
+    from shoal.config.broker import broker_url
+    from shoal.searcher.announce import announce_index
     from shoal.workers.reindex import run_reindex
 
     ctx = context.get()
-    broker = broker_url(ctx.settings)
-    outcome = run_reindex(ctx.engine, ctx.storage, job_id, builder=ctx.builder,
+
+    rt = ctx.runtime
+    broker = broker_url(rt.settings)
+    outcome = run_reindex(rt.engine, rt.storage, job_id, builder=ctx.builder,
                           on_swap=lambda index: announce_index(broker, index))
     return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error}
 
@@ -217,12 +229,14 @@ def sweep_generations() -> dict[str, int]:
     from shoal.workers.reindex import drop_expired_generations
 
     ctx = context.get()
+
+    rt = ctx.runtime
     from shoal.catalog.generations import Generations
     from shoal.workers.triggers import QUEUE
 
     # Jobs no worker is running (their task was never queued, or was lost): queue them again.
-    for job_id in Generations(ctx.engine).stalled(600.0):
+    for job_id in Generations(rt.engine).stalled(600.0):
         app.send_task(REINDEX, args=[job_id], queue=QUEUE)
-    dropped = drop_expired_generations(ctx.engine, ctx.storage, ctx.settings.reindex_keep_s)
-    pruned = prune_versions(ctx.engine, ctx.settings.version_keep_s, ctx.settings.gc_grace_s)
+    dropped = drop_expired_generations(rt.engine, rt.storage, rt.settings.reindex_keep_s)
+    pruned = prune_versions(rt.engine, rt.settings.version_keep_s, rt.settings.gc_grace_s)
     return {"dropped": dropped, "pruned": pruned}

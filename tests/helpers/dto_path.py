@@ -1,4 +1,5 @@
-"""Between Vektonn's DTOs and Shoal's records, checking each attribute's value slot against its declared type."""
+"""The Vektonn routes' former path, kept as the oracle shoal.vektonn.wire is compared with: pydantic DTOs to
+Shoal's records, checking each attribute's value slot against its declared type."""
 
 from __future__ import annotations
 

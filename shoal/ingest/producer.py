@@ -1,0 +1,74 @@
+"""Producers: upload batches to one data source through the process's log writer (group commit)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shoal.catalog.repo import SourceRecord
+from shoal.errors import ValidationError
+from shoal.ingest.batch import columns_to_table, points_to_table
+from shoal.ingest.writer import LogWriter
+from shoal.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
+
+
+class Producer:
+    """Uploads batches to one data source. Thread-safe; concurrent uploads share commits."""
+
+    def __init__(self, source: SourceRecord, writer: LogWriter, max_batch_points: int) -> None:
+        self.source = source
+        self._writer = writer
+        self._max = max_batch_points
+
+    @property
+    def spec(self) -> DataSourceSpec:
+        """The data source's definition batches are validated against."""
+        return self.source.spec
+
+    def _token(self, seq: int) -> WriteToken:
+        return WriteToken(seq, self.source.spec.name, self.source.spec.version)
+
+    def upload(self, items: Sequence[DataPoint | Tombstone], *, batch_id: str | None = None) -> WriteToken:
+        """Append a batch of data points and tombstones, all or nothing.
+
+        Returns once the batch is durable and committed; its token is the seq of its last entry. A batch
+        id that already committed returns the original token and writes nothing.
+        """
+        table = points_to_table(self.spec, items, self._max)
+        return self._token(self._writer.submit(table, _batch_id(batch_id)))
+
+    def upload_columns(
+        self,
+        vectors: np.ndarray,
+        attributes: Mapping[str, Sequence[Any] | np.ndarray | pa.Array],
+        *,
+        batch_id: str | None = None,
+    ) -> WriteToken:
+        """Append a columnar batch of upserts: `vectors` [n, dim] and one column per attribute."""
+        table = columns_to_table(self.spec, vectors, attributes, self._max)
+        return self._token(self._writer.submit(table, _batch_id(batch_id)))
+
+    def append_tables(self, batches: Sequence[tuple[pa.Table, str | None]]) -> list[WriteToken]:
+        """Append batches already validated against this source (by `shoal.ingest.batch` or the intake codec),
+        each all or nothing under its own batch id, sharing commits; their tokens, in order. A batch id that
+        already committed returns its original token and writes nothing."""
+        checked = [(table, _batch_id(batch_id)) for table, batch_id in batches]
+        return [self._token(seq) for seq in self._writer.submit_many(checked)]
+
+    def delete(
+        self, keys: Mapping[str, Sequence[Any] | np.ndarray | pa.Array], *, batch_id: str | None = None
+    ) -> WriteToken:
+        """Append tombstones for the keys given as one column per permanent attribute."""
+        table = columns_to_table(self.spec, None, keys, self._max, delete=True)
+        return self._token(self._writer.submit(table, _batch_id(batch_id)))
+
+
+def _batch_id(batch_id: str | None) -> str | None:
+    if batch_id is None:
+        return None
+    if not isinstance(batch_id, str) or not 1 <= len(batch_id) <= 200:
+        raise ValidationError("batch id must be a string of 1 to 200 characters")
+    return batch_id

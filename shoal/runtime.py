@@ -1,0 +1,207 @@
+"""One runtime per process: the catalog pool, storage, the broker and Redis clients, log writers and the
+searchers' segment cache, shared by every tenant the process serves (DESIGN.md, "Processes").
+
+A tenant is a cheap scope over it (`Runtime.scope`): a tenant id and the repositories filtered by it, no
+connection of its own. So one API process serving many tenants holds one pool of catalog connections, sized
+by SHOAL_DB_POOL_SIZE and SHOAL_DB_MAX_OVERFLOW, however many tenants call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from sqlalchemy.exc import OperationalError
+
+from shoal.artifacts.segment import SegmentCache
+from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
+from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
+from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.config.broker import broker_url
+from shoal.config.settings import Settings, mask_url
+from shoal.errors import ConfigurationError
+from shoal.ingest.backpressure import Backpressure
+from shoal.ingest.writer import LogWriter
+from shoal.storage import Storage
+
+log = logging.getLogger(__name__)
+
+# Index definitions change rarely: a commit looks up the shards to notify at most this often per source.
+SHARDS_OF_TTL_S = 2.0
+# How long an upload route may reuse a data source's definition instead of reading it per request. Safe: the
+# commit re-reads the source under its row lock and refuses a dropped or trashed one.
+SOURCE_TTL_S = 2.0
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One tenant over a runtime: its id and the repositories that filter by it. Cheap: no connection."""
+
+    runtime: Runtime
+    tenant: str
+    tenant_id: int
+    catalog: Catalog
+    indexes: IndexCatalog
+    aliases: AliasCatalog
+
+
+class Runtime:
+    """What every tenant of this process shares. Thread-safe; `close()` releases connections and clients."""
+
+    def __init__(self, settings: Settings | None = None, *, notify: bool = True) -> None:
+        self.settings = settings or Settings()
+        self.notify = notify  # queue index materialization after each commit
+        self.database_url = resolve_database_url(self.settings)
+        self.engine = make_engine(
+            self.database_url, pool_size=self.settings.db_pool_size, max_overflow=self.settings.db_max_overflow
+        )
+        try:
+            # The embedded default migrates on first start; a configured catalog is migrated by `shoal migrate`.
+            ensure_schema(self.engine, self.database_url, auto_migrate=self.settings.database_url is None)
+        except OperationalError as exc:
+            self.engine.dispose()
+            reason = str(exc.orig or exc).strip().splitlines()[0]
+            raise ConfigurationError(f"cannot reach the catalog at {mask_url(self.database_url)}: {reason}") from exc
+        except BaseException:
+            self.engine.dispose()
+            raise
+        self.storage = Storage.from_settings(self.settings)
+        self.shards = ShardCatalog(self.engine)
+        self.backpressure = Backpressure(
+            self.shards, self.settings.max_index_lag_seqs, self.settings.backpressure_retry_after_s
+        )
+        self.segment_cache = SegmentCache(self.settings.searcher_cache_bytes)
+        self._lock = threading.Lock()
+        self._scopes: dict[str, Scope] = {}
+        self._writers: dict[int, LogWriter] = {}
+        self._shards_of: dict[int, tuple[float, list[int]]] = {}
+        self._sources: dict[tuple[int, str, str], tuple[float, SourceRecord]] = {}
+        self._broker_url: str | None = None
+        self._redis: redis.Redis | None = None
+        self._celery: Any = None
+
+    # -- tenants ------------------------------------------------------------------------------------------
+
+    def scope(self, tenant: str) -> Scope:
+        """The tenant's scope (its catalog row is created on first use, then remembered)."""
+        with self._lock:
+            found = self._scopes.get(tenant)
+        if found is not None:
+            return found
+        catalog = Catalog(self.engine, tenant)  # validates the name, creates the tenant row if needed
+        made = Scope(
+            self,
+            catalog.tenant,
+            catalog.tenant_id,
+            catalog,
+            IndexCatalog(self.engine, catalog.tenant_id, catalog.tenant),
+            AliasCatalog(self.engine, catalog.tenant_id, catalog.tenant),
+        )
+        with self._lock:
+            return self._scopes.setdefault(tenant, made)
+
+    # -- the broker -----------------------------------------------------------------------------------------
+
+    def broker_url(self) -> str:
+        """The Redis URL of the broker: configured, or the embedded Valkey (started on first call)."""
+        if self._broker_url is None:
+            self._broker_url = broker_url(self.settings)
+        return self._broker_url
+
+    def redis(self) -> redis.Redis:
+        """The process's Redis client on the broker (a pooled, thread-safe client; short timeouts)."""
+        with self._lock:
+            if self._redis is None:
+                self._redis = redis.Redis.from_url(self.broker_url(), socket_connect_timeout=2, socket_timeout=2)
+            return self._redis
+
+    def celery(self) -> Any:
+        """A Celery app that only sends Shoal's tasks to the broker."""
+        from shoal.workers.triggers import producer_app
+
+        with self._lock:
+            if self._celery is None:
+                self._celery = producer_app(self.broker_url())
+            return self._celery
+
+    # -- writing ------------------------------------------------------------------------------------------
+
+    def writer(self, source: SourceRecord) -> LogWriter:
+        """The process's log writer of a data source: every upload to it in this process shares its group
+        commits, whichever tenant scope or thread sends it."""
+        with self._lock:
+            writer = self._writers.get(source.id)
+            if writer is None:
+                writer = LogWriter(
+                    self.engine,
+                    self.storage,
+                    source,
+                    group_max_points=self.settings.group_commit_max_points,
+                    retries=self.settings.commit_retries,
+                    lock_timeout_ms=self.settings.lock_timeout_ms,
+                )
+                writer.after_commit = self.after_commit
+                self._writers[source.id] = writer
+            return writer
+
+    def source(self, scope: Scope, name: str, version: str) -> SourceRecord:
+        """The data source's definition, read from the catalog at most every SOURCE_TTL_S per process (the
+        upload routes ask on every request). NotFoundError if absent."""
+        key = (scope.tenant_id, name, version)
+        found = self._sources.get(key)
+        if found is not None and time.monotonic() - found[0] < SOURCE_TTL_S:
+            return found[1]
+        record = scope.catalog.get_data_source(name, version)
+        self._sources[key] = (time.monotonic(), record)
+        return record
+
+    def forget_source(self, source_id: int) -> None:
+        """Drop what the runtime keeps for a data source that is gone (its writer, its shard list, its
+        definition)."""
+        with self._lock:
+            self._writers.pop(source_id, None)
+            self._shards_of.pop(source_id, None)
+            for key in [k for k, (_, r) in self._sources.items() if r.id == source_id]:
+                del self._sources[key]
+
+    def forget_shards(self, source_id: int) -> None:
+        """Look the data source's shards up again at the next commit (an index over it was created)."""
+        with self._lock:
+            self._shards_of.pop(source_id, None)
+
+    def after_commit(self, source_id: int) -> None:
+        """After a commit (never before): queue materialization of every shard over the data source."""
+        if not self.notify:
+            return
+        cached = self._shards_of.get(source_id)
+        if cached is None or time.monotonic() - cached[0] > SHARDS_OF_TTL_S:
+            cached = (time.monotonic(), self.shards.shards_of_source(source_id))
+            self._shards_of[source_id] = cached
+        if not cached[1]:
+            return
+        from shoal.workers.triggers import notify_indexers
+
+        notify_indexers(self.redis(), self.celery(), cached[1], self.settings.pending_ttl_s)
+
+    # -- life -----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the catalog connections and the broker clients."""
+        with self._lock:
+            client, self._redis = self._redis, None
+            self._celery = None
+            self._scopes.clear()
+            self._writers.clear()
+        if client is not None:
+            client.close()
+        self.engine.dispose()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""Vektonn's wire format, decoded and encoded without a DTO object per data point."""
