@@ -8,6 +8,8 @@ them. Deletions never touch a segment: a version lists deleted row numbers in a 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime as dt
 import hashlib
 import io
@@ -224,9 +226,14 @@ class SegmentCache:
 
     def _drop_unheld(self) -> None:
         live = self._live()
-        for seg_id in [i for i in self._items if i not in live]:
+        gone = [i for i in self._items if i not in live]
+        for seg_id in gone:
             del self._items[seg_id]
         self.bytes = sum(seg.nbytes for seg in self._items.values())
+        if gone:
+            # Called under the lock, but cheap next to the load that replaced them; without it a long-running
+            # searcher keeps the freed pages (bench/soak.py: RSS of a following API vs a fresh one).
+            release_free_memory()
 
     def _trim_unheld(self) -> None:
         live = self._live()
@@ -243,6 +250,24 @@ class SegmentCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+def release_free_memory() -> None:
+    """Hand memory freed by dropped segments back to the system: Arrow's pool keeps freed blocks for reuse,
+    and glibc's malloc keeps freed heap pages (hnswlib's graphs, NumPy arrays) unless trimmed."""
+    pa.default_memory_pool().release_unused()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
