@@ -52,12 +52,12 @@ class Principal:
 
     def allows(self, role: str | Role) -> bool:
         """True when this principal's role includes `role`."""
-        return self.role.rank >= Role.parse(role).rank
+        return _RANKS[self.role] >= _RANKS[role if type(role) is Role else Role.parse(role)]
 
 
 def require(principal: Principal, role: str | Role) -> Principal:
     """Return `principal` if its role includes `role`; PermissionDeniedError otherwise."""
-    needed = Role.parse(role)
+    needed = role if type(role) is Role else Role.parse(role)  # every request asks: no parse for a Role
     if not principal.allows(needed):
         who = "the anonymous tenant" if principal.anonymous else f"API key {principal.key_id}"
         raise PermissionDeniedError(

@@ -85,6 +85,25 @@ _DENSE_KEYS = frozenset(("isSparse", "coordinates"))
 _NUMBERS = frozenset((int, float))
 _COORDINATE_TYPES = frozenset((float, int, bool))  # a JSON boolean reads as 1 or 0, as the DTO read it
 
+
+def _dense_numbers(raw: Any) -> np.ndarray | None:
+    """A dense vector's coordinates as float64, when they are a JSON array of numbers (booleans reading as 1 or
+    0, as the DTO read them); None otherwise, and the per-value checks then name what is wrong.
+
+    NumPy's type discovery runs in C: a list of numbers becomes a numeric array, anything else (a string, a
+    null, a nested array, an integer beyond 64 bits) an array of another kind. The values are the doubles
+    float() gives, so they round to float32 as before.
+    """
+    if type(raw) is not list:
+        return None
+    try:
+        array = np.asarray(raw)
+    except (ValueError, OverflowError):  # ragged nesting and the like
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "fiub":
+        return None
+    return array.astype(np.float64, copy=False)
+
 # An attribute after phase 1: (key, slot, value); a vector: (is sparse, coordinates, coordinate indices).
 Entry = tuple[str, str, Any]
 Vector = tuple[bool, list[float], list[int] | None]
@@ -423,7 +442,10 @@ def _vector(raw: Any, position: int | None, attribute: str, problems: list[Probl
         problems.append(Problem("a vector needs coordinates", position, attribute))
     else:
         raw_coordinates = vector["coordinates"]
-        if type(raw_coordinates) is not list:
+        numbers = _dense_numbers(raw_coordinates) if sparse is False else None
+        if numbers is not None:
+            coordinates = numbers  # type: ignore[assignment]
+        elif type(raw_coordinates) is not list:
             problems.append(Problem(f"coordinates must be a JSON array of numbers, got {_jtype(raw_coordinates)}",
                                     position, attribute))
         elif not set(map(type, raw_coordinates)) <= _COORDINATE_TYPES:
@@ -718,7 +740,11 @@ def _vector_json(vector: Any) -> dict[str, Any]:
         if vector["isSparse"]:
             return {"isSparse": True, "coordinates": list(map(float, vector["coordinates"])),
                     "coordinateIndices": list(map(int, vector["coordinateIndices"]))}
-        return {"isSparse": False, "coordinates": list(map(float, vector["coordinates"]))}
+        coordinates = vector["coordinates"]
+        if isinstance(coordinates, np.ndarray) and coordinates.dtype == np.float64:
+            # orjson writes a float64 array as it writes the same Python floats, in C.
+            return {"isSparse": False, "coordinates": coordinates}
+        return {"isSparse": False, "coordinates": list(map(float, coordinates))}
     if isinstance(vector, SparseVector):
         return {"isSparse": True, "coordinates": list(map(float, vector.values)),
                 "coordinateIndices": list(map(int, vector.indices))}
