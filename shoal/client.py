@@ -47,6 +47,8 @@ class Shoal:
         notify: bool = True,
         runtime: Runtime | None = None,
     ) -> None:
+        if runtime is not None and settings is not None and settings is not runtime.settings:
+            raise ValueError("pass settings or a runtime (which has its settings), not both")
         self._owns_runtime = runtime is None
         self.runtime = runtime if runtime is not None else Runtime(settings, notify=notify)
         try:
