@@ -73,6 +73,8 @@ apibench = _load_api_bench()
 Server = apibench.Server
 LightClient = apibench.LightClient
 rss_bytes: Callable[[int], int] = apibench.rss_bytes
+_interrupt = apibench._interrupt  # SIGTERM as Ctrl-C, so cleanup runs
+_load = apibench._load  # the load average, for the report
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -484,14 +486,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.update_share + args.delete_share < 1:
         p.error("--update-share + --delete-share must be in [0, 1)")
     return args
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
