@@ -114,18 +114,20 @@ class Runtime:
 
     def redis(self) -> redis.Redis:
         """The process's Redis client on the broker (a pooled, thread-safe client; short timeouts)."""
+        url = self.broker_url()  # outside the lock: it may start the embedded Valkey
         with self._lock:
             if self._redis is None:
-                self._redis = redis.Redis.from_url(self.broker_url(), socket_connect_timeout=2, socket_timeout=2)
+                self._redis = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
             return self._redis
 
     def celery(self) -> Any:
         """A Celery app that only sends Shoal's tasks to the broker."""
         from shoal.workers.triggers import producer_app
 
+        url = self.broker_url()
         with self._lock:
             if self._celery is None:
-                self._celery = producer_app(self.broker_url())
+                self._celery = producer_app(url)
             return self._celery
 
     # -- writing ------------------------------------------------------------------------------------------
