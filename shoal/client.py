@@ -221,10 +221,11 @@ class Shoal:
         if wait:
             run_reindex(self.engine, self.storage, job.id, on_swap=self._announce_index)
         else:
-            from shoal.workers.triggers import QUEUE, producer_app
+            from shoal.workers.names import QUEUE, REINDEX
+            from shoal.workers.triggers import producer_app
 
             try:
-                producer_app(self.broker_url()).send_task("shoal.workers.tasks.reindex", args=[job.id], queue=QUEUE)
+                producer_app(self.broker_url()).send_task(REINDEX, args=[job.id], queue=QUEUE)
             except Exception as exc:  # noqa: BLE001 - the job is recorded; beat's sweep_generations queues it
                 log.warning("could not queue reindex job %s now (%s); the next sweep will", job.id, exc)
         return self.generations.job(job.id)

@@ -171,6 +171,7 @@ def test_swap_under_continuous_search_every_answer_from_one_generation(local_sho
         searcher.close()
 
 
+@pytest.mark.slow
 def test_reindex_over_http_runs_in_a_real_worker_and_shows_progress(make_settings, redis_url) -> None:  # type: ignore[no-untyped-def]
     import httpx
     from conftest import serve_api, start_worker, stop_process, wait_for
@@ -206,3 +207,78 @@ def test_reindex_over_http_runs_in_a_real_worker_and_shows_progress(make_setting
             assert httpx.post(f"{base}/api/v1/search/ix/1", json=body, timeout=30).status_code == 200
     finally:
         stop_process(worker)
+
+
+def test_a_reindex_task_run_is_one_bounded_step_while_the_new_generation_lags(  # type: ignore[no-untyped-def]
+    make_settings, redis_url, monkeypatch
+) -> None:
+    """The reindex task never waits for the new generation to catch up (that may take longer than the broker's
+    visibility timeout, which would redeliver the task while it runs): while the generation lags (here: another
+    worker holds its shard's lease, so it cannot be built), each run records progress, queues the shard's
+    materialization and its own continuation, and returns within seconds; a later run swaps it in."""
+    import os
+    import time
+
+    from conftest import settings_env
+
+    from shoal.catalog.indexes import ShardCatalog
+    from shoal.workers import tasks
+    from shoal.workers.base import ShoalTask
+    from shoal.workers.names import MATERIALIZE_SHARD, REINDEX
+
+    settings = make_settings("local", redis_url=redis_url)
+    for key in [k for k in os.environ if k.startswith("SHOAL_")]:
+        monkeypatch.delenv(key)
+    for key, value in settings_env(settings).items():
+        if key.startswith("SHOAL_"):
+            monkeypatch.setenv(key, value)
+    queued: list[tuple[str, int, float | None]] = []
+
+    def record(client, celery, task, item_id, pending_ttl_s=120.0, countdown=None) -> bool:  # type: ignore[no-untyped-def]
+        queued.append((task, item_id, countdown))
+        return True
+
+    monkeypatch.setattr(tasks, "enqueue", record)
+    ShoalTask.reset_context()
+    with Shoal(settings, notify=False) as shoal:
+        _setup(shoal, n=300)
+        job = start_reindex(shoal.catalog, shoal.indexes, "ix", "1", algorithm="hnsw", params=HNSW16)
+        shards = ShardCatalog(shoal.engine)
+        found = shards.index_by_id(job.to_index_id)  # type: ignore[arg-type]
+        assert found is not None
+        new_shards = [s.id for s in found[1].shards]
+        for shard_id in new_shards:
+            assert shards.acquire_lease(shard_id, "another-worker", 600)
+        try:
+            for run in range(3):
+                outcome: list[dict[str, object]] = []
+                runner = threading.Thread(target=lambda out=outcome: out.append(tasks.reindex(job.id)),
+                                          daemon=True)
+                began = time.monotonic()
+                runner.start()
+                runner.join(20)
+                took = time.monotonic() - began
+                assert not runner.is_alive(), f"run {run} of the reindex task still waits after {took:.0f} s"
+                assert took < 10, took
+                assert outcome[0]["state"] == "building" and outcome[0]["continues"] is True
+                assert queued[-1] == (REINDEX, job.id, tasks.REINDEX_STEP_DELAY_S)  # its continuation
+                assert 0 < tasks.REINDEX_STEP_DELAY_S <= 30
+                assert {(MATERIALIZE_SHARD, s, None) for s in new_shards} <= set(queued)
+                now = shoal.reindex_jobs("ix", "1")[0]
+                assert now.state == "building" and now.progress < 1.0
+            assert sum(1 for q in queued if q[0] == REINDEX) == 3
+            # The lease ends and a worker builds the shard: the next run swaps the generation in.
+            builder = ShardBuilder(shoal.engine, shoal.storage)
+            for shard_id in new_shards:
+                shards.release_lease(shard_id, "another-worker")
+                builder.materialize(shard_id)
+            queued.clear()
+            done = tasks.reindex(job.id)
+            assert done["state"] == "swapped" and done["continues"] is False
+            assert not any(q[0] == REINDEX for q in queued)  # nothing more to run
+            assert shoal.reindex_jobs("ix", "1")[0].progress == 1.0
+            assert shoal.get_index("ix", "1").spec.algorithm == "hnsw"
+        finally:
+            if shoal.generations.running(shoal.catalog.tenant_id, "ix", "1") is not None:
+                shoal.cancel_reindex("ix", "1")  # ends a run that polls (the code before the continuation)
+            ShoalTask.reset_context()

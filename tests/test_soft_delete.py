@@ -30,7 +30,7 @@ from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, Lo
 from shoal.catalog.trash import Trash, pending_files, purge_due
 from shoal.config.settings import Settings
 from shoal.indexing.builder import ShardBuilder
-from shoal.workers import context as worker_context
+from shoal.workers.base import ShoalTask
 
 API = "/api/v1"
 
@@ -165,10 +165,10 @@ def purge_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Settings], 
         for key, value in settings_env(settings).items():
             if key.startswith("SHOAL_"):
                 monkeypatch.setenv(key, value)
-        worker_context.reset()
+        ShoalTask.reset_context()
 
     yield use
-    worker_context.reset()
+    ShoalTask.reset_context()
 
 
 # -- the acceptance cycle ------------------------------------------------------------------------------------
@@ -406,6 +406,7 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
 # -- through a real worker -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_beat_purges_through_a_real_worker(
     served: Callable[..., tuple[httpx.Client, Settings]], redis_url: str
 ) -> None:
@@ -458,6 +459,7 @@ with Shoal() as shoal:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_purge_leaves_no_row_pointing_at_a_missing_file(
     make_settings: Callable[..., Settings],
 ) -> None:

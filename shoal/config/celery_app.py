@@ -5,23 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init
 
 from shoal.config.broker import broker_url
 from shoal.config.settings import Settings
+from shoal.workers.names import (
+    APPLY_RETENTION,
+    COLLECT_GARBAGE,
+    COMPACT_LOG,
+    PURGE_TRASH,
+    QUEUE,
+    SWEEP,
+    SWEEP_COMPACTION,
+    SWEEP_GENERATIONS,
+    SWEEP_MERGES,
+)
 
-__all__ = ["app", "beat_schedule", "broker_url"]
+# The task names are spelled in shoal.workers.names; those this module always exported stay importable here.
+__all__ = ["APPLY_RETENTION", "COLLECT_GARBAGE", "COMPACT_LOG", "PURGE_TRASH", "SWEEP", "SWEEP_COMPACTION",
+           "SWEEP_GENERATIONS", "SWEEP_MERGES", "app", "beat_schedule", "broker_url"]
 
 app = Celery("shoal", include=["shoal.workers.tasks"])
-
-
-SWEEP = "shoal.workers.tasks.sweep"
-SWEEP_MERGES = "shoal.workers.tasks.sweep_merges"
-PURGE_TRASH = "shoal.workers.tasks.purge_trash"
-COMPACT_LOG = "shoal.workers.tasks.compact_log"
-SWEEP_COMPACTION = "shoal.workers.tasks.sweep_compaction"
-APPLY_RETENTION = "shoal.workers.tasks.apply_retention"
-COLLECT_GARBAGE = "shoal.workers.tasks.collect_garbage"
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
@@ -37,8 +40,7 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     if settings.merge_interval_s > 0:
         entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
     if settings.generations_interval_s > 0:  # generations kept for rollback past SHOAL_REINDEX_KEEP_S
-        entries["sweep-generations"] = {"task": "shoal.workers.tasks.sweep_generations",
-                                        "schedule": settings.generations_interval_s}
+        entries["sweep-generations"] = {"task": SWEEP_GENERATIONS, "schedule": settings.generations_interval_s}
     if settings.purge_interval_s > 0:  # the trash: purge soft-deleted datasets whose retention ended
         entries["purge-trash"] = {"task": PURGE_TRASH, "schedule": settings.purge_interval_s}
     # The log's upkeep: compaction of logs worth it, expiry past retention_days, deletion of unreferenced files.
@@ -64,7 +66,7 @@ def _configure(sender: Celery, **_: Any) -> None:
         task_serializer="json",
         accept_content=["json"],
         task_ignore_result=True,
-        task_default_queue="shoal",
+        task_default_queue=QUEUE,
         broker_connection_retry_on_startup=True,
         # A materialization of a big shard may take minutes: redeliver only after a long silence.
         broker_transport_options={"visibility_timeout": settings.task_visibility_timeout_s},
@@ -76,11 +78,3 @@ def _configure(sender: Celery, **_: Any) -> None:
         # Beat's schedule state belongs with the rest of Shoal's files, not in whatever directory it ran from.
         beat_schedule_filename=str(settings.data_dir / "celerybeat-schedule"),
     )
-
-
-@worker_process_init.connect
-def _fresh_connections(**_: Any) -> None:
-    # Forked pool processes must not share the parent's database connections.
-    from shoal.workers.context import reset
-
-    reset()

@@ -1,9 +1,8 @@
-"""Per-process state of a worker: the runtime (settings, catalog pool, storage, broker) and the shard builder,
-made once per process."""
+"""What a worker process shares between its tasks: the runtime (settings, catalog pool, storage, broker) and
+the shard builder. `ShoalTask` (shoal.workers.base) makes one per process, on first use after the fork."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from shoal.config.settings import Settings
@@ -20,32 +19,18 @@ class WorkerContext:
     runtime: Runtime
     builder: ShardBuilder
 
-
-_lock = threading.Lock()
-_context: WorkerContext | None = None
-
-
-def get() -> WorkerContext:
-    """This process's context, created on first use (after fork, so connections are never shared)."""
-    global _context
-    with _lock:
-        if _context is None:
-            runtime = Runtime(Settings())
-            broker = runtime.broker_url()
-            settings = runtime.settings
-            builder = ShardBuilder(
-                runtime.engine,
-                runtime.storage,
-                lease_seconds=settings.lease_seconds,
-                policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
-                on_publish=lambda shard, version: announce_version(broker, shard, version),
-            )
-            _context = WorkerContext(runtime, builder)
-        return _context
-
-
-def reset() -> None:
-    """Forget the context (in a freshly forked process)."""
-    global _context
-    with _lock:
-        _context = None
+    @classmethod
+    def create(cls, settings: Settings | None = None) -> WorkerContext:
+        """A context on `settings` (by default, from the environment): a new runtime and its shard builder,
+        which announces every version it publishes on the runtime's broker."""
+        runtime = Runtime(settings if settings is not None else Settings())
+        broker = runtime.broker_url()
+        settings = runtime.settings
+        builder = ShardBuilder(
+            runtime.engine,
+            runtime.storage,
+            lease_seconds=settings.lease_seconds,
+            policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
+            on_publish=lambda shard, version: announce_version(broker, shard, version),
+        )
+        return cls(runtime, builder)

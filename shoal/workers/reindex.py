@@ -2,9 +2,12 @@
 
 1. `start_reindex` records the job and creates the new generation (an index row under a hidden version, with
    its own empty shards); commits and the sweep queue its materialization like any other index's.
-2. `run_reindex` (a Celery task runs it) builds the new generation from the log up to the head, then catches
-   up until its watermark reaches the head it saw last; it measures recall@k of the new generation against
-   exact search on a sample of stored vectors and swaps it in only when the recall meets the job's gate.
+2. `reindex_step` does one bounded step of the job: it gets the new generation built toward the head (the
+   Celery task queues the shards' materialization; `run_reindex`, the in-process driver, builds them
+   itself), records progress and ETA, and returns while the generation still lags; the task then queues
+   itself again a few seconds later, so no run outlives the broker's visibility timeout. Once the watermark
+   reached the head it saw, the step measures recall@k of the new generation against exact search on a
+   sample of stored vectors and swaps it in only when the recall meets the job's gate.
    The swap renames two catalog rows in one transaction; searchers load the new generation whole, then
    replace their view of the index in one step, so every answer comes from one generation.
 3. A failed or cancelled job leaves the old generation serving and drops its own rows and files; the old
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable
@@ -82,35 +86,63 @@ def start_reindex(
 
 @dataclasses.dataclass(frozen=True)
 class ReindexOutcome:
-    """How a reindex ended."""
+    """Where a reindex stands after a step, or how it ended."""
 
     job_id: int
-    state: str  # swapped | failed | cancelled
+    state: str  # building (not finished: run another step) | swapped | failed | cancelled | rolled_back
     recall: float | None
     error: str | None = None
 
+    @property
+    def finished(self) -> bool:
+        """Whether the job ended (nothing more to run)."""
+        return self.state != "building"
 
-def run_reindex(
+
+# How a step gets the new generation's shards built: `materialize_inline` (in this process) or a function that
+# queues their materialization for the workers.
+Build = Callable[[IndexRecord], None]
+
+
+def materialize_inline(builder: ShardBuilder) -> Build:
+    """Build every shard of the generation in this process, leaving the shards another worker is building
+    right now (it holds the lease; commits and the sweep queue them too) for a later step."""
+
+    def build(index: IndexRecord) -> None:
+        for shard in index.shards:
+            try:
+                builder.materialize(shard.id)
+            except LeaseBusyError:
+                pass
+
+    return build
+
+
+def reindex_step(
     engine: Engine,
     storage: Storage,
     job_id: int,
     *,
-    builder: ShardBuilder | None = None,
+    build: Build,
     sample: int = 200,
     k: int = 10,
     timeout_s: float = 24 * 3600,
     on_swap: Callable[[IndexRecord], None] | None = None,
 ) -> ReindexOutcome:
-    """Build, check and swap the job's generation (idempotent: a job that ended returns its outcome)."""
+    """One bounded step of the job: get the new generation built up to the head (`build`), record its
+    progress and ETA; once it caught up, check recall and swap it in (or fail, if below the gate). Returns
+    state `building` when the generation still lags (run another step later), or how the job ended. Never
+    waits. Idempotent: a job that ended returns its outcome; a job older than `timeout_s` that still lags fails.
+    """
     gens = Generations(engine)
     job = gens.job(job_id)
     if job.state != "building":
         return ReindexOutcome(job_id, job.state, job.recall, job.error)
-    builder = builder or ShardBuilder(engine, storage)
     shards = ShardCatalog(engine)
     try:
         new, source = _generation(engine, job)
-        _catch_up(gens, builder, job, new, timeout_s)
+        if not _advance(gens, build, job, new, timeout_s):
+            return ReindexOutcome(job_id, "building", None)
         if gens.job(job_id).state != "building":
             return _abandon(engine, storage, gens, job, "cancelled", None, "cancelled while building")
         recall = measure_recall(storage, shards, new, source, sample=sample, k=k)
@@ -135,6 +167,30 @@ def run_reindex(
     return ReindexOutcome(job_id, "swapped", recall)
 
 
+def run_reindex(
+    engine: Engine,
+    storage: Storage,
+    job_id: int,
+    *,
+    builder: ShardBuilder | None = None,
+    sample: int = 200,
+    k: int = 10,
+    timeout_s: float = 24 * 3600,
+    on_swap: Callable[[IndexRecord], None] | None = None,
+    poll_s: float = 0.2,
+) -> ReindexOutcome:
+    """Run the job to its end in this process (`Shoal.reindex(wait=True)`): steps that build the shards here,
+    `poll_s` apart while another worker holds a shard's lease (idempotent: a job that ended returns its
+    outcome)."""
+    build = materialize_inline(builder or ShardBuilder(engine, storage))
+    while True:
+        outcome = reindex_step(engine, storage, job_id, build=build, sample=sample, k=k, timeout_s=timeout_s,
+                               on_swap=on_swap)
+        if outcome.finished:
+            return outcome
+        time.sleep(poll_s)  # another worker holds a shard's lease: check again shortly
+
+
 def _generation(engine: Engine, job: JobRecord) -> tuple[IndexRecord, SourceRecord]:
     found = ShardCatalog(engine).index_by_id(job.to_index_id) if job.to_index_id is not None else None
     if found is None:
@@ -143,28 +199,25 @@ def _generation(engine: Engine, job: JobRecord) -> tuple[IndexRecord, SourceReco
     return index, source
 
 
-def _catch_up(gens: Generations, builder: ShardBuilder, job: JobRecord, new: IndexRecord, timeout_s: float) -> None:
-    """Materialize every shard until the lowest built watermark reaches the head seen at the last check."""
-    started = time.monotonic()
-    while True:
-        _, head = gens.shard_progress(new.id)
-        for shard in new.shards:
-            try:
-                builder.materialize(shard.id)
-            except LeaseBusyError:
-                pass  # a worker builds this shard right now (commits queue it too); wait for it below
+def _advance(gens: Generations, build: Build, job: JobRecord, new: IndexRecord, timeout_s: float) -> bool:
+    """Build toward the head once and record progress and ETA (from the job's age); True when the lowest
+    built watermark reached the head seen before building, or the job ended meanwhile; False when it still
+    lags. ReindexConflictError once the job is older than `timeout_s` and still lags."""
+    built, head = gens.shard_progress(new.id)
+    if built < head:
+        build(new)
         built, _ = gens.shard_progress(new.id)
-        elapsed = time.monotonic() - started
-        progress = 1.0 if head == 0 else min(1.0, built / head)
-        eta = elapsed / progress * (1 - progress) if progress > 0 else None
-        gens.set_progress(job.id, progress, eta)
-        if built >= head:
-            return
-        if gens.job(job.id).state != "building":
-            return
-        if elapsed > timeout_s:
-            raise ReindexConflictError(f"the new generation did not catch up within {timeout_s:.0f} s")
-        time.sleep(0.2)  # another worker holds a shard's lease: check again shortly
+    elapsed = max(0.0, (dt.datetime.now(dt.UTC) - job.created_at).total_seconds())
+    progress = 1.0 if head == 0 else min(1.0, built / head)
+    eta = elapsed / progress * (1 - progress) if progress > 0 else None
+    gens.set_progress(job.id, progress, eta)
+    if built >= head:
+        return True
+    if gens.job(job.id).state != "building":
+        return True
+    if elapsed > timeout_s:
+        raise ReindexConflictError(f"the new generation did not catch up within {timeout_s:.0f} s")
+    return False
 
 
 def measure_recall(

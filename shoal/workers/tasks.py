@@ -1,70 +1,59 @@
-"""Celery tasks: materialize and merge index shards, and the beat sweeps that queue them. Tasks take ids,
-are idempotent, acknowledge late and retry only named transient errors."""
+"""Celery tasks: materialize and merge index shards, the beat sweeps that queue them, the log's upkeep and
+reindex jobs. Tasks take ids, are idempotent, acknowledge late and retry only named transient errors (see
+ShoalTask, their base, which also holds the process's context); their names are in shoal.workers.names."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import redis
-from celery import Task
-from sqlalchemy.exc import OperationalError
-
-from shoal.config.celery_app import (
+from shoal.config.celery_app import app
+from shoal.errors import CommitError, NotFoundError
+from shoal.ingest import compaction, gc, retention
+from shoal.workers.base import ShoalTask
+from shoal.workers.names import (
     APPLY_RETENTION,
     COLLECT_GARBAGE,
     COMPACT_LOG,
+    MATERIALIZE_SHARD,
+    MERGE_SHARD,
+    PURGE_TRASH,
+    REINDEX,
     SWEEP,
     SWEEP_COMPACTION,
+    SWEEP_GENERATIONS,
     SWEEP_MERGES,
-    app,
 )
-from shoal.errors import CommitError, NotFoundError
-from shoal.indexing.builder import LeaseBusyError
-from shoal.ingest import compaction, gc, retention
-from shoal.workers import context
-from shoal.workers.triggers import MATERIALIZE, MERGE, enqueue, notify_indexers, started
+from shoal.workers.triggers import enqueue, notify_indexers, started
 
 log = logging.getLogger(__name__)
 
-# Errors worth a retry: the catalog, broker or storage was briefly away, or another worker holds the lease.
-TRANSIENT = (OperationalError, redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, LeaseBusyError)
+# A reindex job's task runs one bounded step, then queues the next this many seconds later while it lags.
+REINDEX_STEP_DELAY_S = 2.0
 
 
-class ShoalTask(Task):
-    """Base of every Shoal task: late acks, redelivery on worker loss, retries with backoff on TRANSIENT."""
-
-    acks_late = True
-    reject_on_worker_lost = True
-    autoretry_for = TRANSIENT
-    retry_backoff = 1
-    retry_backoff_max = 30
-    retry_jitter = True
-    max_retries = 50
-
-
-@app.task(base=ShoalTask, name=MATERIALIZE)
-def materialize_shard(shard_id: int) -> dict[str, Any]:
+@app.task(base=ShoalTask, bind=True, name=MATERIALIZE_SHARD)
+def materialize_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     """Bring one index shard up to its data source's head; queue a merge when the policy asks for one."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
-    started(rt.redis(), MATERIALIZE, shard_id)
+    started(rt.redis(), MATERIALIZE_SHARD, shard_id)
     try:
         result = ctx.builder.materialize(shard_id)
     except NotFoundError:
         log.info("shard %s is gone (index dropped); nothing to do", shard_id)
         return {"shard": shard_id, "dropped": True}
     if ctx.builder.needs_merge(shard_id):
-        enqueue(rt.redis(), app, MERGE, shard_id, rt.settings.pending_ttl_s)
+        enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
     return {"shard": shard_id, "version": result.version_id, "watermark": result.watermark, "changed": result.changed}
 
 
-@app.task(base=ShoalTask, name=MERGE)
-def merge_shard(shard_id: int) -> dict[str, Any]:
+@app.task(base=ShoalTask, bind=True, name=MERGE_SHARD)
+def merge_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     """Merge the segments the policy picks in one index shard."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
-    started(rt.redis(), MERGE, shard_id)
+    started(rt.redis(), MERGE_SHARD, shard_id)
     try:
         result = ctx.builder.merge(shard_id)
     except NotFoundError:
@@ -72,47 +61,46 @@ def merge_shard(shard_id: int) -> dict[str, Any]:
     return {"shard": shard_id, "version": result.version_id, "segments": result.segments, "changed": result.changed}
 
 
-@app.task(base=ShoalTask, name=SWEEP)
-def sweep() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=SWEEP)
+def sweep(self: ShoalTask) -> dict[str, int]:
     """Queue materialization of every shard behind its data source's head (beat runs this every
     SHOAL_SWEEP_INTERVAL_S): the safety net for triggers a broker outage dropped. Coalesced by `enqueue`, so
     runs that overlap, with each other or with commits, queue each shard at most once."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     lagging = 0
     for shard_id, built, head in ctx.builder.shards.all_shards():
-        if built < head and enqueue(rt.redis(), app, MATERIALIZE, shard_id, rt.settings.pending_ttl_s):
+        if built < head and enqueue(rt.redis(), app, MATERIALIZE_SHARD, shard_id, rt.settings.pending_ttl_s):
             lagging += 1
     return {"lagging": lagging}
 
 
-@app.task(base=ShoalTask, name=SWEEP_MERGES)
-def sweep_merges() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=SWEEP_MERGES)
+def sweep_merges(self: ShoalTask) -> dict[str, int]:
     """Queue a merge of every caught-up shard whose segments are due for one (beat runs this every
     SHOAL_MERGE_INTERVAL_S). A lagging shard is left to its materialization, which queues the merge after
     it. Coalesced by `enqueue`, like `sweep`."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     merges = 0
     for shard_id, built, head in ctx.builder.shards.all_shards():
         if (
             built >= head
             and ctx.builder.needs_merge(shard_id)
-            and enqueue(rt.redis(), app, MERGE, shard_id, rt.settings.pending_ttl_s)
+            and enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
         ):
             merges += 1
     return {"merges": merges}
 
 
-@app.task(base=ShoalTask, name="shoal.workers.tasks.purge_trash")
-def purge_trash() -> dict[str, Any]:
+@app.task(base=ShoalTask, bind=True, name=PURGE_TRASH)
+def purge_trash(self: ShoalTask) -> dict[str, Any]:
     """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows, then
     their files, through the logged list of `shoal.catalog.trash` (beat runs this every SHOAL_PURGE_INTERVAL_S).
     Takes no arguments; a run killed at any point is finished by the next; every deletion is logged."""
     from shoal.catalog.trash import purge_due
 
-    ctx = context.get()
-
+    ctx = self.context
     rt = ctx.runtime
     result = purge_due(rt.engine, rt.storage)
     if result.sources or result.pending:
@@ -124,11 +112,11 @@ def purge_trash() -> dict[str, Any]:
 # -- the log's upkeep: compaction, retention, garbage collection ---------------------------------------------
 
 
-@app.task(base=ShoalTask, name=COMPACT_LOG)
-def compact_log(source_id: int) -> dict[str, Any]:
+@app.task(base=ShoalTask, bind=True, name=COMPACT_LOG)
+def compact_log(self: ShoalTask, source_id: int) -> dict[str, Any]:
     """Compact one data source's log below the lowest watermark of its indexes. Idempotent: a second run
     finds nothing to rewrite; one overlapping it loses the swap and discards its files."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     started(rt.redis(), COMPACT_LOG, source_id)
     try:
@@ -140,11 +128,11 @@ def compact_log(source_id: int) -> dict[str, Any]:
     return result.to_json()
 
 
-@app.task(base=ShoalTask, name=SWEEP_COMPACTION)
-def sweep_compaction() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=SWEEP_COMPACTION)
+def sweep_compaction(self: ShoalTask) -> dict[str, int]:
     """Queue a compaction of every data source whose log is worth compacting (beat runs this every
     SHOAL_COMPACTION_INTERVAL_S). Coalesced by `enqueue`: at most one pending compaction per source."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     queued = 0
     due = compaction.due_for_compaction(
@@ -156,12 +144,12 @@ def sweep_compaction() -> dict[str, int]:
     return {"due": len(due), "queued": queued}
 
 
-@app.task(base=ShoalTask, name=APPLY_RETENTION)
-def apply_retention() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=APPLY_RETENTION)
+def apply_retention(self: ShoalTask) -> dict[str, int]:
     """Expire the points past their data source's `retention_days` by appending tombstones, in every tenant
     (beat runs this every SHOAL_RETENTION_INTERVAL_S), then queue the indexes' materialization. Idempotent:
     what one run expired the next finds deleted; an overlapping run's commit is refused under the lock."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     sources = expired = failed = 0
     for record in retention.sources_with_retention(rt.engine):
@@ -189,11 +177,11 @@ def apply_retention() -> dict[str, int]:
     return {"sources": sources, "expired": expired, "skipped": failed}
 
 
-@app.task(base=ShoalTask, name=COLLECT_GARBAGE)
-def collect_garbage() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=COLLECT_GARBAGE)
+def collect_garbage(self: ShoalTask) -> dict[str, int]:
     """Delete the files no catalog row references once their grace period (SHOAL_GC_GRACE_S) ended, in every
     tenant, logging each (beat runs this every SHOAL_GC_INTERVAL_S). Safe to overlap with itself."""
-    ctx = context.get()
+    ctx = self.context
     rt = ctx.runtime
     result = gc.collect_garbage(
         rt.engine, rt.storage, grace_s=rt.settings.gc_grace_s, lock_timeout_ms=rt.settings.lock_timeout_ms
@@ -201,42 +189,46 @@ def collect_garbage() -> dict[str, int]:
     return result.to_json()
 
 
-REINDEX = "shoal.workers.tasks.reindex"
-SWEEP_GENERATIONS = "shoal.workers.tasks.sweep_generations"
-
-
-@app.task(base=ShoalTask, name=REINDEX)
-def reindex(job_id: int) -> dict[str, Any]:
-    """Build, check and swap in the generation of one reindex job (see shoal.workers.reindex)."""
+@app.task(base=ShoalTask, bind=True, name=REINDEX)
+def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
+    """One bounded step of a reindex job (see shoal.workers.reindex): queue the materialization of the new
+    generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
+    While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
+    so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job)."""
     from shoal.config.broker import broker_url
     from shoal.searcher.announce import announce_index
-    from shoal.workers.reindex import run_reindex
+    from shoal.workers.reindex import reindex_step
 
-    ctx = context.get()
-
+    ctx = self.context
     rt = ctx.runtime
+    started(rt.redis(), REINDEX, job_id)
     broker = broker_url(rt.settings)
-    outcome = run_reindex(rt.engine, rt.storage, job_id, builder=ctx.builder,
-                          on_swap=lambda index: announce_index(broker, index))
-    return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error}
+
+    def build(index: Any) -> None:  # the workers build the shards, like any index's (coalesced per shard)
+        for shard in index.shards:
+            enqueue(rt.redis(), app, MATERIALIZE_SHARD, shard.id, rt.settings.pending_ttl_s)
+
+    outcome = reindex_step(rt.engine, rt.storage, job_id, build=build,
+                           on_swap=lambda index: announce_index(broker, index))
+    if not outcome.finished:
+        enqueue(rt.redis(), app, REINDEX, job_id, rt.settings.pending_ttl_s, countdown=REINDEX_STEP_DELAY_S)
+    return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error,
+            "continues": not outcome.finished}
 
 
-@app.task(base=ShoalTask, name=SWEEP_GENERATIONS)
-def sweep_generations() -> dict[str, int]:
+@app.task(base=ShoalTask, bind=True, name=SWEEP_GENERATIONS)
+def sweep_generations(self: ShoalTask) -> dict[str, int]:
     """Drop generations kept for rollback past SHOAL_REINDEX_KEEP_S and leftovers of failed reindexes; prune
     index versions older than SHOAL_VERSION_KEEP_S that nothing serves, tags or may travel back to."""
+    from shoal.catalog.generations import Generations
     from shoal.catalog.history import prune_versions
     from shoal.workers.reindex import drop_expired_generations
 
-    ctx = context.get()
-
+    ctx = self.context
     rt = ctx.runtime
-    from shoal.catalog.generations import Generations
-    from shoal.workers.triggers import QUEUE
-
-    # Jobs no worker is running (their task was never queued, or was lost): queue them again.
+    # Jobs no task is stepping (their task was never queued, or was lost): queue them again.
     for job_id in Generations(rt.engine).stalled(600.0):
-        app.send_task(REINDEX, args=[job_id], queue=QUEUE)
+        enqueue(rt.redis(), app, REINDEX, job_id, rt.settings.pending_ttl_s)
     dropped = drop_expired_generations(rt.engine, rt.storage, rt.settings.reindex_keep_s)
     pruned = prune_versions(rt.engine, rt.settings.version_keep_s, rt.settings.gc_grace_s)
     return {"dropped": dropped, "pruned": pruned}

@@ -7,28 +7,37 @@ import logging
 import redis
 from celery import Celery
 
+from shoal.workers.names import MATERIALIZE_SHARD, MERGE_SHARD, QUEUE
+
 log = logging.getLogger(__name__)
 
-MATERIALIZE = "shoal.workers.tasks.materialize_shard"
-MERGE = "shoal.workers.tasks.merge_shard"
-QUEUE = "shoal"
+MATERIALIZE = MATERIALIZE_SHARD  # the names triggers always used; spelled in shoal.workers.names
+MERGE = MERGE_SHARD
+__all__ = ["MATERIALIZE", "MERGE", "QUEUE", "enqueue", "notify_indexers", "pending_key", "producer_app", "started"]
 
 
 def pending_key(task: str, shard_id: int) -> str:
-    """The Redis key that marks a task for a shard as queued and not yet started."""
+    """The Redis key that marks a task for a shard (or a data source, a reindex job) as queued and not yet
+    started."""
     return f"shoal:pending:{task.rsplit('.', 1)[-1]}:{shard_id}"
 
 
-def enqueue(client: redis.Redis, celery: Celery, task: str, shard_id: int, pending_ttl_s: float = 120.0) -> bool:
-    """Queue `task` for the shard unless one is already queued and not started; True when queued now.
+def enqueue(
+    client: redis.Redis, celery: Celery, task: str, shard_id: int, pending_ttl_s: float = 120.0,
+    countdown: float | None = None,
+) -> bool:
+    """Queue `task` for the shard (or other id) unless one is already queued and not started; True when
+    queued now. `countdown`: run it no sooner than that many seconds from now.
 
-    The mark expires after `pending_ttl_s`, so a task lost with its worker cannot block the shard for long:
-    the next commit or beat sweep queues it again. `client` and `celery` must talk to the same broker.
+    The mark expires after `pending_ttl_s` (plus the countdown), so a task lost with its worker cannot block
+    the shard for long: the next commit or beat sweep queues it again. `client` and `celery` must talk to the
+    same broker.
     """
-    if not client.set(pending_key(task, shard_id), 1, nx=True, px=int(pending_ttl_s * 1000)):
+    ttl_s = pending_ttl_s + (countdown or 0.0)
+    if not client.set(pending_key(task, shard_id), 1, nx=True, px=int(ttl_s * 1000)):
         return False
     try:
-        celery.send_task(task, args=[shard_id], queue=QUEUE)
+        celery.send_task(task, args=[shard_id], queue=QUEUE, countdown=countdown)
     except Exception:
         client.delete(pending_key(task, shard_id))  # let the next commit or the sweep try again
         raise
