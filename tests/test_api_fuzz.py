@@ -49,6 +49,7 @@ def api_url(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
     thread.join(10)
 
 
+@pytest.mark.slow
 def test_no_route_answers_5xx(api_url: str) -> None:
     schema = schemathesis.openapi.from_url(f"{api_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]

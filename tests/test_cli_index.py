@@ -354,6 +354,7 @@ def _stop(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_worker_command_builds_indexes_with_beat(tenant: str, cli_env: Path) -> None:
     rng = np.random.default_rng(9)
     create_docs()
@@ -414,6 +415,7 @@ def demo_dir(tmp_path: Path) -> Iterator[Path]:
         stop_embedded(data_dir)
 
 
+@pytest.mark.slow
 def test_demo_runs_the_whole_loop_and_reruns(demo_dir: Path) -> None:
     # An explicit environment: the demo's own data dir only (no catalog, broker or tenant of other tests).
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "COLUMNS"}

@@ -457,6 +457,7 @@ def test_cli_log_compact_expire_and_gc(make_shoal: Callable[..., Shoal], monkeyp
 # -- the beat tasks, on a real worker ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_beat_expires_compacts_and_collects_with_a_real_worker(
     fresh_db: str, redis_url: str, make_shoal: Callable[..., Shoal]
 ) -> None:
@@ -537,6 +538,7 @@ def test_searches_stay_exact_with_compaction_and_gc_interleaved(make_settings: C
 KILLS = {"local": 12, "s3": 5}
 
 
+@pytest.mark.slow
 def test_sigkill_during_compaction_and_gc_loses_nothing(make_shoal: Callable[..., Shoal], storage_kind: str) -> None:
     shoal = make_shoal(storage_kind, tombstone_retention_s=0, gc_grace_s=0, compaction_target_bytes=6000,
                        lease_seconds=1.0)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pytest
 from conftest import run_helper
 from helpers.workload import MIX_SPEC, expected_own_state
 
 from shoal import Shoal
+
+pytestmark = pytest.mark.slow  # eight producer processes
 
 PRODUCERS, ROUNDS = 8, 40
 

@@ -11,10 +11,13 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from conftest import run_helper
 from helpers.workload import CRASH_SPEC, crash_batch_size
 
 from shoal import Shoal
+
+pytestmark = pytest.mark.slow  # SIGKILLs child processes many times
 
 KILLS = {"local": 14, "s3": 7}
 

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 from shoal.config.embedded import stop_embedded
+
+pytestmark = pytest.mark.slow  # starts its own embedded servers from fresh processes
 
 PROBE = """
 import json

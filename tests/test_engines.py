@@ -121,6 +121,7 @@ def test_flat_equals_exact_on_real_data(metric: Metric) -> None:
     assert_exact(metric, full, d, lab, ed, el)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", sorted(get_engine("hnsw").supported_metrics))
 def test_hnsw_recall_on_real_data(metric: Metric) -> None:
     base, queries = real()
@@ -131,6 +132,7 @@ def test_hnsw_recall_on_real_data(metric: Metric) -> None:
     assert_true_distances(full, d, lab)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", sorted(get_engine("ivf").supported_metrics))
 def test_ivf_recall_on_real_data(metric: Metric) -> None:
     base, queries = real()

@@ -112,6 +112,7 @@ def _ids(args_repr: str) -> list[int]:
     return list(args)
 
 
+@pytest.mark.slow
 def test_flower_shows_namespaced_tasks_with_id_arguments(fshoal: Shoal) -> None:
     spec, index, shard_ids = _source_and_index(fshoal)
     port = _free_port()
@@ -263,6 +264,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_up_runs_worker_api_and_flower_and_stops_them_on_sigterm(fshoal: Shoal) -> None:
     spec, index, _ = _source_and_index(fshoal, shards=1)
     api_port, flower_port = _free_port(), _free_port()
@@ -300,6 +302,7 @@ def test_up_runs_worker_api_and_flower_and_stops_them_on_sigterm(fshoal: Shoal) 
         stop_process(up)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_up_exits_non_zero_naming_a_child_that_died(fshoal: Shoal) -> None:
     api_port = _free_port()
     log_path = fshoal.settings.data_dir / "up-dies.log"

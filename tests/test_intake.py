@@ -161,6 +161,7 @@ def test_messages_land_once_and_poison_goes_to_the_dead_letter_queue(
         assert any("'missing'" in r and "not found" in r for r in reasons)
 
 
+@pytest.mark.slow
 def test_exactly_once_with_four_publishers_and_two_consumer_kills(
     intake_settings: Callable[..., Settings], tmp_path: Path
 ) -> None:
@@ -218,6 +219,7 @@ def test_exactly_once_with_four_publishers_and_two_consumer_kills(
             assert "wrong dimension" in reason or "not a Vektonn upload body" in reason
 
 
+@pytest.mark.slow
 def test_broker_restart_mid_stream_loses_nothing(
     make_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer], tmp_path: Path
 ) -> None:

@@ -56,6 +56,7 @@ def _lagging_index(settings: Settings) -> tuple[Shoal, str, int]:
     return client, f"{name}.flat", head
 
 
+@pytest.mark.slow
 def test_healthz_and_status_say_nothing_indexes_until_a_worker_runs(
     make_settings: Callable[..., Settings], redis_url: str
 ) -> None:

@@ -45,6 +45,7 @@ def _point(i: int, vector: list[float]) -> dict[str, object]:
     return {"attributes": [{"key": "id", "value": {"int64": i}}], "vector": {"isSparse": False, "coordinates": vector}}
 
 
+@pytest.mark.slow
 def test_fifty_tenants_share_one_catalog_pool(make_settings: Callable[..., Settings]) -> None:
     """50 tenants upload and search through one API process, 8 at a time: the process holds at most its pool
     (SHOAL_DB_POOL_SIZE + SHOAL_DB_MAX_OVERFLOW) of Postgres connections, and every tenant gets its own answers."""
@@ -113,6 +114,7 @@ def test_fifty_tenants_share_one_catalog_pool(make_settings: Callable[..., Setti
     assert held_after <= limit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("announce", [True, False], ids=["announced", "polled"])
 def test_dropped_index_stops_answering_within_the_bound(
     make_settings: Callable[..., Settings], redis_url: str, announce: bool
@@ -163,6 +165,7 @@ def _api_workers(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 def test_api_workers_share_one_port_and_are_restarted(make_settings: Callable[..., Settings]) -> None:
     """`shoal api --workers 2`: two processes answer on one port; one that dies is replaced; stopping the API
     stops them all."""

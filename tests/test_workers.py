@@ -21,6 +21,8 @@ from shoal.engines.metrics import Metric, exact_top_k
 from shoal.records import IndexSpec
 from shoal.searcher.consistency import Consistency
 
+pytestmark = pytest.mark.slow  # real Celery worker processes
+
 DIM = 16
 
 
