@@ -611,8 +611,10 @@ def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.nd
     if problems:
         raise ValidationError(problems)
     if not spec.vectors_are_sparse and out and len(set(map(len, out))) == 1:
-        # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher.
-        return np.array(out, dtype=np.float64).astype(np.float32)
+        # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher. A double beyond
+        # float32's range becomes inf here, which the searcher refuses by name: no overflow warning for it.
+        with np.errstate(over="ignore"):
+            return np.array(out, dtype=np.float64).astype(np.float32)
     return out
 
 
