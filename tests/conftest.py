@@ -235,6 +235,16 @@ def serve_api(settings: Settings) -> Iterator[str]:
         thread.join(10)
 
 
+@pytest.fixture
+def served(make_settings: Callable[..., Settings]) -> Iterator[tuple[str, Settings]]:
+    """The API on a loopback port, in a thread of this process (a real server, real sockets), for a fresh
+    tenant that is also the anonymous one: Vektonn clients send no key, as the embedded default serves them."""
+    settings = make_settings("local")
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    with serve_api(settings) as url:
+        yield url, settings
+
+
 @contextlib.contextmanager
 def api_process(settings: Settings, *extra: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`shoal api` as a child process (a real server process, as users run it) on a free loopback port; its

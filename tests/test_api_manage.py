@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api_vektonn import point, served  # noqa: F401 - the served API fixture
+from test_api_vektonn import point
 
 from shoal import Shoal
 from shoal.config.settings import Settings
@@ -14,7 +14,7 @@ from shoal.config.vektonn_yaml import read_folder
 from shoal.errors import ValidationError
 
 
-def test_manage_sources_indexes_status_and_metrics(served: tuple[str, Settings]) -> None:  # noqa: F811
+def test_manage_sources_indexes_status_and_metrics(served: tuple[str, Settings]) -> None:
     url, _ = served
     with httpx.Client(base_url=url, timeout=30) as http:
         health = http.get("/healthz")  # a liveness probe: 200 however the rest is; here no broker listens

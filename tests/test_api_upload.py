@@ -3,12 +3,8 @@ uploads (the route reuses a source's definition for a moment)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import numpy as np
-import pytest
-from conftest import serve_api
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -16,14 +12,6 @@ from shoal.intake.codec import ARROW, encode_arrow
 from shoal.records import IndexSpec
 
 SPEC = DataSourceSpec("Up", "1", 3, {"id": "int64", "title": "string"}, ["id"])
-
-
-@pytest.fixture
-def served(make_settings) -> Iterator[tuple[str, Settings]]:  # type: ignore[no-untyped-def]
-    settings = make_settings("local")
-    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
-    with serve_api(settings) as url:
-        yield url, settings
 
 
 def _json_points(ids: list[int]) -> list[dict[str, object]]:

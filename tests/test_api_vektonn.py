@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import serve_api
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -19,16 +17,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def served(make_settings) -> Iterator[tuple[str, Settings]]:  # type: ignore[no-untyped-def]
-    """The API on a loopback port, in a thread of this process (a real server, real sockets)."""
-    settings = make_settings("local")
-    # Vektonn clients send no key: serve them as the anonymous tenant, as the embedded default does.
-    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
-    with serve_api(settings) as url:
-        yield url, settings
 
 
 def point(i: int, payload: str, vector: list[float]) -> dict[str, object]:
