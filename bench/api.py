@@ -74,9 +74,9 @@ from rich.table import Table
 from shoal.catalog.db import resolve_database_url
 from shoal.client import Shoal
 from shoal.config.settings import Settings
-from shoal.indexing.builder import ShardBuilder
+from shoal.index.builder import ShardBuilder
 from shoal.intake.codec import ARROW, JSON, encode_arrow
-from shoal.records import DataPoint, DataSourceSpec, IndexSpec
+from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
 from shoal.vektonn import wire
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
@@ -2119,7 +2119,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(**overrides)
         embedded = not settings.database_url
         if not settings.redis_url:
-            from shoal.config.embedded import ensure_valkey
+            from shoal.servers.embedded import ensure_valkey
 
             settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
         settings = settings.model_copy(update={"tenant": TENANT})
@@ -2309,7 +2309,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 console.print(f"cleanup: {exc!r}")
-        from shoal.config.embedded import stop_embedded
+        from shoal.servers.embedded import stop_embedded
 
         stop_embedded(tmp)  # the Valkey (and the Postgres, when embedded) under the temp dir
         if args.keep:

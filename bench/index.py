@@ -56,8 +56,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-import shoal.artifacts.segment as segment_mod
-import shoal.indexing.builder as builder_mod
+import shoal.index.segment as segment_mod
+import shoal.index.builder as builder_mod
 import shoal.searcher.execute as execute_mod
 import shoal.searcher.searcher as searcher_mod
 from shoal.catalog.db import resolve_database_url
@@ -68,8 +68,8 @@ from shoal.config.settings import Settings
 from shoal.engines.base import Engine, available_cores
 from shoal.engines.hnsw import SEED as SHOAL_HNSW_SEED
 from shoal.engines.hnsw import HnswEngine
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import DataSourceSpec, IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import DataSourceSpec, IndexSpec
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.hits import Hits
 from shoal.searcher.searcher import Searcher
@@ -1185,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif 3 not in args.skip:
             console.print("[bold]3. freshness under sustained ingest[/] (Celery worker + beat, following searcher)")
-            from shoal.config.embedded import ensure_valkey
+            from shoal.servers.embedded import ensure_valkey
 
             fresh_settings = Settings(
                 **{
@@ -1205,11 +1205,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 console.print(f"cleanup: {exc!r}")
         if embedded:
-            from shoal.config.embedded import stop_embedded
+            from shoal.servers.embedded import stop_embedded
 
             stop_embedded(tmp)
         elif (tmp / "valkey").exists():
-            from shoal.config.embedded import stop_embedded
+            from shoal.servers.embedded import stop_embedded
 
             stop_embedded(tmp)
         if args.keep:

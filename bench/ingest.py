@@ -49,7 +49,7 @@ from sqlalchemy import text
 
 from shoal.client import Producer, Shoal
 from shoal.config.settings import Settings
-from shoal.records import DataPoint, DataSourceSpec
+from shoal.log.records import DataPoint, DataSourceSpec
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -120,7 +120,7 @@ def load_pools(dims: list[int]) -> dict[int, Pool]:
 
 # -- raw pyarrow reference ---------------------------------------------------------------------------
 
-# The encoding Shoal's segment writer uses (shoal/ingest/segment.py), applied to the raw columns.
+# The encoding Shoal's segment writer uses (shoal/log/segment.py), applied to the raw columns.
 MATCHED_OPTIONS: dict[str, Any] = {
     "compression": {"id": "snappy", "package": "snappy", "installed_size_kb": "snappy", "vector": "none"},
     "use_dictionary": ["id", "package", "installed_size_kb"],
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shoal.close()
         if embedded:
-            from shoal.config.embedded import stop_embedded
+            from shoal.servers.embedded import stop_embedded
 
             stop_embedded(tmp)
         if not args.keep:

@@ -73,7 +73,7 @@ from shoal.cli.worker import start_worker_process, stop_worker_process, worker_a
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.intake.topology import BATCH_ID_PREFIX
-from shoal.records import DataPoint, DataSourceSpec, IndexSpec
+from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -1014,7 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
             f"data: {data.total:,} real all-MiniLM-L6-v2 vectors (384-d, float16 widened to float32) with "
             f"package and installed_size_kb from points.parquet; ids are unique per data source"
         )
-        from shoal.config.broker import broker_url
+        from shoal.servers.broker import broker_url
 
         broker = broker_url(base_settings)  # the configured Redis, or the embedded Valkey (started here)
         settings = Settings(**{**overrides, "redis_url": broker, "database_url": resolve_database_url(base_settings)})
@@ -1085,7 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 console.print(f"cleanup: {exc!r}")
         if embedded or (tmp / "valkey").exists():
-            from shoal.config.embedded import stop_embedded
+            from shoal.servers.embedded import stop_embedded
 
             stop_embedded(tmp)
         if args.keep:

@@ -54,9 +54,9 @@ from shoal.catalog.db import resolve_database_url
 from shoal.cli.worker import start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
 from shoal.config.settings import Settings
-from shoal.indexing.builder import ShardBuilder
+from shoal.index.builder import ShardBuilder
 from shoal.intake.codec import ARROW, JSON, encode_arrow
-from shoal.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone
+from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone
 
 
 def _load_api_bench() -> Any:
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data()
         settings = Settings(**overrides)
         if not settings.redis_url:
-            from shoal.config.embedded import ensure_valkey
+            from shoal.servers.embedded import ensure_valkey
 
             settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
         settings = settings.model_copy(update={"tenant": TENANT})
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 console.print(f"cleanup: {exc!r}")
-        from shoal.config.embedded import stop_embedded
+        from shoal.servers.embedded import stop_embedded
 
         stop_embedded(tmp)
         if args.keep:

@@ -1,7 +1,7 @@
 """Shoal: an event-driven ingestion pipeline for vector data."""
 
 from shoal.client import Producer, Shoal
-from shoal.records import (
+from shoal.log.records import (
     AttributeType,
     DataPoint,
     DataSourceSpec,

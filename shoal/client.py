@@ -12,23 +12,23 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from sqlalchemy import Engine
 
-from shoal.catalog.generations import Generations, JobRecord
+from shoal.index.generations import Generations, JobRecord
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings
 from shoal.errors import InvalidNameError, NotFoundError
-from shoal.ingest.backpressure import Backpressure
-from shoal.ingest.batch import SEQ, segment_schema
-from shoal.ingest.producer import Producer
-from shoal.ingest.reader import fold, read_log
-from shoal.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name
+from shoal.intake.backpressure import Backpressure
+from shoal.log.validation import SEQ, segment_schema
+from shoal.intake.producer import Producer
+from shoal.log.reader import fold, read_log
+from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name
 from shoal.runtime import Runtime
 from shoal.storage import Storage, source_log_dir
 
 if TYPE_CHECKING:
-    from shoal.ingest.compaction import CompactionResult
-    from shoal.ingest.gc import GcResult
-    from shoal.ingest.retention import RetentionResult
+    from shoal.log.compaction import CompactionResult
+    from shoal.upkeep.gc import GcResult
+    from shoal.log.retention import RetentionResult
     from shoal.searcher.searcher import Searcher
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class Shoal:
     def create_index(self, spec: IndexSpec, *, exist_ok: bool = False) -> IndexRecord:
         """Create an index over an existing data source, checked by Vektonn's rules; its shards start empty
         and the workers build them (the sweep or the next commit queues the work)."""
-        from shoal.indexing.spec import resolve_index
+        from shoal.index.spec import resolve_index
 
         if GENERATION_MARK in spec.version:
             raise InvalidNameError(f"index version {spec.version!r}: '~' is reserved for reindex generations")
@@ -186,7 +186,7 @@ class Shoal:
 
     def drop_index(self, name: str, version: str) -> int:
         """Delete an index with all its versions, then its files; return how many files went."""
-        from shoal.artifacts.segment import manifest_files
+        from shoal.index.segment import manifest_files
 
         index = self.get_index(name, version)
         paths = manifest_files(self.indexes.drop_index(name, version))
@@ -261,19 +261,19 @@ class Shoal:
     def tag_index(self, name: str, version: str, tag: str) -> dict[int, int | None]:
         """Pin the versions the index's shards serve now under `tag`: version pruning keeps them and
         `searcher.search(..., tag=tag)` queries them. Returns shard id -> version id."""
-        from shoal.catalog import history
+        from shoal.index import history
 
         return history.tag(self.engine, self.get_index(name, version).id, tag)
 
     def index_tags(self, name: str, version: str) -> dict[str, dict[int, int | None]]:
         """The index's tags: tag -> shard id -> pinned version id."""
-        from shoal.catalog import history
+        from shoal.index import history
 
         return history.tags(self.engine, self.get_index(name, version).id)
 
     def untag_index(self, name: str, version: str, tag: str) -> None:
         """Remove a tag; its versions become prunable like any other."""
-        from shoal.catalog import history
+        from shoal.index import history
 
         history.untag(self.engine, self.get_index(name, version).id, tag)
 
@@ -363,7 +363,7 @@ class Shoal:
         entry per key at its seq, drop tombstones older than SHOAL_TOMBSTONE_RETENTION_S, merge small
         segments toward SHOAL_COMPACTION_TARGET_BYTES. Returns segments before/after and entries dropped;
         the replaced files are deleted by GC after SHOAL_GC_GRACE_S. `now` stands in for the clock."""
-        from shoal.ingest.compaction import CompactionPolicy, compact_log
+        from shoal.log.compaction import CompactionPolicy, compact_log
 
         record = self.get_data_source(name, version)
         return compact_log(
@@ -373,7 +373,7 @@ class Shoal:
     def apply_retention(self, name: str, version: str, *, now: dt.datetime | None = None) -> RetentionResult:
         """Expire the data source's points older than its `retention_days` (custom metadata) by appending
         tombstones; nothing when it has no retention. `now` stands in for the clock."""
-        from shoal.ingest.retention import apply_retention
+        from shoal.log.retention import apply_retention
 
         record = self.get_data_source(name, version)
         result = apply_retention(
@@ -387,7 +387,7 @@ class Shoal:
     def collect_garbage(self, *, now: dt.datetime | None = None, scan: bool = True) -> GcResult:
         """Delete this tenant's files no catalog row references once SHOAL_GC_GRACE_S passed (with `scan`,
         also look for unreferenced files in its log folders); every deletion is logged."""
-        from shoal.ingest.gc import collect_garbage
+        from shoal.upkeep.gc import collect_garbage
 
         return collect_garbage(
             self.engine, self.storage, grace_s=self.settings.gc_grace_s, now=now, tenant=self.tenant,

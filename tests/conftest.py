@@ -21,7 +21,7 @@ import pytest
 
 from shoal import Shoal
 from shoal.catalog.db import migrate
-from shoal.config.embedded import ensure_postgres, stop_embedded
+from shoal.servers.embedded import ensure_postgres, stop_embedded
 from shoal.config.settings import Settings
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +62,7 @@ def fresh_db(pg_url: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis-protocol server (embedded Valkey), stopped after the session."""
-    from shoal.config.embedded import ensure_valkey
+    from shoal.servers.embedded import ensure_valkey
 
     data_dir = tmp_path_factory.mktemp("valkey")
     try:
@@ -150,7 +150,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
 def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str) -> subprocess.Popen[str]:
     """A real Celery worker process (solo pool: the task runs in the process a test may SIGKILL), in a session
     of its own so that `kill_worker` takes its embedded beat (a child process) down with it."""
-    args = [sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "worker", "--pool", "solo",
+    args = [sys.executable, "-m", "celery", "-A", "shoal.workers.app", "worker", "--pool", "solo",
             "--loglevel", "INFO", "--without-gossip", "--without-mingle", *extra]
     if beat:
         args.append("--beat")

@@ -12,8 +12,8 @@ from test_cli_index import cli_env, shoal_cli, tenant  # noqa: F401 - fixtures o
 
 from shoal import DataSourceSpec, Shoal
 from shoal.errors import NotFoundError, ValidationError
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import AttributeType, IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import AttributeType, IndexSpec
 
 SPEC = DataSourceSpec("docs", "1", 4, {"id": AttributeType.INT64, "payload": AttributeType.STRING}, ["id"])
 

@@ -25,7 +25,7 @@ from shoal.auth import create_key, create_tenant
 from shoal.config.settings import Settings
 from shoal.datasets import RESERVED_NAMES
 from shoal.datasets.service import DatasetService
-from shoal.indexing.builder import ShardBuilder
+from shoal.index.builder import ShardBuilder
 
 DATASET_KEYS = ["id", "name", "description", "dimensions", "metric_type", "index_type", "metadata", "created_at",
                 "updated_at", "vector_count", "storage_size"]

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from shoal import DataSourceSpec, Shoal
 from shoal.api.app import create_app
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from test_api_vektonn import _free_port, point
 from shoal import DataSourceSpec, Shoal
 from shoal.api.app import create_app
 from shoal.auth import create_key, create_tenant
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 
 
 @pytest.fixture

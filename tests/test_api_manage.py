@@ -10,7 +10,7 @@ from test_api_vektonn import point
 
 from shoal import Shoal
 from shoal.config.settings import Settings
-from shoal.config.vektonn_yaml import read_folder
+from shoal.vektonn.yaml_config import read_folder
 from shoal.errors import ValidationError
 
 

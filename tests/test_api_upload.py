@@ -9,7 +9,7 @@ import numpy as np
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
 from shoal.intake.codec import ARROW, encode_arrow
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 
 SPEC = DataSourceSpec("Up", "1", 3, {"id": "int64", "title": "string"}, ["id"])
 

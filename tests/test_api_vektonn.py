@@ -9,8 +9,8 @@ import pytest
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""Bulk import through the Python API (shoal.ingest.bulk), against a real Postgres and local storage.
+"""Bulk import through the Python API (shoal.intake.bulk), against a real Postgres and local storage.
 
 Planning reads only files, so its checks run without a catalog; every upload test works in its own tenant.
 """
@@ -18,7 +18,7 @@ import pytest
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
 from shoal.errors import BatchTooLargeError, ValidationError
-from shoal.ingest.bulk import (
+from shoal.intake.bulk import (
     BatchOutcome,
     default_batch_prefix,
     plan_import,

@@ -23,7 +23,7 @@ from typer.testing import CliRunner, Result
 
 from shoal import Shoal
 from shoal.cli import app
-from shoal.config.embedded import stop_embedded
+from shoal.servers.embedded import stop_embedded
 from shoal.config.settings import mask_url
 from shoal.demo import load_demo
 

@@ -32,11 +32,11 @@ from shoal.cli import app
 from shoal.cli.indexes import parse_param_value
 from shoal.cli.search import parse_consistency
 from shoal.cli.worker import worker_argv
-from shoal.config.embedded import stop_embedded
+from shoal.servers.embedded import stop_embedded
 from shoal.config.settings import Settings
 from shoal.demo import DEMO_SPEC
 from shoal.engines.metrics import Metric, exact_top_k
-from shoal.indexing.builder import ShardBuilder
+from shoal.index.builder import ShardBuilder
 from shoal.searcher.consistency import Consistency
 
 runner = CliRunner()
@@ -376,7 +376,7 @@ def test_worker_command_builds_indexes_with_beat(tenant: str, cli_env: Path) -> 
     finally:
         _stop(proc)
     text = log.read_text()
-    assert "beat:    a sweep every 0.5 s" in text and "celery -A shoal.config.celery_app flower" in text
+    assert "beat:    a sweep every 0.5 s" in text and "celery -A shoal.workers.app flower" in text
     assert "shoal.workers.tasks.sweep" in text and "materialize_shard" in text
     assert (cli_env / "celerybeat-schedule").exists() or list(cli_env.glob("celerybeat-schedule*"))
     assert proc.returncode == 0, text[-2000:]

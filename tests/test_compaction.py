@@ -34,14 +34,14 @@ from helpers.compaction_checks import (
 )
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
-from shoal.catalog import garbage
+from shoal.upkeep import gc_queue as garbage
 from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
-from shoal.indexing.builder import LeaseBusyError, ShardBuilder
-from shoal.ingest import retention
-from shoal.ingest.batch import columns_to_table
-from shoal.records import IndexSpec
+from shoal.index.builder import LeaseBusyError, ShardBuilder
+from shoal.log import retention
+from shoal.log.validation import columns_to_table
+from shoal.log.records import IndexSpec
 
 NAME, VERSION = COMPACT_SPEC.name, COMPACT_SPEC.version
 
@@ -391,7 +391,7 @@ def test_gc_waits_for_the_grace_period_and_never_deletes_a_referenced_file(
 def test_gc_keeps_index_files_a_kept_version_still_uses(make_shoal: Callable[..., Shoal]) -> None:
     from sqlalchemy import delete
 
-    from shoal.artifacts.segment import segment_files
+    from shoal.index.segment import segment_files
     from shoal.catalog.models import IndexVersion
 
     shoal = make_shoal(gc_grace_s=0)

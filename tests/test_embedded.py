@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from shoal.config.embedded import stop_embedded
+from shoal.servers.embedded import stop_embedded
 
 pytestmark = pytest.mark.slow  # starts its own embedded servers from fresh processes
 
 PROBE = """
 import json
 from shoal import Shoal
-from shoal.config.embedded import ensure_postgres
+from shoal.servers.embedded import ensure_postgres
 s = Shoal()
 with s.engine.connect() as c:
     pid = c.exec_driver_sql("SELECT pg_postmaster_start_time()::text").scalar()

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from shoal import DataSourceSpec, Shoal
 from shoal.cli import app as cli_app
-from shoal.config.celery_app import beat_schedule
-from shoal.records import IndexSpec
+from shoal.workers.app import beat_schedule
+from shoal.log.records import IndexSpec
 
 DIM = 8
 TASKS = "shoal.workers.tasks."
@@ -89,7 +89,7 @@ def _start_flower(settings, port: int) -> subprocess.Popen[str]:  # type: ignore
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log = open(path, "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "shoal.config.celery_app", "flower", f"--port={port}",
+        [sys.executable, "-m", "celery", "-A", "shoal.workers.app", "flower", f"--port={port}",
          "--address=127.0.0.1"],
         env=settings_env(settings) | {"FLOWER_UNAUTHENTICATED_API": "true"},
         stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -194,7 +194,7 @@ def test_beat_schedule_follows_the_settings(make_settings) -> None:  # type: ign
 
 CONF_PROBE = """
 import json
-from shoal.config.celery_app import app
+from shoal.workers.app import app
 app.loader.import_default_modules()
 print(json.dumps({
     "events": [app.conf.worker_send_task_events, app.conf.task_send_sent_event],

@@ -25,9 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.engines.metrics import Metric, exact_top_k
-from shoal.indexing.builder import ShardBuilder
-from shoal.indexing.sharding import shard_numbers
-from shoal.records import IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.index.sharding import shard_numbers
+from shoal.log.records import IndexSpec
 from shoal.searcher.consistency import Consistency
 
 DIM = 6

@@ -7,8 +7,8 @@ import pytest
 
 from shoal import DataPoint, DataSourceSpec, Shoal, SparseVector, Tombstone
 from shoal.errors import AlreadyExistsError, NotFoundError, ValidationError
-from shoal.indexing.builder import MergePolicy, ShardBuilder
-from shoal.records import IndexSpec
+from shoal.index.builder import MergePolicy, ShardBuilder
+from shoal.log.records import IndexSpec
 from shoal.searcher.consistency import Consistency
 
 SOURCE = DataSourceSpec(

@@ -24,12 +24,12 @@ from shoal import Shoal
 from shoal.catalog.repo import head_of
 from shoal.config.settings import Settings
 from shoal.errors import BackpressureError, ValidationError
-from shoal.indexing.builder import ShardBuilder
-from shoal.ingest.batch import VECTOR
+from shoal.index.builder import ShardBuilder
+from shoal.log.validation import VECTOR
 from shoal.intake import codec
 from shoal.intake.consumer import IntakeConsumer, dead_letters
 from shoal.intake.publisher import Publisher
-from shoal.records import AttributeType, DataPoint, DataSourceSpec, IndexSpec, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, IndexSpec, Tombstone
 
 DIM = 8
 SPEC = DataSourceSpec("events", "1", DIM, {"id": AttributeType.INT64, "tag": AttributeType.STRING}, ["id"])
@@ -223,7 +223,7 @@ def test_exactly_once_with_four_publishers_and_two_consumer_kills(
 def test_broker_restart_mid_stream_loses_nothing(
     make_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer], tmp_path: Path
 ) -> None:
-    from shoal.config.embedded import _port_free, ensure_valkey, stop_embedded
+    from shoal.servers.embedded import _port_free, ensure_valkey, stop_embedded
 
     broker_dir = tmp_path / "broker"
     url = ensure_valkey(broker_dir)

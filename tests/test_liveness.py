@@ -23,7 +23,7 @@ from shoal import DataSourceSpec, Shoal
 from shoal.api import health
 from shoal.cli import app as cli_app
 from shoal.config.settings import Settings
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 from shoal.runtime import Runtime
 
 DIM = 8

@@ -11,8 +11,8 @@ import pytest
 
 from shoal import DataSourceSpec, Shoal
 from shoal.errors import InvalidNameError, NotFoundError, ReindexConflictError
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import AttributeType, IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import AttributeType, IndexSpec
 from shoal.workers.reindex import drop_expired_generations, start_reindex
 
 DIM = 16

@@ -12,8 +12,8 @@ import pytest
 from shoal import DataSourceSpec, Shoal
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.errors import ValidationError
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec
 from shoal.searcher.execute import Hit, Hits
 from shoal.searcher.searcher import Searcher
 

@@ -11,8 +11,8 @@ import pytest
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
 from shoal.errors import CapacityError
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec
 
 DIM = 16
 

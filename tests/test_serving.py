@@ -20,8 +20,8 @@ from shoal import DataSourceSpec, Shoal
 from shoal.auth import create_key, create_tenant
 from shoal.catalog.db import make_engine
 from shoal.config.settings import Settings
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

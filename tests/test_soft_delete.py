@@ -27,9 +27,9 @@ from sqlalchemy.orm import Session
 
 from shoal import Shoal
 from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment, TrashFile
-from shoal.catalog.trash import Trash, pending_files, purge_due
+from shoal.upkeep.trash import Trash, pending_files, purge_due
 from shoal.config.settings import Settings
-from shoal.indexing.builder import ShardBuilder
+from shoal.index.builder import ShardBuilder
 from shoal.workers.base import ShoalTask
 
 API = "/api/v1"
@@ -133,7 +133,7 @@ def end_retention(shoal: Shoal, source_id: int) -> None:
 def assert_no_row_points_at_a_missing_file(shoal: Shoal) -> int:
     """Every file a catalog row of the tenant references exists (live or in the trash); how many were checked.
     (Other tests' tenants share the catalog but not this storage root.)"""
-    from shoal.artifacts.segment import segment_files
+    from shoal.index.segment import segment_files
 
     tenant_id = shoal.catalog.tenant_id
     with Session(shoal.engine) as s:
@@ -271,7 +271,7 @@ def test_delete_restore_delete_again_purge_leaves_other_tenants_untouched(
         purge_env(settings)
         from shoal.workers.tasks import purge_trash
 
-        caplog.set_level(logging.INFO, logger="shoal.catalog.trash")
+        caplog.set_level(logging.INFO, logger="shoal.upkeep.trash")
         result = purge_trash()
         purged = [p for p in result["purged"] if p["id"] == source_id]
         assert purged == [{"tenant": settings.tenant, "name": "docs", "version": "1", "id": source_id}]
@@ -354,9 +354,9 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
     """A data source (not a dataset) through the catalog's trash, on local and S3 storage: a zero retention
     purges at the next run; an index (and an alias) over it is hidden with it and its name free."""
     from shoal import DataSourceSpec
-    from shoal.catalog.trash import _delete
+    from shoal.upkeep.trash import _delete
     from shoal.errors import AlreadyExistsError, NotFoundError
-    from shoal.records import IndexSpec
+    from shoal.log.records import IndexSpec
 
     settings = make_settings(storage_kind)
     with Shoal(settings, notify=False) as shoal, Shoal(make_settings(storage_kind), notify=False) as other:
@@ -442,7 +442,7 @@ def test_beat_purges_through_a_real_worker(
 
 PURGE_CHILD = r"""
 import sys
-import shoal.catalog.trash as trash
+import shoal.upkeep.trash as trash
 from shoal import Shoal
 
 real_delete = trash._delete
@@ -464,7 +464,7 @@ def test_sigkill_during_purge_leaves_no_row_pointing_at_a_missing_file(
     make_settings: Callable[..., Settings],
 ) -> None:
     from shoal import DataSourceSpec
-    from shoal.records import IndexSpec
+    from shoal.log.records import IndexSpec
 
     settings = make_settings("local")
     rng = random.Random(20261122)
@@ -587,7 +587,7 @@ def test_a_producer_from_before_the_soft_delete_cannot_write_into_the_trash(loca
 
     from shoal.catalog.repo import head_of
     from shoal.errors import NotFoundError
-    from shoal.records import AttributeType, DataSourceSpec
+    from shoal.log.records import AttributeType, DataSourceSpec
 
     local_shoal.create_data_source(DataSourceSpec("late", "1", 2, {"id": AttributeType.INT64}, ["id"]))
     producer = local_shoal.producer("late", "1")

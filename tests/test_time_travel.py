@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from shoal import DataSourceSpec, Shoal
-from shoal.catalog.history import prune_versions
+from shoal.index.history import prune_versions
 from shoal.engines.metrics import exact_top_k
 from shoal.errors import NotFoundError, ValidationError
-from shoal.indexing.builder import ShardBuilder
-from shoal.records import AttributeType, IndexSpec
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import AttributeType, IndexSpec
 
 DIM = 4
 SPEC = DataSourceSpec("tt", "1", DIM, {"id": AttributeType.INT64}, ["id"])

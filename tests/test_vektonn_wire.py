@@ -28,12 +28,12 @@ from helpers.dto_path import split_filter as old_split_filter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shoal.api import dto as dto_module
-from shoal.api.dto import InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
+from shoal.vektonn import dto as dto_module
+from shoal.vektonn.dto import InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
-from shoal.ingest.batch import ARROW_TYPES, SPARSE_INDICES, SPARSE_VALUES, VECTOR, points_to_table
+from shoal.log.validation import ARROW_TYPES, SPARSE_INDICES, SPARSE_VALUES, VECTOR, points_to_table
 from shoal.intake import codec
-from shoal.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.searcher.hits import Hit, Hits, RowSource
 from shoal.vektonn import wire
 from shoal.vektonn.wire import (

@@ -15,10 +15,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
-from shoal.artifacts.segment import load_segment, read_deletions
+from shoal.index.segment import load_segment, read_deletions
 from shoal.catalog.models import IndexShard, IndexVersion
 from shoal.engines.metrics import Metric, exact_top_k
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 from shoal.searcher.consistency import Consistency
 
 pytestmark = pytest.mark.slow  # real Celery worker processes

@@ -10,7 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from shoal.artifacts.segment import SegmentCache
+from shoal.index.segment import SegmentCache
 from shoal.catalog.indexes import freshness_rows
 
 

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
-from shoal.api.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
+from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.errors import NotFoundError, ValidationError
 from shoal.searcher.consistency import Consistency

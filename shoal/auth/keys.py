@@ -30,7 +30,7 @@ from shoal.auth.hashing import (
 from shoal.auth.principal import Principal, Role
 from shoal.catalog.models import ApiKey, Tenant
 from shoal.errors import AlreadyExistsError, AuthenticationError, NotFoundError, ValidationError
-from shoal.records import check_tenant_name
+from shoal.log.records import check_tenant_name
 
 log = logging.getLogger(__name__)
 

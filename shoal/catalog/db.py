@@ -26,7 +26,7 @@ def resolve_database_url(settings: Settings) -> str:
         if url.startswith("postgresql://") or url.startswith("postgres://"):
             url = "postgresql+psycopg://" + url.split("://", 1)[1]
         return url
-    from shoal.config.embedded import ensure_postgres
+    from shoal.servers.embedded import ensure_postgres
 
     return ensure_postgres(settings.data_dir)
 

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, IndexVersion, Tenant
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.records import GENERATION_MARK, IndexSpec, check_name
+from shoal.log.records import GENERATION_MARK, IndexSpec, check_name
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class IndexCatalog:
         self, spec: IndexSpec, source: SourceRecord, *, exist_ok: bool = False, generation: int = 1
     ) -> IndexRecord:
         """Create the index and its shards; `spec` must already be resolved against `source`. A reindex
-        creates later generations (shoal.catalog.generations)."""
+        creates later generations (shoal.index.generations)."""
         with Session(self.engine) as s, s.begin():
             index_id = s.execute(
                 insert(Index)

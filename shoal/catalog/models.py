@@ -267,7 +267,7 @@ class TrashFile(Base):
 
 class ReindexJob(Base):
     """A reindex: a new generation of an index built aside, checked and swapped in (or failed, cancelled,
-    rolled back). The index rows themselves are generations (shoal.catalog.generations)."""
+    rolled back). The index rows themselves are generations (shoal.index.generations)."""
 
     __tablename__ = "reindex_jobs"
     __table_args__ = (

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from shoal.catalog.models import DataSource, LogSegment, Tenant
 from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.records import DataSourceSpec, check_tenant_name
+from shoal.log.records import DataSourceSpec, check_tenant_name
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from shoal.cli.common import Tenant, open_shoal, out
-from shoal.config.vektonn_yaml import read_folder
+from shoal.vektonn.yaml_config import read_folder
 
 
 def apply(

@@ -27,8 +27,8 @@ from shoal.cli.worker import describe_servers, start_worker_process, stop_worker
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.demo import DEMO_SPEC, demo_files, load_demo
-from shoal.ingest.bulk import plan_import, run_import
-from shoal.records import IndexSpec, Tombstone, WriteToken
+from shoal.intake.bulk import plan_import, run_import
+from shoal.log.records import IndexSpec, Tombstone, WriteToken
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 

@@ -13,7 +13,7 @@ import typer
 from shoal.catalog.indexes import IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.client import ShardStatus
-from shoal.records import DataSourceSpec
+from shoal.log.records import DataSourceSpec
 
 
 def count(value: int) -> str:

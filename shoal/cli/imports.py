@@ -1,4 +1,4 @@
-"""`shoal import`: bulk-import a file through shoal.ingest.bulk, with a progress bar and a report."""
+"""`shoal import`: bulk-import a file through shoal.intake.bulk, with a progress bar and a report."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rich.progress import (
 from shoal.cli.common import Name, Tenant, Version, err, load_settings, open_shoal, out, split_pairs
 from shoal.cli.formatting import count
 from shoal.errors import ValidationError
-from shoal.ingest.bulk import DEFAULT_BATCH_SIZE, BatchOutcome, ImportResult, is_npy, plan_import, run_import
+from shoal.intake.bulk import DEFAULT_BATCH_SIZE, BatchOutcome, ImportResult, is_npy, plan_import, run_import
 
 
 def _check_file_options(file: Path, vectors_column: str | None, attributes: Path | None) -> None:

@@ -12,7 +12,7 @@ from shoal.catalog.indexes import IndexRecord
 from shoal.cli.common import AsJson, Tenant, open_shoal, out, split_all, split_pairs, typer_app
 from shoal.cli.formatting import count, echo_json, index_json, names_text, params_text, when
 from shoal.errors import NotFoundError
-from shoal.records import IndexSpec
+from shoal.log.records import IndexSpec
 
 index_app = typer_app("Create, inspect, list and drop kNN indexes over data sources.")
 
@@ -101,7 +101,7 @@ def index_create(
     not all be split attributes. The algorithm must fit the source (flat_sparse for sparse vectors) and
     support the metric.
     """
-    from shoal.engines.vektonn import VEKTONN_TYPES
+    from shoal.vektonn.algorithms import VEKTONN_TYPES
 
     if metric is not None and algorithm in VEKTONN_TYPES:
         raise typer.BadParameter(

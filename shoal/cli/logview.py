@@ -13,7 +13,7 @@ from shoal.catalog.repo import SegmentRecord, SourceRecord
 from shoal.cli.common import Name, Tenant, Version, open_shoal, out
 from shoal.cli.formatting import cell, count, size, when
 from shoal.client import Shoal
-from shoal.ingest.batch import SEQ, SPARSE_INDICES, VECTOR
+from shoal.log.validation import SEQ, SPARSE_INDICES, VECTOR
 
 
 def print_log(shoal: Shoal, name: str, version: str, *, segments: bool, show: int) -> None:

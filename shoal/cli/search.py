@@ -16,7 +16,7 @@ from shoal.cli.formatting import cell, count, echo_json
 from shoal.cli.indexes import IndexName, IndexVersion
 from shoal.engines.metrics import Metric, higher_is_nearer
 from shoal.errors import Problem, ValidationError
-from shoal.records import AttributeType, DataSourceSpec, SparseVector
+from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 

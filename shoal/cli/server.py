@@ -20,7 +20,7 @@ def server_start() -> None:
 
     Servers configured with SHOAL_DATABASE_URL or SHOAL_REDIS_URL are used instead and not started.
     """
-    from shoal.config.embedded import ensure_postgres, ensure_valkey
+    from shoal.servers.embedded import ensure_postgres, ensure_valkey
 
     settings = load_settings()
     if settings.database_url:
@@ -37,7 +37,7 @@ def server_start() -> None:
 @server_app.command("stop")
 def server_stop() -> None:
     """Stop the embedded Postgres and Valkey of SHOAL_DATA_DIR (every shoal process using them loses them)."""
-    from shoal.config.embedded import stop_embedded
+    from shoal.servers.embedded import stop_embedded
 
     settings = load_settings()
     stopped = stop_embedded(settings.data_dir)

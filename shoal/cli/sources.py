@@ -12,7 +12,7 @@ from rich.table import Table
 from shoal.cli.common import AsJson, Name, Tenant, Version, open_shoal, out, split_all, split_pairs, typer_app
 from shoal.cli.formatting import attributes_text, count, echo_json, record_json, when
 from shoal.errors import NotFoundError
-from shoal.records import DataSourceSpec
+from shoal.log.records import DataSourceSpec
 
 source_app = typer_app("Create, inspect, list and drop data sources.")
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from shoal.catalog.trash import Trash, TrashedSource, due_sources, purge_due
+from shoal.upkeep.trash import Trash, TrashedSource, due_sources, purge_due
 from shoal.cli.common import AsJson, Tenant, open_shoal, out, typer_app
 from shoal.cli.formatting import count, echo_json, when
 from shoal.client import Shoal

@@ -161,7 +161,7 @@ def up(
     Ctrl-C or SIGTERM stops everything (the worker last, letting running tasks finish; press it again to
     kill). If a child dies on its own, the others are stopped and `shoal up` exits with status 1.
     """
-    from shoal.config.broker import broker_url
+    from shoal.servers.broker import broker_url
 
     settings = load_settings()
     for what, wanted, h, p in (("the HTTP API", api, host, port), ("Flower", flower, "127.0.0.1", flower_port)):

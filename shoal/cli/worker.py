@@ -19,7 +19,7 @@ from shoal.cli.probes import redis_status
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError
 
-CELERY_APP = "shoal.config.celery_app"
+CELERY_APP = "shoal.workers.app"
 SCHEDULE_FILE = "celerybeat-schedule"  # under SHOAL_DATA_DIR; beat's record of when each entry last ran
 
 
@@ -52,7 +52,7 @@ def worker_argv(
     events: bool = False,
     quick: bool = False,
 ) -> list[str]:
-    """The arguments of `celery -A shoal.config.celery_app ARGS` (from `worker` on) for these choices.
+    """The arguments of `celery -A shoal.workers.app ARGS` (from `worker` on) for these choices.
 
     `quick` skips the start-up handshakes with other workers (mingle, gossip): a lone worker starts faster.
     """
@@ -75,7 +75,7 @@ def worker_argv(
 
 
 def start_worker_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `python -m celery -A shoal.config.celery_app ARGV` as a child in its own session (Ctrl-C at the
+    """Start `python -m celery -A shoal.workers.app ARGV` as a child in its own session (Ctrl-C at the
     terminal does not reach it), stdout and stderr appended to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child holds it; ours is closed below
@@ -165,12 +165,12 @@ def worker(
     SHOAL_REDIS_URL is set) and the storage. Stop it with Ctrl-C (a warm shutdown: running tasks finish;
     press it again to abort them; an aborted task is redelivered and is safe to run twice).
 
-    The same worker, started by Celery itself: `celery -A shoal.config.celery_app worker --beat`. Flower (not
-    a Shoal dependency: `pip install flower`) can watch the workers: `celery -A shoal.config.celery_app flower`
+    The same worker, started by Celery itself: `celery -A shoal.workers.app worker --beat`. Flower (not
+    a Shoal dependency: `pip install flower`) can watch the workers: `celery -A shoal.workers.app flower`
     (it turns on task events; or start the worker with --events).
     """
-    from shoal.config.broker import broker_url
-    from shoal.config.celery_app import app
+    from shoal.servers.broker import broker_url
+    from shoal.workers.app import app
 
     settings = load_settings()
     _check_catalog(settings)  # reachable and migrated before the worker takes tasks
@@ -192,7 +192,7 @@ def worker(
         out.print(f"beat:    a sweep every {every} (SHOAL_SWEEP_INTERVAL_S); schedule file {schedule}")
     else:
         out.print("beat:    off (--no-beat); run it in one other worker")
-    err.print("Watch it with Flower: celery -A shoal.config.celery_app flower   (Ctrl-C stops the worker)")
+    err.print("Watch it with Flower: celery -A shoal.workers.app flower   (Ctrl-C stops the worker)")
     code = app.worker_main(argv)
     if code:
         raise typer.Exit(code)

@@ -156,7 +156,7 @@ class Settings(BaseSettings):
     @field_validator("anonymous_tenant")
     @classmethod
     def _anonymous_name(cls, value: str | None) -> str | None:
-        from shoal.records import check_tenant_name
+        from shoal.log.records import check_tenant_name
 
         return check_tenant_name(value) if value else value
 

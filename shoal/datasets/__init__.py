@@ -25,7 +25,7 @@ A dataset is the tenant-facing convenience of one data source plus its default i
   log's bytes. `/stats` gives the exact count of live vectors (the log folded by id, reading only its small
   columns: O(log entries), not O(vectors x dimensions)) and bytes of the log, index artifacts (every file
   under the index's folder, including versions awaiting garbage collection) and the metadata mirror.
-- **delete** moves the dataset to the tenant's trash (`shoal.catalog.trash`): hidden everywhere, its name free,
+- **delete** moves the dataset to the tenant's trash (`shoal.upkeep.trash`): hidden everywhere, its name free,
   its files in place, its mirror moved to `tenants/T/trash/{trash_id}/`; restorable until `purge_after`
   (SHOAL_TRASH_RETENTION_DAYS), then purged by beat. `hard=True` (and `overwrite` on create) deletes at once
   the index, the data source, their files and the mirror.

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shoal.datasets.errors import DatasetError, ErrorCode
-from shoal.records import MAX_VECTOR_DIMENSION, AttributeType
+from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")  # DESIGN.md invariant 7
 # Data source names must start with a letter or digit (no name may form a hidden file or `..`), so the

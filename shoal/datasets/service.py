@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from shoal.catalog.repo import list_segments
-from shoal.catalog.trash import Trash, trash_dir
+from shoal.upkeep.trash import Trash, trash_dir
 from shoal.client import Shoal
 from shoal.datasets import rules
 from shoal.datasets.cache import DatasetCache
@@ -29,9 +29,9 @@ from shoal.datasets.errors import DatasetError, ErrorCode, not_found
 from shoal.datasets.merge import STRATEGIES, merge
 from shoal.engines.metrics import higher_is_nearer
 from shoal.errors import AlreadyExistsError, NotFoundError, ReindexConflictError, ValidationError
-from shoal.indexing.spec import resolve_index
-from shoal.ingest.batch import KEY, OP, UPSERT
-from shoal.records import DataPoint, DataSourceSpec, IndexSpec
+from shoal.index.spec import resolve_index
+from shoal.log.validation import KEY, OP, UPSERT
+from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 from shoal.searcher.searcher import Searcher

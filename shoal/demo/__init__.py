@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shoal.records import AttributeType, DataSourceSpec
+from shoal.log.records import AttributeType, DataSourceSpec
 
 VECTORS_FILE = "vectors_f16.npy"
 ATTRIBUTES_FILE = "packages.parquet"
@@ -63,7 +63,7 @@ def load_demo(limit: int | None = None) -> tuple[np.ndarray, pa.Table]:
 def demo_files() -> Iterator[tuple[Path, Path]]:
     """Paths of the bundled vectors (.npy) and attributes (.parquet) files, real files while the context lasts.
 
-    Suits shoal.ingest.bulk.plan_import; the attributes file also holds the undeclared `description` column.
+    Suits shoal.intake.bulk.plan_import; the attributes file also holds the undeclared `description` column.
     """
     here = resources.files(__name__)
     # as_file: the package may be installed as a zip, where a resource has no path until extracted.

@@ -8,7 +8,7 @@ from shoal.engines import flat, flat_sparse, hnsw, ivf  # noqa: F401  (each modu
 from shoal.engines.base import ENGINES, Engine, available_cores, get_engine
 from shoal.engines.metrics import Metric, exact_distances, exact_top_k, higher_is_nearer
 from shoal.engines.sparse import SparseRows
-from shoal.engines.vektonn import from_vektonn
+from shoal.vektonn.algorithms import from_vektonn
 
 __all__ = [
     "ENGINES",

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from shoal.errors import Problem, ValidationError
-from shoal.records import DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.vektonn.wire import (
     ARROW,
     DELETED_COLUMN,

@@ -29,10 +29,10 @@ from kombu import Connection, Producer
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
-from shoal.config.broker import broker_url
+from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
-from shoal.ingest.producer import Producer as LogProducer
+from shoal.intake.producer import Producer as LogProducer
 from shoal.intake import codec, topology
 from shoal.intake.delivery import ReliableQueue
 from shoal.intake.topology import BATCH_ID_PREFIX, Target

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kombu import Exchange, Queue
 
 from shoal.errors import ValidationError
-from shoal.records import check_name, check_tenant_name
+from shoal.log.records import check_name, check_tenant_name
 
 # Message headers (kombu application headers).
 TENANT = "shoal-tenant"

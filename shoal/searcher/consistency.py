@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shoal.records import WriteToken
+from shoal.log.records import WriteToken
 
 
 @dataclass(frozen=True)

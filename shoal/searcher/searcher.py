@@ -18,7 +18,7 @@ import redis
 
 from shoal.catalog.repo import head_of
 from shoal.errors import CapacityError, NotFoundError, ShoalError, ValidationError
-from shoal.ingest.reader import read_log
+from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
 from shoal.searcher.consistency import Consistency
@@ -124,7 +124,7 @@ class SearchService:
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
         search_params: Mapping[str, int] | None,
     ) -> list[Hits]:
-        from shoal.catalog import history
+        from shoal.index import history
 
         if tag is not None and as_of is not None:
             raise ValidationError("give a tag or an as_of seq, not both")

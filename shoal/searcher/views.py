@@ -7,7 +7,7 @@ from functools import cached_property
 
 import numpy as np
 
-from shoal.artifacts.segment import LoadedSegment, SegmentCache, read_deletions
+from shoal.index.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.catalog.indexes import IndexRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.engines.base import Engine, get_engine

@@ -1,7 +1,7 @@
 """Vektonn's wire format straight to and from columns: orjson in, NumPy and Arrow out, no DTO per data point.
 
 Decoding gives exactly what the routes' former path gave (pydantic DTOs, their conversion to records, then
-shoal.ingest.batch.points_to_table; tests/helpers/dto_path.py keeps it as the tests' oracle): the same Arrow table,
+shoal.log.validation.points_to_table; tests/helpers/dto_path.py keeps it as the tests' oracle): the same Arrow table,
 or a ValidationError with the same problems (where the DTOs refused the JSON shape with pydantic's errors, the
 problems here name the same points in Shoal's words). Those check a batch in three phases, and so does this
 module, so a batch that breaks rules of several kinds reports the same ones:
@@ -37,8 +37,8 @@ import pyarrow as pa
 import pydantic
 
 from shoal.errors import Problem, ValidationError
-from shoal.ingest.batch import ARROW_TYPES, MAX_PROBLEMS, VECTOR, columns_to_table, points_to_table
-from shoal.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.validation import ARROW_TYPES, MAX_PROBLEMS, VECTOR, columns_to_table, points_to_table
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.searcher.hits import Hit, Hits
 
 JSON = "application/json"

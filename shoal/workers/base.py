@@ -17,7 +17,7 @@ from celery import Task
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from shoal.indexing.builder import LeaseBusyError
+from shoal.index.builder import LeaseBusyError
 from shoal.workers.context import WorkerContext
 
 # The retry map: errors worth a retry, because the catalog, broker or storage was briefly away or another worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.config.settings import Settings
-from shoal.indexing.builder import MergePolicy, ShardBuilder
+from shoal.index.builder import MergePolicy, ShardBuilder
 from shoal.runtime import Runtime
 from shoal.searcher.announce import announce_version
 

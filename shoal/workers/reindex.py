@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine
 
-from shoal.artifacts.segment import SegmentCache, manifest_files, vectors_of
-from shoal.catalog.generations import Generations, JobRecord, hidden_version, is_hidden
+from shoal.index.segment import SegmentCache, manifest_files, vectors_of
+from shoal.index.generations import Generations, JobRecord, hidden_version, is_hidden
 from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ReindexConflictError, ValidationError
-from shoal.indexing.builder import LeaseBusyError, ShardBuilder
-from shoal.indexing.spec import resolve_index
-from shoal.ingest.reader import fold, read_log
+from shoal.index.builder import LeaseBusyError, ShardBuilder
+from shoal.index.spec import resolve_index
+from shoal.log.reader import fold, read_log
 from shoal.searcher.execute import execute, prepare_queries
 from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage

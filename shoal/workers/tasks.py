@@ -7,9 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shoal.config.celery_app import app
+from shoal.workers.app import app
 from shoal.errors import CommitError, NotFoundError
-from shoal.ingest import compaction, gc, retention
+from shoal.log import compaction, retention
+from shoal.upkeep import gc
 from shoal.workers.base import ShoalTask
 from shoal.workers.names import (
     APPLY_RETENTION,
@@ -96,9 +97,9 @@ def sweep_merges(self: ShoalTask) -> dict[str, int]:
 @app.task(base=ShoalTask, bind=True, name=PURGE_TRASH)
 def purge_trash(self: ShoalTask) -> dict[str, Any]:
     """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows, then
-    their files, through the logged list of `shoal.catalog.trash` (beat runs this every SHOAL_PURGE_INTERVAL_S).
+    their files, through the logged list of `shoal.upkeep.trash` (beat runs this every SHOAL_PURGE_INTERVAL_S).
     Takes no arguments; a run killed at any point is finished by the next; every deletion is logged."""
-    from shoal.catalog.trash import purge_due
+    from shoal.upkeep.trash import purge_due
 
     ctx = self.context
     rt = ctx.runtime
@@ -195,7 +196,7 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
     generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
     While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
     so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job)."""
-    from shoal.config.broker import broker_url
+    from shoal.servers.broker import broker_url
     from shoal.searcher.announce import announce_index
     from shoal.workers.reindex import reindex_step
 
@@ -220,8 +221,8 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
 def sweep_generations(self: ShoalTask) -> dict[str, int]:
     """Drop generations kept for rollback past SHOAL_REINDEX_KEEP_S and leftovers of failed reindexes; prune
     index versions older than SHOAL_VERSION_KEEP_S that nothing serves, tags or may travel back to."""
-    from shoal.catalog.generations import Generations
-    from shoal.catalog.history import prune_versions
+    from shoal.index.generations import Generations
+    from shoal.index.history import prune_versions
     from shoal.workers.reindex import drop_expired_generations
 
     ctx = self.context

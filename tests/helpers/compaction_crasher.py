@@ -11,7 +11,7 @@ import sys
 from compaction_checks import COMPACT_SPEC, mix_batch
 
 from shoal import Shoal
-from shoal.indexing.builder import LeaseBusyError, ShardBuilder
+from shoal.index.builder import LeaseBusyError, ShardBuilder
 
 run, index = sys.argv[1], sys.argv[2]
 shoal = Shoal(notify=False)

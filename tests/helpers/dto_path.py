@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shoal.api.dto import AttributeDto, AttributeValueDto, FoundDataPointDto, InputDataPointOrTombstoneDto, VectorDto
+from shoal.vektonn.dto import AttributeDto, AttributeValueDto, FoundDataPointDto, InputDataPointOrTombstoneDto, VectorDto
 from shoal.errors import Problem, ValidationError
-from shoal.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.searcher.execute import Hit
 
 # The DTO slot each attribute type travels in.

@@ -11,7 +11,7 @@ import numpy as np
 
 from shoal.intake.codec import JSON
 from shoal.intake.publisher import Publisher
-from shoal.records import DataPoint
+from shoal.log.records import DataPoint
 
 worker, messages, per_message, rate = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 poison_every = int(sys.argv[5])

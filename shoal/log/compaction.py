@@ -1,6 +1,6 @@
 """Log compaction: rewrite old segments keeping the latest entry per key, with their seqs; merge small ones.
 
-Only segments wholly at or below the lowest watermark (`shoal.catalog.compaction.lowest_watermark`) are
+Only segments wholly at or below the lowest watermark (`shoal.log.compaction_swap.lowest_watermark`) are
 considered, always the whole prefix of the log up to there, so "latest" is judged against every older entry
 of a key. In that prefix an entry is dead when
 
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.catalog.compaction import (
+from shoal.log.compaction_swap import (
     NewSegment,
     Replacement,
     compaction_states,
@@ -40,8 +40,8 @@ from shoal.catalog.compaction import (
 )
 from shoal.catalog.repo import SegmentRecord, SourceRecord, list_segments
 from shoal.config.settings import Settings
-from shoal.ingest.batch import DELETE, INGESTED_AT, KEY, OP, SEQ, SEQ_OFFSET
-from shoal.ingest.segment import count_ops, decode_segment, encode_segment, write_segment
+from shoal.log.validation import DELETE, INGESTED_AT, KEY, OP, SEQ, SEQ_OFFSET
+from shoal.log.segment import count_ops, decode_segment, encode_segment, write_segment
 from shoal.storage import Storage, segment_path
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from shoal.ingest.batch import encode_keys
+from shoal.log.validation import encode_keys
 
 
 def shard_numbers(table: pa.Table, shard_attributes: Sequence[str], shard_count: int) -> np.ndarray:

@@ -26,14 +26,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.catalog.commit import BatchSlot, WrittenSegment, commit_group
-from shoal.catalog.compaction import sources_with_metadata
+from shoal.log.commit import BatchSlot, WrittenSegment, commit_group
+from shoal.log.compaction_swap import sources_with_metadata
 from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import CommitError
-from shoal.ingest.batch import INGESTED_AT, KEY, OP, columns_to_table
-from shoal.ingest.reader import fold, read_log
-from shoal.ingest.segment import build_segment_table, count_ops, encode_segment, write_segment
-from shoal.records import DataSourceSpec
+from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
+from shoal.log.reader import fold, read_log
+from shoal.log.segment import build_segment_table, count_ops, encode_segment, write_segment
+from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage, segment_path
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
-from shoal.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 
 OP = "__op"
 KEY = "__key"

@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment, Tenant, TrashFile
 from shoal.catalog.repo import _spec
 from shoal.errors import AlreadyExistsError, NotFoundError
-from shoal.records import DataSourceSpec
+from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)

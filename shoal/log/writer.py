@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 from sqlalchemy import Engine
 
-from shoal.catalog.commit import BatchSlot, WrittenSegment, commit_group
+from shoal.log.commit import BatchSlot, WrittenSegment, commit_group
 from shoal.catalog.repo import SourceRecord
-from shoal.ingest.segment import build_segment_table, count_ops, encode_segment, write_segment
+from shoal.log.segment import build_segment_table, count_ops, encode_segment, write_segment
 from shoal.storage import Storage, segment_path
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shoal.errors import Problem, ShoalError, ValidationError
-from shoal.ingest.batch import ARROW_TYPES
-from shoal.records import AttributeType, DataSourceSpec, WriteToken
+from shoal.log.validation import ARROW_TYPES
+from shoal.log.records import AttributeType, DataSourceSpec, WriteToken
 
 if TYPE_CHECKING:  # the client sits above ingest; only its type is needed here
-    from shoal.ingest.producer import Producer
+    from shoal.intake.producer import Producer
 
 DEFAULT_VECTOR_COLUMN = "vector"
 DEFAULT_BATCH_SIZE = 10_000

@@ -25,8 +25,8 @@ from typing import Any
 import pyarrow.fs as pafs
 from sqlalchemy import Connection, Engine
 
-from shoal.artifacts.segment import segment_files
-from shoal.catalog import garbage
+from shoal.index.segment import segment_files
+from shoal.upkeep import gc_queue as garbage
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)

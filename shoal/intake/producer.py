@@ -10,9 +10,9 @@ import pyarrow as pa
 
 from shoal.catalog.repo import SourceRecord
 from shoal.errors import ValidationError
-from shoal.ingest.batch import columns_to_table, points_to_table
-from shoal.ingest.writer import LogWriter
-from shoal.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
+from shoal.log.validation import columns_to_table, points_to_table
+from shoal.log.writer import LogWriter
+from shoal.log.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
 
 
 class Producer:
@@ -52,7 +52,7 @@ class Producer:
         return self._token(self._writer.submit(table, _batch_id(batch_id)))
 
     def append_tables(self, batches: Sequence[tuple[pa.Table, str | None]]) -> list[WriteToken]:
-        """Append batches already validated against this source (by `shoal.ingest.batch` or the intake codec),
+        """Append batches already validated against this source (by `shoal.log.validation` or the intake codec),
         each all or nothing under its own batch id, sharing commits; their tokens, in order. A batch id that
         already committed returns its original token and writes nothing."""
         checked = [(table, _batch_id(batch_id)) for table, batch_id in batches]

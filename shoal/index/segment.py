@@ -29,9 +29,9 @@ from shoal.engines import Engine, get_engine
 from shoal.engines.metrics import Metric
 from shoal.engines.sparse import SparseRows
 from shoal.errors import CorruptArtifactError
-from shoal.indexing.sharding import split_keys
-from shoal.ingest.batch import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
-from shoal.records import IndexSpec
+from shoal.index.sharding import split_keys
+from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
+from shoal.log.records import IndexSpec
 from shoal.storage import Storage
 
 SPLIT = "__split"

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, ReindexJob, Tenant
 from shoal.errors import NotFoundError, ReindexConflictError
-from shoal.records import GENERATION_MARK
+from shoal.log.records import GENERATION_MARK
 
 HIDDEN = GENERATION_MARK  # version suffix of generations that do not serve: `{version}~g{generation}`
 

@@ -9,6 +9,6 @@ def broker_url(settings: Settings) -> str:
     """The configured Redis URL, or the embedded Valkey's (started if needed)."""
     if settings.redis_url:
         return settings.redis_url
-    from shoal.config.embedded import ensure_valkey
+    from shoal.servers.embedded import ensure_valkey
 
     return ensure_valkey(settings.data_dir)

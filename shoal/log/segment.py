@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shoal.errors import CorruptSegmentError
-from shoal.ingest.batch import INGESTED_AT, OP, SEQ_OFFSET, SPARSE_INDICES, SPARSE_VALUES, UPSERT, VECTOR
+from shoal.log.validation import INGESTED_AT, OP, SEQ_OFFSET, SPARSE_INDICES, SPARSE_VALUES, UPSERT, VECTOR
 
 
 def build_segment_table(tables: list[pa.Table]) -> pa.Table:

@@ -20,13 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.artifacts.segment import SegmentCache, build_segment, read_deletions, write_deletions
+from shoal.index.segment import SegmentCache, build_segment, read_deletions, write_deletions
 from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import ShoalError
-from shoal.indexing.sharding import shard_numbers
-from shoal.ingest.batch import KEY
-from shoal.ingest.reader import fold, read_log
+from shoal.index.sharding import shard_numbers
+from shoal.log.validation import KEY
+from shoal.log.reader import fold, read_log
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Any
 
 from celery import Celery
 
-from shoal.config.broker import broker_url
+from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.workers.names import (
     APPLY_RETENTION,

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from shoal.errors import Problem, ValidationError
-from shoal.records import DataSourceSpec, IndexSpec
+from shoal.log.records import DataSourceSpec, IndexSpec
 
 # Vektonn's attribute value type names (any case) -> ours.
 VALUE_TYPES = {"string": "string", "guid": "guid", "bool": "bool", "int64": "int64", "float64": "float64",

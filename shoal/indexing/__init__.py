@@ -1,1 +1,0 @@
-"""Turning a data source's log into versioned index shards: definitions, sharding, materialize, merge."""

@@ -1,0 +1,1 @@
+"""The servers Shoal stands on: resolving the broker URL, and the embedded Postgres and Valkey."""

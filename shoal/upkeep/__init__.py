@@ -1,0 +1,1 @@
+"""Cleaning up: the GC queue and collector, the trash purge, and pruning of index versions."""
