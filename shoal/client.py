@@ -12,24 +12,26 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from sqlalchemy import Engine
 
-from shoal.index.generations import Generations, JobRecord
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings
 from shoal.errors import InvalidNameError, NotFoundError
+from shoal.index.generations import Generations, JobRecord
+from shoal.index.manifest import segments_of
 from shoal.intake.backpressure import Backpressure
-from shoal.log.validation import SEQ, segment_schema
 from shoal.intake.producer import Producer
 from shoal.log.reader import fold, read_log
 from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name
+from shoal.log.validation import SEQ, segment_schema
 from shoal.runtime import Runtime
-from shoal.storage import Storage, source_log_dir
+from shoal.storage import Storage
+from shoal.storage.layout import source_log_dir
 
 if TYPE_CHECKING:
     from shoal.log.compaction import CompactionResult
-    from shoal.upkeep.gc import GcResult
     from shoal.log.retention import RetentionResult
     from shoal.searcher.searcher import Searcher
+    from shoal.upkeep.gc import GcResult
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +110,18 @@ class Shoal:
         return self.catalog.list_data_sources()
 
     def drop_data_source(self, name: str, version: str) -> int:
-        """Delete a data source, its catalog rows and then its log files; return how many files went."""
+        """Delete a data source with its indexes, and queue their files for GC in the same transaction (see
+        `shoal.upkeep.drops`: they go once SHOAL_GC_GRACE_S passed, so searchers still reading them finish);
+        return how many files were queued."""
+        from shoal.upkeep.drops import drop_data_source
+
         record = self.get_data_source(name, version)
-        paths = self.catalog.drop_data_source(name, version)
+        paths = drop_data_source(self.engine, record.id, delete_after=self._drop_grace_end())
         self.runtime.forget_source(record.id)
-        for path in paths:
-            self.storage.delete_quietly(path)
         return len(paths)
+
+    def _drop_grace_end(self) -> dt.datetime:
+        return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.settings.gc_grace_s)
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -185,15 +192,15 @@ class Shoal:
         return self.indexes.list_indexes()
 
     def drop_index(self, name: str, version: str) -> int:
-        """Delete an index with all its versions, then its files; return how many files went."""
-        from shoal.index.segment import manifest_files
+        """Delete an index with all its versions, and queue their files for GC in the same transaction (they
+        go once SHOAL_GC_GRACE_S passed, so searchers still reading them finish); return how many files were
+        queued."""
+        from shoal.upkeep.drops import drop_index
 
         index = self.get_index(name, version)
-        paths = manifest_files(self.indexes.drop_index(name, version))
+        paths = drop_index(self.engine, index.id, delete_after=self._drop_grace_end())
         if self.runtime.notify:
             self._announce_index(index)  # searchers stop serving it now, not at their next poll
-        for path in paths:
-            self.storage.delete_quietly(path)
         return len(paths)
 
     # -- reindexing ---------------------------------------------------------------------------------
@@ -319,7 +326,7 @@ class Shoal:
                     lag_seqs=head - shard.served_watermark,
                     built_lag_seqs=head - shard.built_watermark,
                     lag_seconds=lag_seconds,
-                    segments=len(active.manifest["segments"]) if active else 0,
+                    segments=len(segments_of(active.manifest)) if active else 0,
                     version_id=shard.active_version_id,
                 )
             )

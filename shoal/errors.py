@@ -74,6 +74,35 @@ class CommitError(ShoalError):
     """A batch could not be committed after bounded retries; it was not acknowledged."""
 
 
+# -- the concurrency vocabulary ----------------------------------------------------------------------------
+# Every lost race in Shoal is reported one of two ways. ConflictError: this caller lost a compare-and-swap or
+# a precondition it stated; nothing it asked for was written, so it reloads what it read and tries again.
+# StateUnknownError: the catalog could not say whether a commit landed; the caller must look before it
+# retries (or retry only with an idempotency key, such as a producer batch id).
+
+
+class ConflictError(ShoalError):
+    """Lost a compare-and-swap or a stated precondition: nothing was written; reload and retry.
+
+    `expected` is what the caller assumed (e.g. the head seq, the active version id) and `actual` what the
+    catalog held instead, when known (None otherwise).
+    """
+
+    def __init__(self, message: str, *, expected: object = None, actual: object = None) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.actual = actual
+
+
+class LeaseBusyError(ConflictError):
+    """Another worker holds the shard's build lease (or took it over while this build ran): try later."""
+
+
+class StateUnknownError(CommitError):
+    """A commit's outcome is unknown (e.g. the connection was lost during COMMIT): it may have landed.
+    Check before retrying; a retry under the same batch id is safe, a blind one may write twice."""
+
+
 class CorruptSegmentError(ShoalError):
     """A log segment's bytes do not match the checksum the catalog recorded."""
 
@@ -105,3 +134,15 @@ class ReindexConflictError(ShoalError):
 
 class CapacityError(ShoalError):
     """Serving this would take more memory than the process's budget allows (SHOAL_SEARCHER_CACHE_BYTES)."""
+
+
+class DatasetError(ShoalError):
+    """A refused dataset operation, with a machine-readable `code` (a `shoal.datasets.errors.ErrorCode`) and
+    JSON-ready `details`; nothing was changed unless the message says otherwise. HTTP statuses for the codes
+    live in `shoal.api.errors`, not here."""
+
+    def __init__(self, code: str, message: str, details: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details or {}

@@ -17,15 +17,15 @@ from typing import Any
 import redis
 from sqlalchemy.exc import OperationalError
 
-from shoal.index.segment import SegmentCache
 from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord
-from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError
+from shoal.index.segment import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.writer import LogWriter
+from shoal.servers.broker import broker_url
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)

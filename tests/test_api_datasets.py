@@ -4,6 +4,7 @@ tail) unless a test materializes the index itself."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 import threading
@@ -512,6 +513,8 @@ def test_on_s3_storage(serve: Serve, connect: Callable[..., httpx.Client],
         assert json.loads(shoal.storage.read(path).to_pybytes())["metric_type"] == "euclidean"
         assert http.delete("/datasets/docs", params={"hard": "true"}).status_code == 200  # soft: test_soft_delete
         assert not shoal.storage.exists(path)
+        # A drop queues the files; GC deletes them once the grace period (searchers may still read them) ends.
+        shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=settings.gc_grace_s + 1))
         assert shoal.storage.list_files(f"tenants/{settings.tenant}/sources/docs") == []
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import select
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -21,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import run_helper, start_worker, stop_process, wait_for
+from helpers.compaction_windows import TARGETS, LogWindow, freeze_child_inside
 from helpers.compaction_checks import (
     COMPACT_SPEC,
     DIM,
@@ -38,6 +38,7 @@ from shoal.upkeep import gc_queue as garbage
 from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
+from shoal.errors import ConflictError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
 from shoal.log import retention
 from shoal.log.validation import columns_to_table
@@ -338,8 +339,9 @@ def test_retention_never_deletes_a_point_updated_after_its_decision(make_shoal: 
     producer.upload(init_batch("fresh", range(2, 3)))  # key 2 updated after the decision below
     tables = [columns_to_table(spec, None, {"id": [0, 1, 2, 3, 4]}, 100, delete=True)]
     # A commit of the stale decision is refused under the lock, and writes nothing.
-    with pytest.raises(retention._HeadMoved):
+    with pytest.raises(ConflictError) as refused:
         retention._commit(shoal.engine, shoal.storage, record, decided_at, tables, 1000, 1)
+    assert refused.value.actual == shoal.get_data_source("Retained", "1").head_seq
     assert sorted(folded_state(shoal, "Retained", "1")) == [0, 1, 2, 3, 4]
     assert len(shoal.storage.list_files(shoal.log_dir("Retained", "1"))) == 2
 
@@ -549,36 +551,26 @@ def test_sigkill_during_compaction_and_gc_loses_nothing(make_shoal: Callable[...
     flat_index(shoal, "crash", shard_count=2)
     build(shoal, "crash")
 
-    rng = random.Random(20261122)
     acked: dict[str, int] = {}
     stages: dict[str, int] = {}
+    windows: dict[str, int] = {}
     for run in range(KILLS[storage_kind]):
+        window = LogWindow(shoal)
         proc = run_helper("compaction_crasher.py", [f"r{run}", "crash"], shoal.settings)
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "the child never started"
         lines = [proc.stdout.readline()]
         assert lines[0], f"child {run} died: {proc.stderr.read() if proc.poll() is not None else ''}"
-        # Most kills aim at a compaction or a GC run: wait for one to start, then kill within its first
-        # moments (reading segments, writing files, in the swap transaction, deleting); the rest at random.
-        target = ["compact", "gc", "compact", None][run % 4]
-        started_at = time.monotonic()
-        while target and f'"{target}"' not in lines[-1] and time.monotonic() - started_at < 60:
-            ready, _, _ = select.select([proc.stdout], [], [], 5)
-            if not ready or not (line := proc.stdout.readline()):
-                break
-            lines.append(line)
-        deadline = time.monotonic() + (rng.uniform(0.0, 0.04) if target else rng.uniform(0.0, 1.5))
-        while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([proc.stdout], [], [], left)
-            if not ready:
-                break
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
+        # Each kill aims at one window, in turn: a compaction's rewrite written but not swapped in, GC
+        # deleting queued files before it records that, a batch's segment written but not committed, and
+        # a swap committed with the replaced files not yet collected.
+        target = TARGETS[run % len(TARGETS)]
+        freeze_child_inside(proc, window, target, lines)
         os.kill(proc.pid, signal.SIGKILL)
-        rest, err = proc.communicate(timeout=30)
+        rest, err = proc.stdout.read(), proc.stderr.read()  # the buffered lines too, up to the end
+        proc.wait(30)
         assert proc.returncode == -signal.SIGKILL, err
+        windows[target] = windows.get(target, 0) + 1
         last_stage = "start"
         for line in lines + rest.splitlines():
             if line.strip():
@@ -600,7 +592,7 @@ def test_sigkill_during_compaction_and_gc_loses_nothing(make_shoal: Callable[...
                             else mix_batch(b)) for b, _, _ in committed])
         assert folded_state(shoal, NAME, VERSION) == expected
 
-    print(f"kills by stage: {stages}; {len(acked)} acknowledged batches")
+    print(f"kills by stage: {stages}, by window: {windows}; {len(acked)} acknowledged batches")
     assert stages.get("compact", 0) + stages.get("gc", 0) >= 2, stages
 
     # Indexes catch up to the head from whatever watermark they were left at, and answer exactly.

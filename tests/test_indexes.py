@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import numpy as np
 import pytest
 
@@ -190,6 +192,8 @@ def test_freshness_status_and_drop(shoal: Shoal) -> None:
     folder = f"tenants/{shoal.tenant}/indexes/Docs.Index"
     assert shoal.storage.list_files(folder)
     assert shoal.drop_index("Docs.Index", "1") > 0
+    # The drop queued the files; GC deletes them once the grace period (searchers may still read them) ends.
+    shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=shoal.settings.gc_grace_s + 1))
     assert shoal.storage.list_files(folder) == []
     with pytest.raises(NotFoundError):
         shoal.index_status("Docs.Index", "1")

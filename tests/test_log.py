@@ -175,6 +175,8 @@ def test_create_get_list_drop(shoal: Shoal) -> None:
     files = shoal.storage.list_files(shoal.log_dir(SPEC.name, SPEC.version))
     assert len(files) == 1
     assert shoal.drop_data_source(SPEC.name, SPEC.version) == 1
+    # The drop queued the file; GC deletes it once the grace period (searchers may still read it) ends.
+    shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=shoal.settings.gc_grace_s + 1))
     assert shoal.storage.list_files(shoal.log_dir(SPEC.name, SPEC.version)) == []
     with pytest.raises(NotFoundError):
         shoal.get_data_source(SPEC.name, SPEC.version)

@@ -26,8 +26,9 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session
 
 from shoal import Shoal
-from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment, TrashFile
-from shoal.upkeep.trash import Trash, pending_files, purge_due
+from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment
+from shoal.upkeep import gc_queue as garbage
+from shoal.upkeep.trash import PURGED, Trash, pending_files, purge_due
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.workers.base import ShoalTask
@@ -104,7 +105,8 @@ def files_of(shoal: Shoal, name: str) -> list[str]:
 
 
 def rows_of(shoal: Shoal, source_id: int) -> dict[str, int]:
-    """How many catalog rows still belong to the data source with that id."""
+    """How many catalog rows still belong to the data source with that id (and, as "trash_files", how many
+    files of the tenant's purges are queued and not deleted yet)."""
     with Session(shoal.engine) as s:
         index_ids = list(s.scalars(sql_select(Index.id).where(Index.data_source_id == source_id)))
         return {
@@ -114,9 +116,13 @@ def rows_of(shoal: Shoal, source_id: int) -> dict[str, int]:
             "indexes": len(index_ids),
             "index_shards": s.scalar(
                 sql_select(func.count()).where(IndexShard.index_id.in_(index_ids))) or 0 if index_ids else 0,
-            "trash_files": s.scalar(
-                sql_select(func.count()).where(TrashFile.data_source_id == source_id)) or 0,
+            "trash_files": garbage.pending(shoal.engine, tenant=shoal.tenant, reason=PURGED),
         }
+
+
+def collect_after_grace(shoal: Shoal) -> None:
+    """Run GC as if SHOAL_GC_GRACE_S had passed: files a drop queued are deleted."""
+    shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=shoal.settings.gc_grace_s + 1))
 
 
 def end_retention(shoal: Shoal, source_id: int) -> None:
@@ -275,6 +281,7 @@ def test_delete_restore_delete_again_purge_leaves_other_tenants_untouched(
         result = purge_trash()
         purged = [p for p in result["purged"] if p["id"] == source_id]
         assert purged == [{"tenant": settings.tenant, "name": "docs", "version": "1", "id": source_id}]
+        collect_after_grace(shoal)  # the hard-deleted second "docs" above: its drop queued its files
         assert files_of(shoal, "docs") == []
         assert rows_of(shoal, source_id) == {"data_sources": 0, "log_segments": 0, "indexes": 0,
                                              "index_shards": 0, "trash_files": 0}
@@ -309,6 +316,7 @@ def test_hard_delete_is_immediate(served: Callable[..., tuple[httpx.Client, Sett
         body = r.json()
         assert (body["deleted"], body["soft"], body["trash_id"], body["purge_after"]) == (True, False, None, None)
         assert body["files_deleted"] >= 3
+        collect_after_grace(shoal)  # the drop queued the files (searchers may still read them)
         assert files_of(shoal, "docs") == []
         assert rows_of(shoal, source_id)["data_sources"] == 0
         assert http.get("/trash").json()["total"] == 0
@@ -354,7 +362,7 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
     """A data source (not a dataset) through the catalog's trash, on local and S3 storage: a zero retention
     purges at the next run; an index (and an alias) over it is hidden with it and its name free."""
     from shoal import DataSourceSpec
-    from shoal.upkeep.trash import _delete
+    from shoal.upkeep.gc import _delete
     from shoal.errors import AlreadyExistsError, NotFoundError
     from shoal.log.records import IndexSpec
 
@@ -393,14 +401,15 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
         trash.soft_delete("src", "1", dt.timedelta(0))  # zero retention: due at once
         result = purge_due(shoal.engine, shoal.storage)
         assert (settings.tenant, "src", "1", trashed.id) in result.sources
+        collect_after_grace(shoal)  # the dropped second "src" and "idx" above: their drops queued their files
         assert shoal.storage.list_files(f"tenants/{settings.tenant}/sources/src") == []
         assert shoal.storage.list_files(f"tenants/{settings.tenant}/indexes/idx") == []
         assert rows_of(shoal, trashed.id)["data_sources"] == 0
         assert other.fold("src", "1").num_rows == 1 and other.get_alias("current").index_name == "idx"
         assert other.storage.list_files(f"tenants/{other.tenant}/indexes/idx")
         # Deleting what is already gone is not an error (a rerun after a crash does exactly that).
-        assert _delete(shoal.storage, f"tenants/{settings.tenant}/sources/src/1/log/missing.parquet", False) is False
-        assert _delete(shoal.storage, f"tenants/{settings.tenant}/indexes/idx/1/gen-1/shard-0/missing", True) is False
+        assert _delete(shoal.storage, f"tenants/{settings.tenant}/sources/src/1/log/missing.parquet") is False
+        assert _delete(shoal.storage, f"tenants/{settings.tenant}/indexes/idx/1/gen-1/shard-0/missing") is False
 
 
 # -- through a real worker -----------------------------------------------------------------------------------
@@ -442,16 +451,17 @@ def test_beat_purges_through_a_real_worker(
 
 PURGE_CHILD = r"""
 import sys
+import shoal.upkeep.gc as gc
 import shoal.upkeep.trash as trash
 from shoal import Shoal
 
-real_delete = trash._delete
+real_delete = gc._delete
 
-def traced_delete(storage, path, is_dir):
+def traced_delete(storage, path):
     print("deleting", path, flush=True)  # the parent kills after a random number of these
-    return real_delete(storage, path, is_dir)
+    return real_delete(storage, path)
 
-trash._delete = traced_delete
+gc._delete = traced_delete  # the purge deletes the files it queued through GC's checked deletion
 with Shoal() as shoal:
     print("start", flush=True)
     result = trash.purge_due(shoal.engine, shoal.storage)

@@ -3,22 +3,25 @@ worker SIGKILLed during materialization and merge, repeatedly, never leaves a br
 
 from __future__ import annotations
 
-import random
-import re
-import time
 import uuid
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from conftest import kill_worker, start_worker, stop_process, wait_for
+from helpers.kill_points import freeze_inside
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
-from shoal.index.segment import load_segment, read_deletions
 from shoal.catalog.models import IndexShard, IndexVersion
 from shoal.engines.metrics import Metric, exact_top_k
+from shoal.index.builder import shard_dir
+from shoal.index.segment import ROWS_FILE, load_segment, read_deletions, segment_files
 from shoal.log.records import IndexSpec
+from shoal.log.validation import SEQ
 from shoal.searcher.consistency import Consistency
 
 pytestmark = pytest.mark.slow  # real Celery worker processes
@@ -110,18 +113,6 @@ def test_ingest_triggers_real_workers_and_searches_follow(wshoal: Shoal) -> None
         stop_process(worker)
 
 
-BUILD_TASK = re.compile(r"Task shoal\.workers\.tasks\.(\w+)\[([0-9a-f-]+)\] (received|succeeded|retry)")
-
-
-def _running_builds(log_path, task: str) -> int:  # type: ignore[no-untyped-def]
-    """How many `task` tasks the worker's log shows received and not yet finished."""
-    state: dict[str, str] = {}
-    for name, task_id, what in BUILD_TASK.findall(log_path.read_text()):
-        if name == task:
-            state[task_id] = what
-    return sum(1 for what in state.values() if what == "received")
-
-
 def _verify_all_versions(shoal: Shoal, index_name: str) -> int:
     """Every version of every shard references only existing files whose checksums match."""
     index = shoal.get_index(index_name, "1")
@@ -140,13 +131,76 @@ def _verify_all_versions(shoal: Shoal, index_name: str) -> int:
     return checked
 
 
-def _kill_during(worker, task: str, chooser: random.Random) -> bool:  # type: ignore[no-untyped-def]
-    """Wait until the worker runs `task`, SIGKILL it at a random moment; True if the task was still running."""
-    wait_for(lambda: _running_builds(worker.log_path, task) > 0, 90, f"the worker to start {task}")
-    time.sleep(chooser.uniform(0.0, 0.4))  # most builds here take 0.5 s or more: usually lands inside
-    running = _running_builds(worker.log_path, task) > 0
+class BuildWindow:
+    """What a worker's build of one index shard has written that no version references yet, read from the
+    catalog and storage only (not from Celery's log), so the test can kill the worker inside a build.
+
+    A build runs under the shard's lease, writes new files (deletion files in existing segment folders, then a
+    new segment folder: rows first, then the split indexes, whose build is the long part) and publishes a
+    version naming them. Files present when the window was opened (left by earlier kills) do not count.
+    """
+
+    def __init__(self, shoal: Shoal, index_name: str) -> None:
+        self.shoal = shoal
+        index = shoal.get_index(index_name, "1")
+        self.shard_id = index.shards[0].id
+        self.folder = shard_dir(index, index.shards[0], index.generation)
+        self.before = set(shoal.storage.list_files(self.folder))
+        self.owner_before = self.shard().lease_owner
+        self.max_seq: dict[str, int] = {}  # rows file -> its highest seq (files never change)
+
+    def shard(self) -> IndexShard:
+        """The shard's catalog row as it is now."""
+        with Session(self.shoal.engine) as s:
+            shard = s.get(IndexShard, self.shard_id)
+            assert shard is not None
+            return shard
+
+    def unpublished(self) -> tuple[set[str], int] | None:
+        """(the files a running build wrote and no version names, the active watermark) while a worker
+        started since the window opened holds the shard's lease; None otherwise."""
+        new = set(self.shoal.storage.list_files(self.folder)) - self.before  # listed before the rows are read
+        shard = self.shard()
+        if shard.lease_owner is None or shard.lease_owner == self.owner_before:
+            return None
+        with Session(self.shoal.engine) as s:
+            versions = s.scalars(select(IndexVersion).where(IndexVersion.shard_id == self.shard_id)).all()
+            named = {path for v in versions for entry in v.manifest["segments"] for path in segment_files(entry)}
+            active = s.get(IndexVersion, shard.active_version_id) if shard.active_version_id else None
+        return new - named, active.watermark if active else 0
+
+    def rows_above(self, files: set[str], watermark: int) -> list[bool]:
+        """For each new segment's rows file: True when it holds seqs above the watermark (a materialization's
+        segment), False when it holds none (a merge's rewrite of published rows)."""
+        out = []
+        for path in files:
+            if path.endswith(f"/{ROWS_FILE}"):
+                if path not in self.max_seq:
+                    seqs = pq.read_table(pa.BufferReader(self.shoal.storage.read(path)), columns=[SEQ])[SEQ]
+                    self.max_seq[path] = int(pc.max(seqs).as_py() or 0)
+                out.append(self.max_seq[path] > watermark)
+        return out
+
+    def inside(self, kind: str) -> bool:
+        """True while a build of this `kind` is running and has written unpublished files:
+        `materialize-deletions` (deletion files, which only a materialization writes), `materialize-rows` (a new
+        segment with new seqs) or `merge-rows` (a new segment holding only published seqs)."""
+        seen = self.unpublished()
+        if seen is None:
+            return False
+        files, watermark = seen
+        if kind == "materialize-deletions":
+            return any(p.rsplit("/", 1)[1].startswith("deleted-") for p in files)
+        above = self.rows_above(files, watermark)
+        return any(above) if kind == "materialize-rows" else not all(above)
+
+
+def _kill_inside(worker, window: BuildWindow, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL the worker (its whole session) once it is frozen inside a build of `kind`."""
+    freeze_inside(worker.pid, lambda: window.inside(kind), 120, f"the worker to be inside {kind}", group=True)
     kill_worker(worker)
-    return running
+    # The killed build never gave its lease back: the kill landed inside the build, not after it.
+    assert window.shard().lease_owner not in (None, window.owner_before)
 
 
 def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
@@ -165,7 +219,9 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
             params={"M": 16, "ef_construction": 200, "ef_search": 400},
         )
     )
-    chooser = random.Random(3)
+    # Where each kill lands, in turn: in a materialization that wrote its first files, mid deletion files or
+    # with its new segment's rows written (its index building); in a merge with the merged rows written.
+    materialize_windows = ["materialize-rows", "materialize-deletions", "materialize-rows", "materialize-deletions"]
     next_id = 0
     killed = {"materialize_shard": 0, "merge_shard": 0}
     for round_no in range(8):
@@ -176,8 +232,10 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
         _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)
         wshoal.producer(spec.name, "1").delete({"id": rng.choice(next_id, 100, replace=False)})
         if round_no % 2 == 0:
+            window = BuildWindow(wshoal, index)
             worker = start_worker(wshoal.settings, beat=True)
-            killed["materialize_shard"] += _kill_during(worker, "materialize_shard", chooser)
+            _kill_inside(worker, window, materialize_windows[round_no // 2])
+            killed["materialize_shard"] += 1
         else:
             # Let this round's materialization finish, then make every multi-segment shard due for a merge
             # (max_segments=1) and kill the worker in the middle of that merge (beat's sweep_merges queues it).
@@ -186,8 +244,10 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
             _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)  # a second segment at least
             wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up again")
             stop_process(worker)
+            window = BuildWindow(wshoal, index)
             worker = start_worker(wshoal.settings, beat=True, SHOAL_MAX_SEGMENTS="1")
-            killed["merge_shard"] += _kill_during(worker, "merge_shard", chooser)
+            _kill_inside(worker, window, "merge-rows")
+            killed["merge_shard"] += 1
         _verify_all_versions(wshoal, index)
     worker = start_worker(wshoal.settings, beat=True)
     try:
@@ -196,6 +256,7 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
         stop_process(worker)
     print("kills inside tasks:", killed)
     assert killed["materialize_shard"] >= 2 and killed["merge_shard"] >= 2, killed
+    assert killed == {"materialize_shard": 4, "merge_shard": 4}  # every kill landed inside its build
     assert _verify_all_versions(wshoal, index) > 4
     active = wshoal.shards.active_version(record.shards[0].id)
     assert active is not None and active.watermark == wshoal.get_data_source(spec.name, "1").head_seq

@@ -1,4 +1,5 @@
-"""The HTTP service: Vektonn-compatible routes, health, and errors in Vektonn's shape."""
+"""The HTTP service: Vektonn-compatible routes, management, the dataset API, health; errors answer through
+`shoal.api.errors` (Vektonn's shape, and the dataset API's on its routes)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,20 @@ from contextlib import asynccontextmanager
 from importlib.metadata import version
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from shoal.api import health, manage, vektonn
 from shoal.api.datasets import install as install_datasets
+from shoal.api.errors import install as install_errors
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.health import HealthMonitor
 from shoal.api.metrics import Metrics
 from shoal.api.security import TenantContext, reader_tenant
 from shoal.api.state import Tenants
 from shoal.config.settings import Settings
-from shoal.errors import (
-    AlreadyExistsError,
-    AuthenticationError,
-    BackpressureError,
-    CapacityError,
-    ConfigurationError,
-    NotFoundError,
-    PermissionDeniedError,
-    ReindexConflictError,
-    ShoalError,
-    ValidationError,
-)
-
-
-def _errors(status: int, messages: list[str]) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"errorMessages": messages})
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -76,57 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        messages = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return _errors(400, messages or ["invalid request"])
-
-    @app.exception_handler(ValidationError)
-    async def _invalid(_: Request, exc: ValidationError) -> JSONResponse:
-        return _errors(400, [f"{exc.prefix}: {p}" for p in exc.problems])
-
-    @app.exception_handler(AuthenticationError)
-    async def _unauthenticated(_: Request, exc: AuthenticationError) -> JSONResponse:
-        response = _errors(401, [str(exc)])
-        response.headers["WWW-Authenticate"] = "ApiKey"
-        return response
-
-    @app.exception_handler(PermissionDeniedError)
-    async def _forbidden(_: Request, exc: PermissionDeniedError) -> JSONResponse:
-        return _errors(403, [str(exc)])
-
-    @app.exception_handler(NotFoundError)
-    async def _not_found(_: Request, exc: NotFoundError) -> JSONResponse:
-        return _errors(404, [str(exc)])
-
-    @app.exception_handler(ReindexConflictError)
-    async def _reindex_conflict(_: Request, exc: ReindexConflictError) -> JSONResponse:
-        return _errors(409, [str(exc)])
-
-    @app.exception_handler(AlreadyExistsError)
-    async def _conflict(_: Request, exc: AlreadyExistsError) -> JSONResponse:
-        return _errors(409, [str(exc)])
-
-    @app.exception_handler(ConfigurationError)
-    async def _unavailable(_: Request, exc: ConfigurationError) -> JSONResponse:
-        return _errors(503, [str(exc)])
-
-    @app.exception_handler(CapacityError)
-    async def _over_capacity(_: Request, exc: CapacityError) -> JSONResponse:
-        return _errors(503, [str(exc)])
-
-    @app.exception_handler(BackpressureError)
-    async def _too_many(_: Request, exc: BackpressureError) -> JSONResponse:
-        response = _errors(429, [str(exc)])
-        response.headers["Retry-After"] = str(exc.retry_after)
-        return response
-
-    @app.exception_handler(ShoalError)
-    async def _shoal_error(_: Request, exc: ShoalError) -> JSONResponse:
-        return _errors(500, [str(exc)])
+    install_errors(app)  # every core error in Vektonn's shape (the dataset routes answer in their own)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     def metrics(ctx: Annotated[TenantContext, Depends(reader_tenant)]) -> PlainTextResponse:

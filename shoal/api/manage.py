@@ -8,12 +8,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field
 
-from shoal.vektonn.dto import ErrorDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
-from shoal.index.generations import JobRecord
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
+from shoal.index.generations import JobRecord
 from shoal.log.records import DataSourceSpec, IndexSpec
+from shoal.vektonn.dto import ErrorDto
 
 router = APIRouter(prefix="/api/v1", tags=["management"])
 ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}, 409: {"model": ErrorDto}}

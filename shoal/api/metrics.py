@@ -10,8 +10,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from shoal.index.segment import SegmentCache
 from shoal.catalog.indexes import freshness_rows
+from shoal.index.segment import SegmentCache
 
 
 class _LagCollector(Collector):

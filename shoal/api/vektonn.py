@@ -21,11 +21,11 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
-from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.errors import NotFoundError, ValidationError
 from shoal.searcher.consistency import Consistency
 from shoal.vektonn import wire
+from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 
 router = APIRouter(prefix="/api/v1", tags=["vektonn"])
 ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}

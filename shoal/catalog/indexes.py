@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, or_, select, update
+from sqlalchemy import Connection, Engine, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, IndexVersion, Tenant
+from shoal.catalog.models import DataSource, Index, IndexAlias, IndexFile, IndexShard, IndexVersion, Tenant
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import AlreadyExistsError, NotFoundError
 from shoal.log.records import GENERATION_MARK, IndexSpec, check_name
@@ -172,20 +172,6 @@ class IndexCatalog:
             if source_id is not None:
                 q = q.where(Index.data_source_id == source_id)
             return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]
-
-    def drop_index(self, name: str, version: str) -> list[dict[str, Any]]:
-        """Delete the index with its shards and versions; return the manifests whose files may now go."""
-        with Session(self.engine) as s, s.begin():
-            row = self._row(s, name, version)
-            manifests = list(
-                s.scalars(
-                    select(IndexVersion.manifest)
-                    .join(IndexShard, IndexShard.id == IndexVersion.shard_id)
-                    .where(IndexShard.index_id == row.id)
-                )
-            )
-            s.execute(delete(Index).where(Index.id == row.id))
-        return manifests
 
 
 @dataclass(frozen=True)
@@ -385,11 +371,16 @@ class ShardCatalog:
         generation: int,
         watermark: int,
         manifest: dict[str, Any],
+        *,
+        files: Collection[str],
+        precondition: Callable[[Connection], bool] | None = None,
     ) -> int | None:
-        """Insert a version and move the shard's active pointer to it by compare-and-swap.
+        """Insert a version naming `files` (every path its manifest references, recorded in `index_files`)
+        and move the shard's active pointer to it by compare-and-swap, all in one transaction.
 
         Returns the new version id, or None when the pointer no longer names `expected_active` (someone
-        else published first; nothing was changed).
+        else published first) or `precondition`, asked last inside the transaction, says no; nothing was
+        changed then.
         """
         with Session(self.engine) as s:
             version_id = s.execute(
@@ -413,9 +404,11 @@ class ShardCatalog:
                 .where(IndexShard.id == shard_id, pointer)
                 .values(active_version_id=version_id, built_watermark=watermark)
             ).rowcount
-            if moved != 1:
+            if moved != 1 or (precondition is not None and not precondition(s.connection())):
                 s.rollback()  # the version row goes too: it was never active
                 return None
+            if files:  # GC's reference check: a file no kept version lists here may be collected
+                s.execute(insert(IndexFile), [{"version_id": version_id, "path": p} for p in sorted(set(files))])
             s.commit()
             return int(version_id)
 

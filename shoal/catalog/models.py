@@ -219,6 +219,17 @@ class IndexVersion(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
+class IndexFile(Base):
+    """A file an index version references (its segments' rows and engine files, its deletion files), written in
+    the transaction that publishes the version and deleted with it (cascade): GC's reference check for index
+    files is a lookup here, not a scan of manifests."""
+
+    __tablename__ = "index_files"
+
+    version_id: Mapped[int] = mapped_column(ForeignKey("index_versions.id", ondelete="CASCADE"), primary_key=True)
+    path: Mapped[str] = mapped_column(Text, primary_key=True, index=True)
+
+
 class ApiKey(Base):
     """An API key of a tenant: its public key id, a salted hash of its secret (never the secret), its role."""
 
@@ -248,21 +259,6 @@ class IndexAlias(Base):
     # Dropping the index drops the aliases naming it (a search by such an alias then says it is not found).
     index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"), index=True)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
-
-
-class TrashFile(Base):
-    """A file (or a folder of one index segment) of a purged data source still to delete: the purge's logged
-    list. The purge deletes the rows and records their files here in one transaction, then deletes the files,
-    then these rows; a crash at any point is finished by the next run."""
-
-    __tablename__ = "trash_files"
-
-    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    tenant: Mapped[str] = mapped_column(String(100))
-    data_source_id: Mapped[int] = mapped_column(BigInteger)  # no foreign key: the row is gone
-    path: Mapped[str] = mapped_column(Text)
-    is_dir: Mapped[bool] = mapped_column(Boolean, server_default="false")
-    queued_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
 
 
 class ReindexJob(Base):

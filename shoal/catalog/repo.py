@@ -6,7 +6,7 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -138,16 +138,6 @@ class Catalog:
                 .order_by(DataSource.name, DataSource.version)
             ).all()
             return [_record(r, self.tenant) for r in rows]
-
-    def drop_data_source(self, name: str, version: str) -> list[str]:
-        """Delete the data source and its catalog rows; return the paths of the files it referenced."""
-        with Session(self.engine) as s, s.begin():
-            row = self._row(s, name, version)
-            # Lock the head so no commit is half way through while the rows go.
-            s.execute(select(DataSource.id).where(DataSource.id == row.id).with_for_update())
-            paths = list(s.scalars(select(LogSegment.path).where(LogSegment.data_source_id == row.id)))
-            s.execute(delete(DataSource).where(DataSource.id == row.id))
-        return paths
 
     def segments(self, source_id: int, after_seq: int = 0, up_to_seq: int | None = None) -> list[SegmentRecord]:
         """Committed segments holding any seq in (after_seq, up_to_seq], in seq order."""

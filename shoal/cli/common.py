@@ -122,3 +122,4 @@ def split_pairs(values: list[str] | None, sep: str, form: str, option: str) -> l
             raise typer.BadParameter(f"{item!r} is not {form}", param_hint=option)
         pairs.append((left.strip(), right.strip()))
     return pairs
+

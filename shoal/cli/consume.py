@@ -23,9 +23,9 @@ def consume(
     Messages name their tenant, data source and version in headers; bodies are Vektonn's upload JSON or the
     compact Arrow form. Invalid messages go to the group's dead-letter queue with their reason.
     """
-    from shoal.servers.broker import broker_url
     from shoal.config.settings import mask_url
     from shoal.intake.consumer import IntakeConsumer, dead_letters
+    from shoal.servers.broker import broker_url
 
     settings = load_settings()
     if dead:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import typer
+from rich.table import Table
 
 from shoal.catalog.indexes import IndexRecord
 from shoal.catalog.repo import SourceRecord
+from shoal.cli.common import out
 from shoal.client import ShardStatus
 from shoal.log.records import DataSourceSpec
 
@@ -110,3 +112,29 @@ def index_json(record: IndexRecord) -> dict[str, Any]:
 def status_json(status: ShardStatus) -> dict[str, Any]:
     """One shard's freshness as a JSON-ready dict."""
     return dataclasses.asdict(status)
+
+
+def print_listing(
+    items: list[Any],
+    *,
+    as_json: bool,
+    to_json: Callable[[Any], Any],
+    empty: str,
+    title: str,
+    columns: list[tuple[str, str]],
+    row: Callable[[Any], list[str]],
+) -> None:
+    """Print a list command's answer: the JSON list with `--json`, a sentence when there is nothing, or a
+    table with `columns` (name, justify) and one `row` per item."""
+    if as_json:
+        echo_json([to_json(item) for item in items])
+        return
+    if not items:
+        out.print(empty)
+        return
+    table = Table(title=title, title_justify="left")
+    for name, justify in columns:
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for item in items:
+        table.add_row(*row(item))
+    out.print(table)

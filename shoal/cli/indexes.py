@@ -10,7 +10,7 @@ from rich.table import Table
 
 from shoal.catalog.indexes import IndexRecord
 from shoal.cli.common import AsJson, Tenant, open_shoal, out, split_all, split_pairs, typer_app
-from shoal.cli.formatting import count, echo_json, index_json, names_text, params_text, when
+from shoal.cli.formatting import count, echo_json, index_json, names_text, params_text, print_listing, when
 from shoal.errors import NotFoundError
 from shoal.log.records import IndexSpec
 
@@ -184,25 +184,18 @@ def index_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     with open_shoal(tenant) as shoal:
         records = shoal.list_indexes()
         tenant_name = shoal.tenant
-    if as_json:
-        echo_json([index_json(r) for r in records])
-        return
-    if not records:
-        out.print(f"No indexes in tenant {tenant_name!r}.")
-        return
-    table = Table(title=f"Indexes of tenant {tenant_name!r}", title_justify="left")
-    for column in ("name", "version", "data source", "algorithm", "params", "metric", "id", "split"):
-        table.add_column(column, overflow="fold")
-    table.add_column("shards", justify="right")
-    table.add_column("built", justify="right")
-    for r in records:
-        s = r.spec
-        table.add_row(
-            s.name, s.version, f"{s.source_name}/{s.source_version}", s.algorithm, params_text(s.params), s.metric,
-            names_text(s.id_attributes), names_text(s.split_attributes), str(s.shard_count),
+    names = ("name", "version", "data source", "algorithm", "params", "metric", "id", "split")
+    print_listing(
+        records, as_json=as_json, to_json=index_json,
+        empty=f"No indexes in tenant {tenant_name!r}.", title=f"Indexes of tenant {tenant_name!r}",
+        columns=[(n, "left") for n in names] + [("shards", "right"), ("built", "right")],
+        row=lambda r: [
+            r.spec.name, r.spec.version, f"{r.spec.source_name}/{r.spec.source_version}", r.spec.algorithm,
+            params_text(r.spec.params), r.spec.metric, names_text(r.spec.id_attributes),
+            names_text(r.spec.split_attributes), str(r.spec.shard_count),
             count(min((sh.built_watermark for sh in r.shards), default=0)),
-        )
-    out.print(table)
+        ],
+    )
 
 
 @index_app.command("drop")
@@ -212,7 +205,8 @@ def index_drop(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     tenant: Tenant = None,
 ) -> None:
-    """Delete an index with all its versions (catalog rows, then the files). The data source stays."""
+    """Delete an index with all its versions; its files are queued for GC (deleted after SHOAL_GC_GRACE_S).
+    The data source stays."""
     with open_shoal(tenant) as shoal:
         record = shoal.get_index(name, version)
         if not yes:
@@ -224,4 +218,4 @@ def index_drop(
                 err=True,
             )
         files = shoal.drop_index(name, version)
-    out.print(f"Dropped index {name}/{version} of tenant {record.tenant!r} ({files} files deleted).")
+    out.print(f"Dropped index {name}/{version} of tenant {record.tenant!r} ({files} files queued for GC).")

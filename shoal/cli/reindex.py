@@ -7,10 +7,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from shoal.index.generations import JobRecord
 from shoal.cli.common import AsJson, Tenant, open_shoal, out
 from shoal.cli.formatting import echo_json
 from shoal.cli.indexes import IndexName, IndexVersion, parse_params
+from shoal.index.generations import JobRecord
 
 
 def _row(job: JobRecord) -> dict[str, object]:

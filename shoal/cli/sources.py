@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import AsJson, Name, Tenant, Version, open_shoal, out, split_all, split_pairs, typer_app
-from shoal.cli.formatting import attributes_text, count, echo_json, record_json, when
+from shoal.cli.formatting import attributes_text, count, echo_json, print_listing, record_json, when
 from shoal.errors import NotFoundError
 from shoal.log.records import DataSourceSpec
 
@@ -125,27 +125,16 @@ def source_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     with open_shoal(tenant) as shoal:
         records = shoal.list_data_sources()
         tenant_name = shoal.tenant
-    if as_json:
-        echo_json([record_json(r) for r in records])
-        return
-    if not records:
-        out.print(f"No data sources in tenant {tenant_name!r}.")
-        return
-    table = Table(title=f"Data sources of tenant {tenant_name!r}", title_justify="left")
-    for column in ("name", "version", "dim", "sparse", "attributes", "permanent"):
-        table.add_column(column)
-    table.add_column("head seq", justify="right")
-    for r in records:
-        table.add_row(
-            r.spec.name,
-            r.spec.version,
-            str(r.spec.vector_dimension),
-            "yes" if r.spec.vectors_are_sparse else "no",
-            attributes_text(r.spec),
-            ", ".join(r.spec.permanent_attributes),
-            count(r.head_seq),
-        )
-    out.print(table)
+    names = ("name", "version", "dim", "sparse", "attributes", "permanent")
+    print_listing(
+        records, as_json=as_json, to_json=record_json,
+        empty=f"No data sources in tenant {tenant_name!r}.", title=f"Data sources of tenant {tenant_name!r}",
+        columns=[(n, "left") for n in names] + [("head seq", "right")],
+        row=lambda r: [
+            r.spec.name, r.spec.version, str(r.spec.vector_dimension), "yes" if r.spec.vectors_are_sparse else "no",
+            attributes_text(r.spec), ", ".join(r.spec.permanent_attributes), count(r.head_seq),
+        ],
+    )
 
 
 @source_app.command("drop")
@@ -155,7 +144,8 @@ def source_drop(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     tenant: Tenant = None,
 ) -> None:
-    """Delete a data source with its whole log (catalog rows, then the segment files). Cannot be undone."""
+    """Delete a data source with its whole log and its indexes; their files are queued for GC (deleted after
+    SHOAL_GC_GRACE_S). Cannot be undone."""
     with open_shoal(tenant) as shoal:
         record = shoal.get_data_source(name, version)
         segments = shoal.log_segments(name, version)
@@ -167,4 +157,4 @@ def source_drop(
                 err=True,
             )
         files = shoal.drop_data_source(name, version)
-    out.print(f"Dropped data source {name}/{version} of tenant {record.tenant!r} ({files} log files deleted).")
+    out.print(f"Dropped data source {name}/{version} of tenant {record.tenant!r} ({files} files queued for GC).")

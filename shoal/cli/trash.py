@@ -11,13 +11,12 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from shoal.upkeep.trash import Trash, TrashedSource, due_sources, purge_due
 from shoal.cli.common import AsJson, Tenant, open_shoal, out, typer_app
-from shoal.cli.formatting import count, echo_json, when
+from shoal.cli.formatting import count, echo_json, print_listing, when
 from shoal.client import Shoal
 from shoal.errors import NotFoundError
+from shoal.upkeep.trash import Trash, TrashedSource, due_sources, purge_due
 
 trash_app = typer_app("List, restore and purge the tenant's soft-deleted datasets.")
 
@@ -66,19 +65,16 @@ def trash_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     with open_shoal(tenant) as shoal:
         items = _trash(shoal).list()
         tenant_name = shoal.tenant
-    if as_json:
-        echo_json([_json(t) for t in items])
-        return
-    if not items:
-        out.print(f"The trash of tenant {tenant_name!r} is empty.")
-        return
-    table = Table(title=f"Trash of tenant {tenant_name!r}", title_justify="left")
-    for column in ("trash id", "name", "version", "kind", "entries", "deleted at", "purge after"):
-        table.add_column(column, justify="right" if column in ("trash id", "entries") else "left")
-    for t in items:
-        table.add_row(str(t.id), t.spec.name, t.spec.version, "dataset" if MARKER in t.spec.custom_metadata
-                      else "data source", count(t.head_seq), when(t.deleted_at), when(t.purge_after))
-    out.print(table)
+    names = ("trash id", "name", "version", "kind", "entries", "deleted at", "purge after")
+    print_listing(
+        items, as_json=as_json, to_json=_json,
+        empty=f"The trash of tenant {tenant_name!r} is empty.", title=f"Trash of tenant {tenant_name!r}",
+        columns=[(n, "right" if n in ("trash id", "entries") else "left") for n in names],
+        row=lambda t: [
+            str(t.id), t.spec.name, t.spec.version, "dataset" if MARKER in t.spec.custom_metadata else "data source",
+            count(t.head_seq), when(t.deleted_at), when(t.purge_after),
+        ],
+    )
 
 
 @trash_app.command("restore")
@@ -134,5 +130,5 @@ def trash_purge(
         return
     for t, name, version, source_id in result.sources:
         out.print(f"Purged {name}/{version} (trash id {source_id}) of tenant {t!r}.")
-    out.print(f"{len(result.sources)} purged, {result.files} files and folders deleted; "
+    out.print(f"{len(result.sources)} purged, {result.files} files deleted; "
               f"{left} left in the trash of tenant {tenant_name!r}.")

@@ -1,5 +1,8 @@
 """The dataset API's service logic (DeepLake-style datasets), free of HTTP; `shoal.api.datasets` serves it.
 
+`service.DatasetService` answers with the frozen values of `results` and raises `DatasetError` with an
+`ErrorCode` (or another core error of `shoal.errors`); statuses and bodies are `shoal.api`'s.
+
 A dataset is the tenant-facing convenience of one data source plus its default index under one name
 (DESIGN.md). For a dataset named N in tenant T:
 
@@ -29,7 +32,8 @@ A dataset is the tenant-facing convenience of one data source plus its default i
   its files in place, its mirror moved to `tenants/T/trash/{trash_id}/`; restorable until `purge_after`
   (SHOAL_TRASH_RETENTION_DAYS), then purged by beat. `hard=True` (and `overwrite` on create) deletes at once
   the index, the data source, their files and the mirror.
-- **reindex** answers NOT_IMPLEMENTED (501) until the reindex issue lands.
+- **reindex** rebuilds the default index as a new generation, swapped in once its recall meets the gate
+  (REINDEX_CONFLICT while another runs).
 - **search**: `score` is the metric's distance as Shoal defines it (smaller is nearer, except dot_product
   where larger is nearer). Consistency: `strong` sees every write committed before the query; otherwise a
   `min_write_token` asks for at least that write; otherwise `eventual`.

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, LogSegment
 from shoal.client import Shoal
 from shoal.datasets.errors import not_found
@@ -199,8 +200,11 @@ class DatasetCatalog:
     def update(self, name: str, changes: dict[str, Any]) -> DatasetRecord:
         """Set the description and/or metadata given in `changes` (row-locked read, modify, write)."""
         with Session(self.engine) as s, s.begin():
-            row = s.scalars(self._datasets().where(DataSource.name == name).with_for_update()).one_or_none()
-            if row is None:
+            found = s.scalars(self._datasets().where(DataSource.name == name)).one_or_none()
+            # Locked, then read again: the read-modify-write below must see the latest metadata.
+            locked = lock_source(s, found.id, missing_ok=True) if found is not None else None
+            row = s.get(DataSource, locked.id, populate_existing=True) if locked is not None else None
+            if row is None or row.deleted_at is not None:  # dropped or trashed before the lock was ours
                 raise not_found(name)
             d = dict(row.custom_metadata[MARKER])
             d.update(changes)

@@ -1,15 +1,21 @@
-"""The dataset API's errors: a machine-readable code, an HTTP status, a message and details."""
+"""The dataset service's error codes, and helpers that build its errors.
+
+The error class itself is `shoal.errors.DatasetError` (the project's one exceptions module); what HTTP status
+and body each code answers with is `shoal.api.errors`' business, never the service's.
+"""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Any
 
-from shoal.errors import ShoalError
+from shoal.errors import DatasetError, ValidationError
+
+__all__ = ["DatasetError", "ErrorCode", "already_exists", "invalid", "not_found", "problems_of"]
 
 
 class ErrorCode(StrEnum):
-    """Every code the dataset API answers with, each with one HTTP status (see `STATUS`)."""
+    """Every code a dataset operation can fail with (the dataset API answers with these names)."""
 
     DATASET_NOT_FOUND = "DATASET_NOT_FOUND"
     DATASET_ALREADY_EXISTS = "DATASET_ALREADY_EXISTS"
@@ -26,42 +32,22 @@ class ErrorCode(StrEnum):
     INTERNAL_ERROR = "INTERNAL_ERROR"
 
 
-STATUS: dict[ErrorCode, int] = {
-    ErrorCode.DATASET_NOT_FOUND: 404,
-    ErrorCode.DATASET_ALREADY_EXISTS: 409,
-    ErrorCode.INVALID_DATASET_CONFIG: 400,
-    ErrorCode.INVALID_DATASET_NAME: 400,
-    ErrorCode.RESERVED_DATASET_NAME: 400,
-    ErrorCode.INVALID_DIMENSIONS: 400,
-    ErrorCode.VALIDATION_ERROR: 400,
-    ErrorCode.NOT_IMPLEMENTED: 501,
-    ErrorCode.REINDEX_CONFLICT: 409,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.SERVICE_UNAVAILABLE: 503,
-    ErrorCode.INTERNAL_ERROR: 500,
-}
-
-
-class DatasetError(ShoalError):
-    """A refused dataset operation; nothing was changed unless the message says otherwise."""
-
-    def __init__(self, code: ErrorCode, message: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.details = details or {}
-
-    @property
-    def status(self) -> int:
-        """The HTTP status of this error's code."""
-        return STATUS[self.code]
-
-    def to_json(self) -> dict[str, Any]:
-        """The error in the dataset API's shape."""
-        return {"success": False, "error_code": self.code.value, "message": self.message, "details": self.details}
-
-
 def not_found(name: str) -> DatasetError:
     """The dataset does not exist in the caller's tenant (also what another tenant's dataset looks like)."""
     return DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} not found", {"dataset_id": name})
+
+
+def already_exists(name: str, conflict: str = "dataset") -> DatasetError:
+    """A dataset (or, per `conflict`, another object) of that name exists already."""
+    return DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"dataset {name!r} already exists",
+                        {"dataset_id": name, "conflict": conflict})
+
+
+def invalid(message: str, **details: Any) -> DatasetError:
+    """A request value breaks a rule that has no more specific code (VALIDATION_ERROR)."""
+    return DatasetError(ErrorCode.VALIDATION_ERROR, message, details)
+
+
+def problems_of(exc: ValidationError) -> list[str]:
+    """The problems of a core validation error, as text."""
+    return [str(p) for p in exc.problems]

@@ -2,7 +2,9 @@
 
 Both run under the shard's lease, read the active version, write only new uniquely named files, and publish
 a new version whose parent is the one they read. A crash anywhere before the publish leaves the active
-version untouched and at most unreferenced files; losing the compare-and-swap discards the attempt.
+version untouched and at most unreferenced files; losing the compare-and-swap discards the attempt. Both
+lost races (the lease held by another worker, the active pointer moved) raise LeaseBusyError, a
+ConflictError: try again later, from the then active version.
 """
 
 from __future__ import annotations
@@ -11,29 +13,26 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.index.segment import SegmentCache, build_segment, read_deletions, write_deletions
 from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord, head_of
-from shoal.errors import ShoalError
+from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
+from shoal.index.manifest import Manifest, SegmentEntry
+from shoal.index.segment import SegmentCache, build_segment, manifest_files, read_deletions, write_deletions
 from shoal.index.sharding import shard_numbers
-from shoal.log.validation import KEY
 from shoal.log.reader import fold, read_log
-from shoal.storage import Storage
+from shoal.log.validation import KEY
+from shoal.storage import Storage, layout
+from shoal.upkeep.gc import publishable
 
 log = logging.getLogger(__name__)
-
-
-class LeaseBusyError(ShoalError):
-    """Another worker holds the shard's build lease; the caller should try later."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,7 @@ class BuildResult:
 
 def shard_dir(index: IndexRecord, shard: ShardRecord, generation: int) -> str:
     """Layout-relative folder of a shard's segments (DESIGN.md's storage layout)."""
-    spec = index.spec
-    return f"tenants/{index.tenant}/indexes/{spec.name}/{spec.version}/gen-{generation}/shard-{shard.shard_no}"
+    return layout.shard_dir(index.tenant, index.spec.name, index.spec.version, generation, shard.shard_no)
 
 
 def default_owner() -> str:
@@ -91,6 +89,7 @@ class ShardBuilder:
     # -- shared steps ---------------------------------------------------------------------------------
 
     def _leased(self, shard_id: int, run: Callable[[], BuildResult]) -> BuildResult:
+        # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is.
         if not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds):
             raise LeaseBusyError(f"index shard {shard_id} is being built by another worker")
         try:
@@ -99,23 +98,33 @@ class ShardBuilder:
             self.shards.release_lease(shard_id, self.owner)
 
     def _publish(
-        self, shard: ShardRecord, active: VersionRecord | None, generation: int, watermark: int, segments: list[Any]
+        self,
+        shard: ShardRecord,
+        active: VersionRecord | None,
+        generation: int,
+        watermark: int,
+        segments: Sequence[SegmentEntry],
     ) -> BuildResult:
-        manifest = {"generation": generation, "watermark": watermark, "segments": segments}
+        manifest = Manifest(generation, watermark, tuple(segments))
+        expected = active.id if active else None
+        files = manifest_files([manifest])
+        new_files = sorted(files - (manifest_files([active.manifest]) if active else set()))
         version_id = self.shards.publish_version(
-            shard.id, active.id if active else None, generation, watermark, manifest
+            shard.id, expected, generation, watermark, manifest.to_json(), files=files,
+            # Under the publish's transaction: none of the files this build wrote was collected meanwhile.
+            precondition=lambda conn: publishable(conn, new_files),
         )
         if version_id is None:
             # Someone published in between (only possible after our lease expired): our files are
             # unreferenced garbage for GC; the next run starts from the new active version.
-            raise LeaseBusyError(f"index shard {shard.id} moved on while this build ran; retry")
+            raise LeaseBusyError(f"index shard {shard.id} moved on while this build ran; retry", expected=expected)
         if self.on_publish is not None:
             self.on_publish(shard.id, version_id)
         return BuildResult(shard.id, version_id, watermark, True, len(segments))
 
     def _new_segment(
         self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int, rows: pa.Table
-    ) -> dict[str, Any]:
+    ) -> SegmentEntry:
         folder = shard_dir(index, shard, generation)
         spec = source.spec
         return build_segment(self.storage, folder, index.spec, spec.vectors_are_sparse, spec.vector_dimension, rows)
@@ -130,7 +139,7 @@ class ShardBuilder:
         shard, index, source = self.shards.shard_context(shard_id)
         active = self.shards.active_version(shard_id)
         watermark = active.watermark if active else 0
-        segments: list[dict[str, Any]] = list(active.manifest["segments"]) if active else []
+        segments = list(Manifest.of(active.manifest).segments) if active else []
         head, _ = head_of(self.engine, source.id)
         if head <= watermark:
             return BuildResult(shard_id, active.id if active else None, watermark, False, len(segments))
@@ -159,7 +168,7 @@ class ShardBuilder:
             table = table.filter(pa.array(mine))
         return table
 
-    def _delete_keys(self, index: IndexRecord, entry: dict[str, Any], touched: pa.Array) -> dict[str, Any]:
+    def _delete_keys(self, index: IndexRecord, entry: SegmentEntry, touched: pa.Array) -> SegmentEntry:
         seg = self.cache.load(self.storage, entry, index.spec)
         hit = np.flatnonzero(pc.is_in(pa.array(seg.keys, pa.string()), value_set=touched).to_numpy(False))
         if not len(hit):
@@ -177,7 +186,7 @@ class ShardBuilder:
         rows; the watermark stays. Returns changed=False when the policy picks nothing."""
         return self._leased(shard_id, lambda: self._merge(shard_id, force))
 
-    def pick_for_merge(self, segments: list[dict[str, Any]], force: bool = False) -> list[int]:
+    def pick_for_merge(self, segments: Sequence[SegmentEntry], force: bool = False) -> list[int]:
         """Positions of the segments to merge: every segment with too many dead rows, plus the smallest
         ones while there are too many segments (tiered: small segments merge first)."""
         if force:
@@ -185,9 +194,9 @@ class ShardBuilder:
         dead = {
             i
             for i, s in enumerate(segments)
-            if s["rows"] and (s["deleted"] or {}).get("count", 0) / s["rows"] > self.policy.max_deleted_ratio
+            if s.rows and s.deleted_count / s.rows > self.policy.max_deleted_ratio
         }
-        by_size = sorted(range(len(segments)), key=lambda i: segments[i]["rows"])
+        by_size = sorted(range(len(segments)), key=lambda i: segments[i].rows)
         chosen = set(dead)
         # Merging k segments into one removes k-1; take the smallest until the count is back in bounds.
         while len(segments) - len(chosen) + (1 if chosen else 0) > self.policy.max_segments:
@@ -202,7 +211,7 @@ class ShardBuilder:
         active = self.shards.active_version(shard_id)
         if active is None:
             return BuildResult(shard_id, None, 0, False, 0)
-        segments = list(active.manifest["segments"])
+        segments = list(Manifest.of(active.manifest).segments)
         chosen = self.pick_for_merge(segments, force)
         if not chosen:
             return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
@@ -221,4 +230,4 @@ class ShardBuilder:
     def needs_merge(self, shard_id: int) -> bool:
         """True when the merge policy would pick segments in the shard's active version."""
         active = self.shards.active_version(shard_id)
-        return bool(active and self.pick_for_merge(list(active.manifest["segments"])))
+        return bool(active and self.pick_for_merge(Manifest.of(active.manifest).segments))

@@ -17,8 +17,9 @@ from typing import Any
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
+from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, ReindexJob, Tenant
-from shoal.errors import NotFoundError, ReindexConflictError
+from shoal.errors import ConflictError, NotFoundError, ReindexConflictError
 from shoal.log.records import GENERATION_MARK
 
 HIDDEN = GENERATION_MARK  # version suffix of generations that do not serve: `{version}~g{generation}`
@@ -137,7 +138,8 @@ class Generations:
             )
 
     def finish(self, job_id: int, state: str, *, recall: float | None = None, error: str | None = None) -> bool:
-        """End a building job as `state`; False if it had ended already (e.g. cancelled meanwhile)."""
+        """End a building job as `state`; False if it had ended already (e.g. cancelled meanwhile). Not a
+        conflict: ending a job that ended is a no-op, so the first end wins and the caller moves on."""
         with Session(self.engine) as s, s.begin():
             done = s.execute(
                 update(ReindexJob)
@@ -147,28 +149,31 @@ class Generations:
             ).rowcount
         return bool(done)
 
-    def swap(self, job_id: int, recall: float) -> bool:
+    def swap(self, job_id: int, recall: float) -> None:
         """Make the job's generation serve, in one transaction: the serving row is renamed to its hidden
         version (kept for rollback), the new one takes the index's version, aliases follow, the job is marked
-        swapped and the data source's `last_reindex_at` is set. False, changing nothing, if the serving row
-        is no longer the one the job started from or the job ended meanwhile."""
+        swapped and the data source's `last_reindex_at` is set. ConflictError, changing nothing, if the
+        serving row is no longer the one the job started from or the job ended meanwhile (reload the job to
+        see which)."""
         with Session(self.engine) as s, s.begin():
             job = s.get(ReindexJob, job_id, with_for_update=True)
             if job is None or job.state != "building" or job.from_index_id is None or job.to_index_id is None:
-                return False
+                raise ConflictError(f"reindex job {job_id} is no longer building", expected="building",
+                                    actual=job.state if job is not None else None)
             old = s.get(Index, job.from_index_id, with_for_update=True)
             new = s.get(Index, job.to_index_id, with_for_update=True)
             if old is None or new is None or old.version != job.index_version:
-                return False
+                raise ConflictError(f"reindex job {job_id}: the index changed while its generation was built",
+                                    expected=job.from_index_id)
             _swap_rows(s, old, new)
             job.state, job.recall, job.progress = "swapped", recall, 1.0
             job.updated_at = job.finished_at = dt.datetime.now(dt.UTC)
-            source = s.get(DataSource, new.data_source_id, with_for_update=True)
-            if source is not None:
+            if lock_source(s, new.data_source_id, missing_ok=True) is not None:
+                source = s.get(DataSource, new.data_source_id)
+                assert source is not None  # locked just now
                 meta = dict(source.custom_metadata or {})
                 meta["last_reindex_at"] = dt.datetime.now(dt.UTC).isoformat()
                 source.custom_metadata = meta
-        return True
 
     def rollback(self, tenant_id: int, name: str, version: str) -> tuple[int, int]:
         """Serve the generation the last swap replaced again (if still kept); returns (from id, to id)."""

@@ -16,12 +16,12 @@ from sqlalchemy import Engine, delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from shoal.index.segment import manifest_files
-from shoal.upkeep import gc_queue as garbage
 from shoal.catalog.indexes import VersionRecord, _version
 from shoal.catalog.models import IndexShard, IndexTag, IndexVersion, LogCompaction
 from shoal.errors import NotFoundError
+from shoal.index.segment import manifest_files
 from shoal.log.records import check_name
+from shoal.upkeep import gc_queue as garbage
 
 PRUNED = "index-version-pruned"  # garbage reason of files whose versions were pruned
 

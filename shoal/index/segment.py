@@ -2,8 +2,10 @@
 
 A segment covers a set of data points of one shard (the upserts of one materialization, or the survivors of
 a merge). Its rows are sorted by split, so each split's engine labels are a contiguous row range. Every file
-is written once under a uuid-named folder and its sha256 recorded in the manifest entry; loading verifies
-them. Deletions never touch a segment: a version lists deleted row numbers in a separate immutable file.
+is written once under a uuid-named folder and its sha256 recorded in the manifest entry (a
+`shoal.index.manifest.SegmentEntry`); loading verifies them. Deletions never touch a segment: a version lists
+deleted row numbers in a separate immutable file. Functions taking an entry accept it typed or in its JSON
+form (a dict from a stored manifest).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import io
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +31,15 @@ from shoal.engines import Engine, get_engine
 from shoal.engines.metrics import Metric
 from shoal.engines.sparse import SparseRows
 from shoal.errors import CorruptArtifactError
+from shoal.index.manifest import ROWS_FILE, DeletionEntry, Manifest, SegmentEntry, SplitEntry, all_files
 from shoal.index.sharding import split_keys
-from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
 from shoal.log.records import IndexSpec
-from shoal.storage import Storage
+from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
+from shoal.storage import Storage, layout
 
 SPLIT = "__split"
-ROWS_FILE = "rows.parquet"
+
+EntryLike = SegmentEntry | Mapping[str, Any]  # a manifest entry, typed or as stored
 
 
 def _digest(data: bytes | pa.Buffer) -> str:
@@ -77,10 +81,10 @@ def vectors_of(rows: pa.Table, sparse: bool, dim: int, start: int = 0, end: int 
 
 def build_segment(
     storage: Storage, shard_dir: str, index: IndexSpec, sparse: bool, dim: int, rows: pa.Table
-) -> dict[str, Any]:
+) -> SegmentEntry:
     """Write a segment for `rows` (live upserts: key, seq, attributes, vector) and return its manifest entry."""
     seg_id = uuid.uuid4()
-    folder = f"{shard_dir}/{seg_id}"
+    folder = layout.index_segment_dir(shard_dir, seg_id)
     vector_cols = [SPARSE_INDICES, SPARSE_VALUES] if sparse else [VECTOR]
     table = rows.select([KEY, SEQ, *index.stored_attributes(), *vector_cols])
     table = table.append_column(SPLIT, split_keys(table, index.split_attributes))
@@ -92,7 +96,7 @@ def build_segment(
 
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
-    splits: list[dict[str, Any]] = []
+    splits: list[SplitEntry] = []
     split_col = table[SPLIT].to_numpy(zero_copy_only=False)
     bounds = np.flatnonzero(split_col[1:] != split_col[:-1]) + 1 if len(split_col) else np.array([], dtype=np.int64)
     starts = [0, *bounds.tolist()] if len(split_col) else []
@@ -103,45 +107,46 @@ def build_segment(
         checksum = _write(storage, f"{folder}/{name}", engine.to_bytes())
         first = table.slice(start, 1).to_pylist()[0]
         splits.append(
-            {
-                "key": str(split_col[start]),
-                "values": {a: json_value(first[a]) for a in index.split_attributes},
-                "start": start,
-                "end": end,
-                "file": name,
-                "checksum": checksum,
-            }
+            SplitEntry(
+                key=str(split_col[start]),
+                values={a: json_value(first[a]) for a in index.split_attributes},
+                start=start,
+                end=end,
+                file=name,
+                checksum=checksum,
+            )
         )
     seqs = table[SEQ].to_numpy()
-    return {
-        "id": str(seg_id),
-        "dir": folder,
-        "rows": table.num_rows,
-        "min_seq": int(seqs.min()) if len(seqs) else 0,
-        "max_seq": int(seqs.max()) if len(seqs) else 0,
-        "rows_checksum": rows_checksum,
-        "splits": splits,
-        "deleted": None,
-    }
+    return SegmentEntry(
+        id=str(seg_id),
+        dir=folder,
+        rows=table.num_rows,
+        min_seq=int(seqs.min()) if len(seqs) else 0,
+        max_seq=int(seqs.max()) if len(seqs) else 0,
+        rows_checksum=rows_checksum,
+        splits=tuple(splits),
+        deleted=None,
+    )
 
 
-def write_deletions(storage: Storage, entry: dict[str, Any], deleted: np.ndarray) -> dict[str, Any]:
+def write_deletions(storage: Storage, entry: EntryLike, deleted: np.ndarray) -> SegmentEntry:
     """A copy of `entry` whose deletions are the sorted row numbers `deleted`, written as a new file."""
+    entry = SegmentEntry.of(entry)
     if len(deleted) == 0:
-        return {**entry, "deleted": None}
+        return entry.with_deletions(None)
     buf = io.BytesIO()
     np.save(buf, np.asarray(np.sort(deleted), dtype=np.int64), allow_pickle=False)
-    path = f"{entry['dir']}/deleted-{uuid.uuid4()}.npy"
+    path = f"{entry.dir}/deleted-{uuid.uuid4()}.npy"
     checksum = _write(storage, path, buf.getvalue())
-    return {**entry, "deleted": {"path": path, "count": int(len(deleted)), "checksum": checksum}}
+    return entry.with_deletions(DeletionEntry(path, int(len(deleted)), checksum))
 
 
-def read_deletions(storage: Storage, entry: dict[str, Any]) -> np.ndarray:
+def read_deletions(storage: Storage, entry: EntryLike) -> np.ndarray:
     """The deleted row numbers of a manifest entry (empty when none)."""
-    info = entry.get("deleted")
-    if not info:
+    info = SegmentEntry.of(entry).deleted
+    if info is None:
         return np.zeros(0, dtype=np.int64)
-    return np.load(io.BytesIO(_read(storage, info["path"], info["checksum"]).to_pybytes()), allow_pickle=False)
+    return np.load(io.BytesIO(_read(storage, info.path, info.checksum).to_pybytes()), allow_pickle=False)
 
 
 @dataclass(frozen=True)
@@ -189,16 +194,17 @@ class SegmentCache:
         self._lock = threading.Lock()
         self.bytes = 0
 
-    def load(self, storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
+    def load(self, storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
         """The segment of `entry`, from cache or storage (checksums verified)."""
+        entry = SegmentEntry.of(entry)
         with self._lock:
-            hit = self._items.get(entry["id"])
+            hit = self._items.get(entry.id)
             if hit is not None:
-                self._items.move_to_end(entry["id"])
+                self._items.move_to_end(entry.id)
                 return hit
         loaded = load_segment(storage, entry, index)
         with self._lock:
-            kept = self._items.setdefault(entry["id"], loaded)
+            kept = self._items.setdefault(entry.id, loaded)
             if kept is loaded:
                 self.bytes += loaded.nbytes
                 if self.keep_unheld:
@@ -270,17 +276,18 @@ def _find_malloc_trim() -> Any:
 _malloc_trim = _find_malloc_trim()
 
 
-def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> LoadedSegment:
+def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
     """Read and verify a segment's rows and engines."""
-    rows = pq.read_table(pa.BufferReader(_read(storage, f"{entry['dir']}/{ROWS_FILE}", entry["rows_checksum"])))
+    entry = SegmentEntry.of(entry)
+    rows = pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)))
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
     splits = []
     engine_bytes = 0
-    for s in entry["splits"]:
-        data = _read(storage, f"{entry['dir']}/{s['file']}", s["checksum"]).to_pybytes()
+    for s in entry.splits:
+        data = _read(storage, entry.split_path(s), s.checksum).to_pybytes()
         engine_bytes += len(data)  # an engine in memory is about the size of its file (graph or lists + vectors)
-        splits.append(LoadedSplit(s["key"], s["values"], s["start"], s["end"],
+        splits.append(LoadedSplit(s.key, dict(s.values), s.start, s.end,
                                   engine_cls.from_bytes(data, metric, index.params)))
     keys = rows[KEY].to_numpy(zero_copy_only=False)
     seqs = rows[SEQ].to_numpy()
@@ -289,17 +296,14 @@ def load_segment(storage: Storage, entry: dict[str, Any], index: IndexSpec) -> L
     # attribute once into a numpy array or a list of Python values: counted up front at a list's cost.
     estimate = rows.nbytes + engine_bytes + seqs.nbytes + n * (8 + 40) + rows[KEY].nbytes
     estimate += n * 64 * len(index.stored_attributes())
-    return LoadedSegment(entry["id"], rows, keys, seqs, tuple(splits), nbytes=int(estimate))
+    return LoadedSegment(entry.id, rows, keys, seqs, tuple(splits), nbytes=int(estimate))
 
 
-def manifest_files(manifests: Iterable[dict[str, Any]]) -> set[str]:
-    """Every storage path the segments of these version manifests reference."""
-    return {p for m in manifests for entry in m.get("segments", ()) for p in segment_files(entry)}
+def manifest_files(manifests: Iterable[Manifest | Mapping[str, Any]]) -> set[str]:
+    """Every storage path the segments of these version manifests (typed or as stored) reference."""
+    return all_files(manifests)
 
 
-def segment_files(entry: dict[str, Any]) -> list[str]:
-    """Every storage path a manifest entry references."""
-    files = [f"{entry['dir']}/{ROWS_FILE}", *(f"{entry['dir']}/{s['file']}" for s in entry["splits"])]
-    if entry.get("deleted"):
-        files.append(entry["deleted"]["path"])
-    return files
+def segment_files(entry: EntryLike) -> list[str]:
+    """Every storage path a manifest entry (typed or as stored) references."""
+    return SegmentEntry.of(entry).files()

@@ -7,9 +7,9 @@ from typing import Any
 
 from shoal.engines import get_engine
 from shoal.engines.metrics import Metric
-from shoal.vektonn.algorithms import VEKTONN_TYPES, from_vektonn
 from shoal.errors import IndexDefinitionError, Problem, ValidationError
 from shoal.log.records import MAX_SHARDS, DataSourceSpec, IndexSpec
+from shoal.vektonn.algorithms import VEKTONN_TYPES, from_vektonn
 
 
 def resolve_index(spec: IndexSpec, source: DataSourceSpec) -> IndexSpec:

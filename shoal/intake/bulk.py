@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shoal.errors import Problem, ShoalError, ValidationError
-from shoal.log.validation import ARROW_TYPES
 from shoal.log.records import AttributeType, DataSourceSpec, WriteToken
+from shoal.log.validation import ARROW_TYPES
 
 if TYPE_CHECKING:  # the client sits above ingest; only its type is needed here
     from shoal.intake.producer import Producer

@@ -17,16 +17,9 @@ import pyarrow as pa
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import DataPoint, DataSourceSpec, SparseVector, Tombstone
-from shoal.vektonn.wire import (
-    ARROW,
-    DELETED_COLUMN,
-    JSON,
-    VECTOR_COLUMN,
-    EmptyUploadError,
-    UploadBodyError,
-    decode_arrow_upload,
-    decode_upload,
-)
+from shoal.vektonn.arrow_upload import ARROW, DELETED_COLUMN, VECTOR_COLUMN, decode_arrow_upload
+from shoal.vektonn.json_fields import JSON
+from shoal.vektonn.upload_json import EmptyUploadError, UploadBodyError, decode_upload
 
 CONTENT_TYPES = (JSON, ARROW)
 

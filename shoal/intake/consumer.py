@@ -29,14 +29,14 @@ from kombu import Connection, Producer
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
-from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
-from shoal.intake.producer import Producer as LogProducer
 from shoal.intake import codec, topology
 from shoal.intake.delivery import ReliableQueue
+from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
 from shoal.runtime import Runtime
+from shoal.servers.broker import broker_url
 
 log = logging.getLogger(__name__)
 

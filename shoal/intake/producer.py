@@ -10,9 +10,9 @@ import pyarrow as pa
 
 from shoal.catalog.repo import SourceRecord
 from shoal.errors import ValidationError
+from shoal.log.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
 from shoal.log.validation import columns_to_table, points_to_table
 from shoal.log.writer import LogWriter
-from shoal.log.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
 
 
 class Producer:

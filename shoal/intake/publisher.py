@@ -16,11 +16,11 @@ import numpy as np
 import pyarrow as pa
 from kombu import Connection, Producer
 
-from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings
 from shoal.errors import ValidationError
 from shoal.intake import codec, topology
 from shoal.log.records import DataPoint, Tombstone
+from shoal.servers.broker import broker_url
 
 
 class Publisher:

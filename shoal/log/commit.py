@@ -3,7 +3,12 @@
 Under the data source's row lock the writer learns the head, writes the immutable, uniquely named segment
 for the seqs after it, inserts the segment and batch rows and moves the head by compare-and-swap, all in
 one transaction. A crash before COMMIT leaves at most an unreferenced file; a COMMIT whose outcome is
-unknown is resolved by looking for the segment row before any retry, so nothing lands twice.
+unknown is resolved by looking for the segment row before any retry, so nothing lands twice (when even that
+look fails, StateUnknownError).
+
+A caller that decided what to write from the log up to some head states it as `expect_head`: under the lock
+the head must still be that one, or the commit writes nothing and raises ConflictError carrying the actual
+head, and the caller reloads and decides again (retention does).
 """
 
 from __future__ import annotations
@@ -16,22 +21,12 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, select, text, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, LogSegment, ProducerBatch
-from shoal.errors import CommitError, NotFoundError
+from shoal.errors import CommitError, ConflictError, StateUnknownError
+from shoal.log.segment import WrittenSegment
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WrittenSegment:
-    """What a segment writer reports back about the file it made durable."""
-
-    id: uuid.UUID
-    path: str
-    bytes: int
-    checksum: str
-    upserts: int
-    tombstones: int
 
 
 @dataclass(frozen=True)
@@ -55,17 +50,23 @@ def commit_group(
     *,
     retries: int,
     lock_timeout_ms: int,
+    expect_head: int | None = None,
 ) -> list[int]:
     """Commit the batches as one segment; return each batch's last seq (its write token).
 
-    A batch whose id already committed writes nothing and gets its original token back.
+    A batch whose id already committed writes nothing and gets its original token back. With `expect_head`,
+    the rest is written only if the head is still `expect_head` under the row lock; otherwise nothing is
+    written and ConflictError is raised with `actual` set to the head found. Transient failures (and a
+    lost head compare-and-swap) are retried up to `retries` times, then CommitError; StateUnknownError when
+    the catalog cannot say whether the last attempt landed; NotFoundError when the source is gone or in
+    the trash.
     """
     last_error: Exception | None = None
     for attempt in range(1, retries + 1):
         made: list[WrittenSegment] = []  # filled as soon as the file exists, so a failure can remove it
         try:
             with engine.connect() as conn:
-                tokens = _attempt(conn, source_id, batches, write_segment, lock_timeout_ms, made)
+                tokens = _attempt(conn, source_id, batches, write_segment, lock_timeout_ms, expect_head, made)
                 try:
                     conn.commit()
                 except DBAPIError as exc:
@@ -74,13 +75,20 @@ def commit_group(
                         # The commit may or may not have landed: the file must stay (it may be referenced)
                         # and a blind retry could write the batch twice. Only a batch id makes a retry safe.
                         made.clear()
-                        raise CommitError(
+                        raise StateUnknownError(
                             "commit outcome unknown (catalog unreachable); retry with the same batch id"
                         ) from exc
                     if landed:
                         return tokens
                     raise
                 return tokens
+        except ConflictError as exc:
+            for m in made:
+                discard(m.path)
+            if expect_head is not None:
+                raise  # the caller's decision is stale: only it can make a new one
+            last_error = exc  # a lost head CAS: the next attempt reads the head again
+            log.warning("commit attempt %d/%d lost a race: %s", attempt, retries, exc)
         except (OperationalError, OSError) as exc:
             # Transient database or storage trouble, and the segment did not land: its file is garbage,
             # so remove it now rather than leave it to GC, then try again.
@@ -110,18 +118,13 @@ def _attempt(
     batches: Sequence[BatchSlot],
     write_segment: SegmentWriter,
     lock_timeout_ms: int,
+    expect_head: int | None,
     made: list[WrittenSegment],
 ) -> list[int]:
-    conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_ms)}ms'"))
-    row = conn.execute(
-        select(DataSource.head_seq, DataSource.deleted_at).where(DataSource.id == source_id).with_for_update()
-    ).one_or_none()
-    if row is None:
-        raise NotFoundError(f"data source {source_id} was dropped while the batch was in flight")
-    if row.deleted_at is not None:
-        # Checked under the row lock a soft delete also takes: no batch lands in a source in the trash.
-        raise NotFoundError(f"data source {source_id} is in the trash")
-    head = row.head_seq
+    # `live`: no batch lands in a source in the trash (a soft delete takes the same lock).
+    head = lock_source(
+        conn, source_id, lock_timeout_ms=lock_timeout_ms, live=True, during="while the batch was in flight"
+    ).head_seq
 
     ids = [b.batch_id for b in batches if b.batch_id is not None]
     known: dict[str, int] = {}
@@ -154,6 +157,13 @@ def _attempt(
     ]
     if not keep:
         return tokens
+    # Checked after the batch ids: a decision that already landed is answered with its tokens, as any replay.
+    if expect_head is not None and head != expect_head:
+        raise ConflictError(
+            f"data source {source_id}: head is {head}, not {expect_head} as expected; nothing written",
+            expected=expect_head,
+            actual=head,
+        )
 
     written = write_segment(first_seq, keep)
     made.append(written)
@@ -191,5 +201,5 @@ def _attempt(
         .values(head_seq=end, head_committed_at=now)
     ).rowcount
     if moved != 1:  # cannot happen under the row lock; refuse rather than publish out of order
-        raise OperationalError("head moved under the row lock", None, Exception("head CAS lost"))
+        raise ConflictError(f"data source {source_id}: head moved under the row lock", expected=head)
     return tokens

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +28,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
+from shoal.catalog.repo import SegmentRecord, SourceRecord, list_segments
+from shoal.config.settings import Settings
+from shoal.errors import ConflictError
 from shoal.log.compaction_swap import (
     NewSegment,
     Replacement,
@@ -38,11 +40,9 @@ from shoal.log.compaction_swap import (
     record_noop,
     replace_segments,
 )
-from shoal.catalog.repo import SegmentRecord, SourceRecord, list_segments
-from shoal.config.settings import Settings
+from shoal.log.segment import decode_segment, store_segment
 from shoal.log.validation import DELETE, INGESTED_AT, KEY, OP, SEQ, SEQ_OFFSET
-from shoal.log.segment import count_ops, decode_segment, encode_segment, write_segment
-from shoal.storage import Storage, segment_path
+from shoal.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -149,21 +149,23 @@ def compact_log(
     # On an exception from here on our files may or may not be referenced (a COMMIT whose outcome is
     # unknown): they stay for GC, which deletes a log file only after checking under the data source's lock
     # that no row references it.
-    swapped = replace_segments(
-        engine,
-        source_id,
-        made,
-        through=bound,
-        segments_before=len(segments),
-        dropped=dropped,
-        delete_after=now + dt.timedelta(seconds=policy.grace_s),
-        lock_timeout_ms=policy.lock_timeout_ms,
-        files_exist=lambda paths: all(storage.exists(p) for p in paths),
-    )
-    if not swapped:
+    try:
+        replace_segments(
+            engine,
+            source_id,
+            made,
+            through=bound,
+            segments_before=len(segments),
+            dropped=dropped,
+            delete_after=now + dt.timedelta(seconds=policy.grace_s),
+            lock_timeout_ms=policy.lock_timeout_ms,
+            files_exist=lambda paths: all(storage.exists(p) for p in paths),
+        )
+    except ConflictError as exc:
+        # Nothing was published, so our files are referenced by no row: remove them now rather than via GC.
         for r in made:
             storage.delete_quietly(r.new.path)
-        log.info("compaction of data source %s lost a race with another compaction; discarded its files", source_id)
+        log.info("compaction of data source %s lost a race (%s); discarded its files", source_id, exc)
         return CompactionResult(source_id, bound, len(segments), len(segments), 0, 0, 0, 0, 0, 0, 0, False, True)
     result = CompactionResult(
         source_id=source_id,
@@ -292,25 +294,16 @@ def _rewrite(
         offsets = pc.add(table[SEQ_OFFSET], pa.scalar(seg.first_seq - first, pa.int64()))
         parts.append(table.set_column(table.schema.get_field_index(SEQ_OFFSET), SEQ_OFFSET, offsets))
     table = pa.concat_tables(parts, promote_options="default").combine_chunks()
-    seg_id = uuid.uuid4()
-    spec = source.spec
-    path = segment_path(source.tenant, spec.name, spec.version, first, seg_id)
-    if storage.local:
-        size, digest = storage.write_atomic_with(path, lambda out: write_segment(table, out))
-    else:
-        buf, digest = encode_segment(table)
-        storage.write_atomic(path, buf)
-        size = buf.size
-    upserts, tombstones = count_ops(table)
+    written = store_segment(storage, source.tenant, source.spec.name, source.spec.version, first, table)
     new = NewSegment(
-        id=seg_id,
-        path=path,
+        id=written.id,
+        path=written.path,
         first_seq=first,
         last_seq=group[-1].last_seq,
-        upserts=upserts,
-        tombstones=tombstones,
-        bytes=size,
-        checksum=digest,
+        upserts=written.upserts,
+        tombstones=written.tombstones,
+        bytes=written.bytes,
+        checksum=written.checksum,
         # The oldest commit time of what it replaces: freshness lag never looks better than it was.
         committed_at=min(s.committed_at for s in group),
     )

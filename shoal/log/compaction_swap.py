@@ -13,10 +13,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, case, delete, func, select, text
+from sqlalchemy import Connection, Engine, case, delete, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from shoal.catalog.locks import lock_source
 from shoal.catalog.models import (
     DataSource,
     GarbageFile,
@@ -28,7 +29,7 @@ from shoal.catalog.models import (
     Tenant,
 )
 from shoal.catalog.repo import SourceRecord, _record
-from shoal.errors import NotFoundError
+from shoal.errors import ConflictError, NotFoundError
 
 # Garbage reasons: why a file was queued for deletion (the deletion log shows them).
 COMPACTED = "compacted"
@@ -182,9 +183,10 @@ def replace_segments(
     delete_after: dt.datetime,
     lock_timeout_ms: int,
     files_exist: Callable[[list[str]], bool],
-) -> bool:
-    """Swap the old segments for the new ones in one transaction; False (nothing changed) when another
-    compaction replaced any of the old segments first, or a new file is missing.
+) -> None:
+    """Swap the old segments for the new ones in one transaction. ConflictError, nothing changed, when
+    another compaction replaced any of the old segments first or a new file is missing (the caller discards
+    its files); NotFoundError when the data source was dropped.
 
     Under the data source's row lock, as commits take it: the producer batches move to the new segments,
     the old rows go, the new rows come, the old files are queued as garbage (deleted after
@@ -193,21 +195,19 @@ def replace_segments(
     """
     old_ids = [i for r in replacements for i in r.old_ids]
     with engine.begin() as conn:
-        conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_ms)}ms'"))
-        locked = conn.execute(
-            select(DataSource.id).where(DataSource.id == source_id).with_for_update()
-        ).scalar_one_or_none()
-        if locked is None:
-            raise NotFoundError(f"data source {source_id} was dropped while its log was compacted")
+        lock_source(conn, source_id, lock_timeout_ms=lock_timeout_ms, during="while its log was compacted")
         present = conn.execute(
             select(func.count()).select_from(LogSegment).where(LogSegment.id.in_(old_ids))
         ).scalar_one()
         if present != len(old_ids):
-            return False
+            raise ConflictError(
+                f"data source {source_id}: another compaction replaced some of these segments first",
+                expected=len(old_ids), actual=present,
+            )
         # GC deletes log files only under this same lock, so a file present now stays until we commit,
         # and from then on our row references it.
         if not files_exist([r.new.path for r in replacements]):
-            return False
+            raise ConflictError(f"data source {source_id}: a compacted file vanished before the swap")
         # The producer batches (batch id -> token, for deduplication) move to the segment now holding their
         # seqs. Deleting the old rows cascades to them, and the new row cannot come first (it takes the old
         # first row's first_seq), so they are read, dropped with the old rows and inserted again.
@@ -247,4 +247,3 @@ def replace_segments(
         )
         after = segments_before - len(old_ids) + len(replacements)
         _record_run(conn, source_id, through, segments_before, after, dropped)
-    return True

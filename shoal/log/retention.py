@@ -7,9 +7,10 @@ commit (one segment of tombstones under the batch id `shoal-retention:{head}:{n}
 producer batches record every expiry), and the indexes apply it like any delete; compaction later removes
 the expired entries from the log itself.
 
-The commit happens only if the head is still the one the expiry was computed at (checked under the data
-source's lock): a point updated meanwhile is never deleted by a stale decision. When the head moved, the
-entries since are folded in and the decision is made again.
+The commit happens only if the head is still the one the expiry was computed at (the commit's `expect_head`
+precondition, checked under the data source's lock): a point updated meanwhile is never deleted by a stale
+decision. When the head moved (ConflictError, carrying the actual head), the entries since are folded in and
+the decision is made again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
-import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -26,15 +26,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.log.commit import BatchSlot, WrittenSegment, commit_group
-from shoal.log.compaction_swap import sources_with_metadata
 from shoal.catalog.repo import SourceRecord, head_of
-from shoal.errors import CommitError
-from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
+from shoal.errors import CommitError, ConflictError
+from shoal.log.commit import BatchSlot, commit_group
+from shoal.log.compaction_swap import sources_with_metadata
 from shoal.log.reader import fold, read_log
-from shoal.log.segment import build_segment_table, count_ops, encode_segment, write_segment
 from shoal.log.records import DataSourceSpec
-from shoal.storage import Storage, segment_path
+from shoal.log.segment import WrittenSegment, build_segment_table, store_segment
+from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
+from shoal.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ class RetentionResult:
         out = asdict(self)
         out["cutoff"] = self.cutoff.isoformat() if self.cutoff else None
         return out
-
-
-class _HeadMoved(Exception):
-    """Raised under the lock when a commit landed since the expiry was decided."""
 
 
 def retention_days(spec: DataSourceSpec) -> float | None:
@@ -124,8 +120,9 @@ def apply_retention(
         ]
         try:
             tokens = _commit(engine, storage, source, head, tables, lock_timeout_ms, commit_retries)
-        except _HeadMoved as moved:
-            new_head = int(str(moved))
+        except ConflictError as moved:
+            # The head the commit found under the lock (reloaded if the conflict did not say).
+            new_head = moved.actual if isinstance(moved.actual, int) else head_of(engine, source.id)[0]
             newer = list(read_log(engine, storage, source.id, head, new_head, columns=columns))
             state = fold([*state.to_batches(), *newer])
             head = new_head
@@ -157,22 +154,13 @@ def _commit(
     spec = source.spec
 
     def write(first_seq: int, keep: list[int]) -> WrittenSegment:
-        if first_seq - 1 != head:  # under the lock: a commit landed since the decision
-            raise _HeadMoved(str(first_seq - 1))
         table = build_segment_table([tables[i] for i in keep])
-        seg_id = uuid.uuid4()
-        path = segment_path(source.tenant, spec.name, spec.version, first_seq, seg_id)
-        if storage.local:
-            size, digest = storage.write_atomic_with(path, lambda out: write_segment(table, out))
-        else:
-            buf, digest = encode_segment(table)
-            storage.write_atomic(path, buf)
-            size = buf.size
-        upserts, tombstones = count_ops(table)
-        return WrittenSegment(seg_id, path, size, digest, upserts, tombstones)
+        return store_segment(storage, source.tenant, spec.name, spec.version, first_seq, table)
 
     slots = [BatchSlot(t.num_rows, f"{BATCH_PREFIX}{head}:{i}") for i, t in enumerate(tables)]
+    # `expect_head`: a commit that landed since the decision makes it stale (ConflictError, nothing written).
     return commit_group(
-        engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms
+        engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms,
+        expect_head=head,
     )
 

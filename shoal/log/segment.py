@@ -6,6 +6,8 @@ import datetime as dt
 import hashlib
 import queue
 import threading
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,8 @@ import pyarrow.parquet as pq
 
 from shoal.errors import CorruptSegmentError
 from shoal.log.validation import INGESTED_AT, OP, SEQ_OFFSET, SPARSE_INDICES, SPARSE_VALUES, UPSERT, VECTOR
+from shoal.storage import Storage
+from shoal.storage.layout import segment_path
 
 
 def build_segment_table(tables: list[pa.Table]) -> pa.Table:
@@ -132,3 +136,36 @@ def decode_segment(
     if got != expected_checksum:
         raise CorruptSegmentError(f"segment {path} is corrupt: checksum {got} != recorded {expected_checksum}")
     return pq.read_table(pa.BufferReader(buf), columns=columns)
+
+
+@dataclass(frozen=True)
+class WrittenSegment:
+    """What a segment writer reports back about the file it made durable."""
+
+    id: uuid.UUID
+    path: str
+    bytes: int
+    checksum: str
+    upserts: int
+    tombstones: int
+
+
+def store_segment(
+    storage: Storage, tenant: str, source: str, version: str, first_seq: int, table: pa.Table
+) -> WrittenSegment:
+    """Write `table` (a segment table: seq offsets from `first_seq`) durably as a new, uniquely named log
+    segment of the data source, and report what was written. Nothing references the file yet: the caller
+    publishes it (or, having lost a race, discards it)."""
+    seg_id = uuid.uuid4()
+    path = segment_path(tenant, source, version, first_seq, seg_id)
+    if storage.local:
+        # Encode straight into the temp file, hashing on the way: no second copy of the segment in memory,
+        # and the checksum overlaps the writes (about +25% points/s at 10,000 x 384-d, +35% at 1536-d,
+        # bench/ingest.py).
+        size, digest = storage.write_atomic_with(path, lambda out: write_segment(table, out))
+    else:
+        buf, digest = encode_segment(table)
+        storage.write_atomic(path, buf)
+        size = buf.size
+    upserts, tombstones = count_ops(table)
+    return WrittenSegment(seg_id, path, size, digest, upserts, tombstones)

@@ -11,14 +11,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.engines import Engine, get_engine
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
+from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.index.sharding import shard_numbers, split_keys
-from shoal.log.validation import KEY, SEQ, check_value
 from shoal.log.reader import fold
 from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
+from shoal.log.validation import KEY, SEQ, check_value
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
 from shoal.searcher.views import IndexView
 

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple, overload
 import numpy as np
 import pyarrow as pa
 
-from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR
 from shoal.log.records import SparseVector
+from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR
 
 
 class Hit(NamedTuple):

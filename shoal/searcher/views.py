@@ -7,11 +7,12 @@ from functools import cached_property
 
 import numpy as np
 
-from shoal.index.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.catalog.indexes import IndexRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.engines.base import Engine, get_engine
 from shoal.engines.metrics import higher_is_nearer as _higher_is_nearer
+from shoal.index.manifest import Manifest
+from shoal.index.segment import LoadedSegment, SegmentCache, read_deletions
 from shoal.searcher.hits import RowSource
 from shoal.storage import Storage
 
@@ -88,7 +89,7 @@ def load_shard(
         return ShardView(shard_id, shard_no, None, 0, ())
     views = []
     stored = index.spec.stored_attributes()
-    for entry in version.manifest["segments"]:
+    for entry in Manifest.of(version.manifest).segments:
         segment = cache.load(storage, entry, index.spec)
         deleted = np.zeros(segment.rows.num_rows, dtype=bool)
         gone = read_deletions(storage, entry)

@@ -135,12 +135,3 @@ def _fsync_path(path: str) -> None:
     finally:
         os.close(fd)
 
-
-def source_log_dir(tenant: str, source: str, version: str) -> str:
-    """Layout-relative folder of a data source's log segments (DESIGN.md's storage layout)."""
-    return f"tenants/{tenant}/sources/{source}/{version}/log"
-
-
-def segment_path(tenant: str, source: str, version: str, first_seq: int, segment_id: uuid.UUID) -> str:
-    """Layout-relative path of a log segment: its first seq, zero padded so names sort by seq, and a uuid."""
-    return f"{source_log_dir(tenant, source, version)}/{first_seq:020d}-{segment_id}.parquet"

@@ -10,18 +10,19 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, cast, delete, func, select, text, update
+from sqlalchemy import Connection, Engine, and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
-from sqlalchemy.types import Text
 
-from shoal.catalog.models import DataSource, GarbageFile, IndexVersion, LogSegment, Tenant
+from shoal.catalog.locks import in_tenant, lock_sources
+from shoal.catalog.models import DataSource, GarbageFile, IndexFile, IndexShard, IndexVersion, LogSegment, Tenant
+from shoal.storage import layout
 
 # How long the deletion log keeps the record of a deleted file.
 DELETION_LOG_DAYS = 30
 UNREFERENCED = "unreferenced"  # found by GC's scan of storage: no row references the file
+ENQUEUE_CHUNK = 5_000  # rows per INSERT (three parameters each, well under the protocol's 65,535)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class GarbageRow:
 
 def tenant_prefix(tenant: str) -> str:
     """The storage prefix (and garbage path prefix) of one tenant."""
-    return f"tenants/{tenant}/"
+    return layout.tenant_prefix(tenant)
 
 
 def _escape_like(value: str) -> str:
@@ -46,36 +47,68 @@ def _escape_like(value: str) -> str:
 def enqueue(
     engine_or_conn: Engine | Connection, paths: Iterable[str], reason: str, delete_after: dt.datetime
 ) -> int:
-    """Queue files for deletion after `delete_after`; a path already queued keeps its row. How many new."""
-    rows = [{"path": p, "reason": reason, "delete_after": delete_after} for p in paths]
+    """Queue files for deletion after `delete_after`; a path already queued keeps its row. How many new.
+
+    A path whose row records an earlier deletion is queued again: only a few files have fixed names (a
+    dataset's metadata mirror), and such a file may well have been written again since."""
+    rows = [{"path": p, "reason": reason, "delete_after": delete_after} for p in sorted(set(paths))]
     if not rows:
         return 0
-    stmt = (
-        insert(GarbageFile)
-        .values(rows)
-        .on_conflict_do_nothing(index_elements=[GarbageFile.path])
-        .returning(GarbageFile.id)
-    )
-    if isinstance(engine_or_conn, Connection):
-        return len(engine_or_conn.execute(stmt).all())
-    with engine_or_conn.begin() as conn:
-        return len(conn.execute(stmt).all())
+    if not isinstance(engine_or_conn, Connection):
+        with engine_or_conn.begin() as conn:
+            return enqueue(conn, [r["path"] for r in rows], reason, delete_after)
+    queued = 0
+    for start in range(0, len(rows), ENQUEUE_CHUNK):  # bounded statements: a drop may queue many files
+        stmt = insert(GarbageFile).values(rows[start : start + ENQUEUE_CHUNK])
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[GarbageFile.path],
+            set_={"reason": stmt.excluded.reason, "delete_after": stmt.excluded.delete_after, "deleted_at": None,
+                  "created_at": func.now()},
+            where=GarbageFile.deleted_at.is_not(None),
+        ).returning(GarbageFile.id)
+        queued += len(engine_or_conn.execute(stmt).all())
+    return queued
 
 
-def due(engine: Engine, now: dt.datetime, *, tenant: str | None = None, limit: int = 10_000) -> list[GarbageRow]:
-    """Queued files whose grace period ended by `now` (of one tenant when given), oldest first."""
+def due(
+    engine: Engine, now: dt.datetime, *, tenant: str | None = None, reason: str | None = None, limit: int = 10_000
+) -> list[GarbageRow]:
+    """Queued files whose grace period ended by `now` (of one tenant, of one reason when given), oldest first."""
     with Session(engine) as s:
         q = select(GarbageFile).where(GarbageFile.deleted_at.is_(None), GarbageFile.delete_after <= now)
+        if reason is not None:
+            q = q.where(GarbageFile.reason == reason)
         if tenant is not None:
             q = q.where(GarbageFile.path.like(_escape_like(tenant_prefix(tenant)) + "%"))
         rows = s.scalars(q.order_by(GarbageFile.delete_after, GarbageFile.id).limit(limit))
         return [GarbageRow(r.id, r.path, r.reason, r.delete_after) for r in rows]
 
 
-def pending(engine: Engine, *, tenant: str | None = None) -> int:
-    """How many queued files are not deleted yet (due or not)."""
+def due_among(
+    engine: Engine, paths: Sequence[str], now: dt.datetime, *, reason: str | None = None
+) -> list[GarbageRow]:
+    """The queued files among `paths` whose grace period ended by `now` (of one reason when given)."""
+    found: list[GarbageRow] = []
+    paths = sorted(set(paths))
+    with Session(engine) as s:
+        for start in range(0, len(paths), ENQUEUE_CHUNK):
+            q = select(GarbageFile).where(
+                GarbageFile.path.in_(paths[start : start + ENQUEUE_CHUNK]),
+                GarbageFile.deleted_at.is_(None),
+                GarbageFile.delete_after <= now,
+            )
+            if reason is not None:
+                q = q.where(GarbageFile.reason == reason)
+            found += [GarbageRow(r.id, r.path, r.reason, r.delete_after) for r in s.scalars(q)]
+    return found
+
+
+def pending(engine: Engine, *, tenant: str | None = None, reason: str | None = None) -> int:
+    """How many queued files are not deleted yet (due or not; of one tenant, of one reason when given)."""
     with Session(engine) as s:
         q = select(func.count()).select_from(GarbageFile).where(GarbageFile.deleted_at.is_(None))
+        if reason is not None:
+            q = q.where(GarbageFile.reason == reason)
         if tenant is not None:
             q = q.where(GarbageFile.path.like(_escape_like(tenant_prefix(tenant)) + "%"))
         return int(s.execute(q).scalar_one())
@@ -84,13 +117,8 @@ def pending(engine: Engine, *, tenant: str | None = None) -> int:
 def lock_log_owner(conn: Connection, tenant: str, source: str, version: str, lock_timeout_ms: int) -> None:
     """Take the row lock of every data source (live or in the trash) whose log folder this is, as commits
     and compactions take it: a commit writing a file there finishes (and publishes its row) first."""
-    conn.execute(text(f"SET LOCAL lock_timeout = '{int(lock_timeout_ms)}ms'"))
-    conn.execute(
-        select(DataSource.id)
-        .join(Tenant, Tenant.id == DataSource.tenant_id)
-        .where(Tenant.name == tenant, DataSource.name == source, DataSource.version == version)
-        .with_for_update(of=DataSource)
-    ).all()
+    lock_sources(conn, in_tenant(tenant), DataSource.name == source, DataSource.version == version,
+                 lock_timeout_ms=lock_timeout_ms)
 
 
 def log_paths_among(conn: Connection, paths: Sequence[str]) -> set[str]:
@@ -100,11 +128,64 @@ def log_paths_among(conn: Connection, paths: Sequence[str]) -> set[str]:
     return set(conn.scalars(select(LogSegment.path).where(LogSegment.path.in_(list(paths)))))
 
 
-def manifests_mentioning(conn: Connection, fragment: str) -> list[dict[str, Any]]:
-    """The manifests of every index version whose JSON text holds `fragment` as a whole string value
-    (e.g. a segment's folder): the candidates that may reference a file in it."""
-    quoted = '%"' + _escape_like(fragment) + '"%'
-    return list(conn.scalars(select(IndexVersion.manifest).where(cast(IndexVersion.manifest, Text).like(quoted))))
+def index_paths_among(conn: Connection, paths: Sequence[str]) -> set[str]:
+    """The paths among `paths` that a kept index version references (`index_files`)."""
+    if not paths:
+        return set()
+    return set(conn.scalars(select(IndexFile.path).where(IndexFile.path.in_(list(paths))).distinct()))
+
+
+def index_files_of(conn: Connection, index_ids: Sequence[int]) -> set[str]:
+    """Every path the versions of these indexes reference. Call it after locking their shards (`lock_shards`):
+    a version published meanwhile has then either committed (and is listed) or will fail."""
+    if not index_ids:
+        return set()
+    return set(
+        conn.scalars(
+            select(IndexFile.path)
+            .join(IndexVersion, IndexVersion.id == IndexFile.version_id)
+            .join(IndexShard, IndexShard.id == IndexVersion.shard_id)
+            .where(IndexShard.index_id.in_(list(index_ids)))
+            .distinct()
+        )
+    )
+
+
+def lock_shards(conn: Connection, index_ids: Sequence[int]) -> None:
+    """Lock the shard rows of these indexes, as a publish takes them (its version insert checks the foreign key,
+    its pointer update writes the row): a publish in flight commits first, a later one finds no shard."""
+    if index_ids:
+        conn.execute(
+            select(IndexShard.id).where(IndexShard.index_id.in_(list(index_ids))).with_for_update()
+        ).all()
+
+
+def lock_queued(conn: Connection, ids: Sequence[int]) -> set[int]:
+    """Lock these queue rows for a deletion and return the ids still queued (another GC run may have done
+    them). A publish naming one of their paths checks them under a share lock (`deleted_among`), so it either
+    commits first, and the deletion sees its reference, or sees the file deleted and gives up."""
+    if not ids:
+        return set()
+    return set(
+        conn.scalars(
+            select(GarbageFile.id)
+            .where(GarbageFile.id.in_(list(ids)), GarbageFile.deleted_at.is_(None))
+            .with_for_update()
+        )
+    )
+
+
+def deleted_among(conn: Connection, paths: Sequence[str]) -> set[str]:
+    """The paths among `paths` that GC deleted (or is deleting now: this waits for it to commit). A version
+    must not be published naming one of them."""
+    if not paths:
+        return set()
+    rows = conn.execute(
+        select(GarbageFile.path, GarbageFile.deleted_at).where(GarbageFile.path.in_(list(paths))).with_for_update(
+            read=True
+        )
+    ).all()
+    return {path for path, deleted_at in rows if deleted_at is not None}
 
 
 def mark_deleted(conn: Connection, ids: Sequence[int], now: dt.datetime) -> None:
@@ -143,21 +224,34 @@ def deletion_log(engine: Engine, *, tenant: str | None = None, limit: int = 100)
         return [(r[0], r[1], r[2]) for r in rows]
 
 
-def log_paths_of_tenant(engine: Engine, tenant: str) -> set[str]:
-    """Every log segment path the catalog holds for the tenant (live sources and those in the trash)."""
-    with Session(engine) as s:
-        return set(
-            s.scalars(
-                select(LogSegment.path)
-                .join(DataSource, DataSource.id == LogSegment.data_source_id)
-                .join(Tenant, Tenant.id == DataSource.tenant_id)
-                .where(Tenant.name == tenant)
-            )
-        )
-
-
 def tenants(engine: Engine) -> list[str]:
     """Every tenant's name."""
     with Session(engine) as s:
         return list(s.scalars(select(Tenant.name).order_by(Tenant.name)))
 
+
+
+def live_source_names(conn: Connection, tenant: str, names: Sequence[str]) -> set[str]:
+    """The names among `names` of the tenant's live data sources (any version)."""
+    if not names:
+        return set()
+    return set(
+        conn.scalars(
+            select(DataSource.name)
+            .join(Tenant, Tenant.id == DataSource.tenant_id)
+            .where(Tenant.name == tenant, DataSource.name.in_(list(names)), DataSource.deleted_at.is_(None))
+        )
+    )
+
+
+def trashed_source_ids(conn: Connection, tenant: str, ids: Sequence[int]) -> set[int]:
+    """The ids among `ids` of the tenant's data sources in the trash."""
+    if not ids:
+        return set()
+    return set(
+        conn.scalars(
+            select(DataSource.id)
+            .join(Tenant, Tenant.id == DataSource.tenant_id)
+            .where(Tenant.name == tenant, DataSource.id.in_(list(ids)), DataSource.deleted_at.is_not(None))
+        )
+    )

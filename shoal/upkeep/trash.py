@@ -7,17 +7,21 @@ not found exactly like a missing one, builds stop (`ShardCatalog.shard_context`)
 for reuse (the unique indexes cover live rows only). Restoring clears the marks unless a live data source or
 index took one of the names meanwhile (AlreadyExistsError), or the retention ended.
 
-The purge (beat's `purge_trash`, `shoal trash purge`) is rows first, then files, through a logged list:
+The purge (beat's `purge_trash`, `shoal trash purge`) is "delete rows, queue files", then deletes what it
+queued at once:
 
-1. one transaction locks the source row (a commit in flight finishes first, a later one finds no row),
-   records every file its rows reference in `trash_files` (log segments; index segment folders, one
-   uuid-named folder per index segment; the source's trash folder) and deletes the rows (the cascade takes
+1. one transaction locks the source row (a commit in flight finishes first, a later one finds no row) and
+   its indexes' shards (a publish in flight commits first, a later one fails), queues into GC's queue
+   (`garbage_files`, reason `trash-purged`, due at once) every file its rows reference (log segments, the
+   files of every index version) and the files of its trash folder, and deletes the rows (the cascade takes
    segments, batches, indexes, shards, versions and aliases);
-2. the files on that list are deleted, each deletion logged, then the list's rows.
+2. the queued files are deleted through GC's checked deletion, each deletion logged.
 
-A crash before step 1's COMMIT changes nothing; after it no row references any of the files, and the next
-run deletes what is left on the list first. Deleting an already deleted file is not an error, so two purges
-at once, or one run twice, are harmless.
+Grace 0 is safe here: the source and its indexes have been hidden from every lookup since the soft delete,
+for the whole retention, so no searcher still reads their files. A crash before step 1's COMMIT changes
+nothing; after it, no row references any of the files and they wait in the queue, where the next purge (or
+GC run) deletes them. Deleting an already deleted file is not an error, so two purges at once, or one run
+twice, are harmless.
 """
 
 from __future__ import annotations
@@ -29,24 +33,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.fs as pafs
-from sqlalchemy import Engine, delete, func, select, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment, Tenant, TrashFile
+from shoal.catalog.locks import lock_source, lock_sources
+from shoal.catalog.models import DataSource, Index, Tenant
 from shoal.catalog.repo import _spec
 from shoal.errors import AlreadyExistsError, NotFoundError
 from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
+from shoal.storage.layout import trash_dir
+from shoal.upkeep import gc_queue as garbage
+from shoal.upkeep.drops import delete_now, delete_source_rows
 
 log = logging.getLogger(__name__)
 
 
-def trash_dir(tenant: str, source_id: int) -> str:
-    """Layout-relative folder of what a soft-deleted data source keeps in the trash (DESIGN.md's
-    `tenants/{tenant}/trash/...`): keyed by the source's id, since its name may be reused meanwhile."""
-    return f"tenants/{tenant}/trash/{source_id}"
+PURGED = "trash-purged"  # garbage reason of the files of a purged data source
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,8 @@ class PurgeResult:
     """What one purge run deleted."""
 
     sources: list[tuple[str, str, str, int]]  # (tenant, name, version, id) of each purged data source
-    files: int = 0  # files and index segment folders deleted (already missing ones not counted)
-    pending: int = 0  # entries of the logged list finished from an earlier, interrupted run
+    files: int = 0  # files deleted (already missing ones not counted)
+    pending: int = 0  # queued files of an earlier, interrupted purge finished by this run
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -100,10 +104,12 @@ class Trash:
         self.tenant = tenant
 
     def _trashed_row(self, s: Session, source_id: int, *, lock: bool = False) -> DataSource:
+        if lock:
+            lock_source(s, source_id, missing_ok=True)
         q = select(DataSource).where(
             DataSource.id == source_id, DataSource.tenant_id == self.tenant_id, DataSource.deleted_at.is_not(None)
         )
-        row = s.scalars(q.with_for_update() if lock else q).one_or_none()
+        row = s.scalars(q.execution_options(populate_existing=True)).one_or_none()
         if row is None:
             raise NotFoundError(f"data source #{source_id} is not in the trash of tenant {self.tenant!r}")
         return row
@@ -113,16 +119,14 @@ class Trash:
         NotFoundError if there is no such live source."""
         with Session(self.engine) as s, s.begin():
             # The row lock waits for a commit in flight on the source, so none lands half way through.
-            row = s.scalars(
-                select(DataSource)
-                .where(
-                    DataSource.tenant_id == self.tenant_id,
-                    DataSource.name == name,
-                    DataSource.version == version,
-                    DataSource.deleted_at.is_(None),
-                )
-                .with_for_update()
-            ).one_or_none()
+            locked = lock_sources(
+                s,
+                DataSource.tenant_id == self.tenant_id,
+                DataSource.name == name,
+                DataSource.version == version,
+                DataSource.deleted_at.is_(None),
+            )
+            row = s.get(DataSource, locked[0].id, populate_existing=True) if locked else None
             if row is None:
                 raise NotFoundError(f"data source {name!r} version {version!r} not found in tenant {self.tenant!r}")
             now = s.scalar(select(func.now()))
@@ -246,112 +250,61 @@ def due_sources(engine: Engine, source_ids: Sequence[int] | None = None) -> list
         return list(s.scalars(q.order_by(DataSource.purge_after, DataSource.id)))
 
 
-def purge_due(engine: Engine, storage: Storage, *, source_ids: Sequence[int] | None = None) -> PurgeResult:
-    """Finish any interrupted purge, then purge every data source whose retention ended (of `source_ids` when
-    given): rows, then files. Idempotent; safe to run concurrently and to kill at any point."""
+def purge_due(
+    engine: Engine, storage: Storage, *, source_ids: Sequence[int] | None = None, lock_timeout_ms: int = 30_000
+) -> PurgeResult:
+    """Purge every data source in the trash whose retention ended (of `source_ids` when given): its rows go
+    and its files are queued in one transaction, then the files are deleted. A run over every source first
+    finishes what an interrupted one left queued. Idempotent; safe to run concurrently and to kill anywhere."""
     result = PurgeResult([])
-    if source_ids is None:  # a global run first finishes what an interrupted one left on the list
-        result.pending = _drain(engine, storage, None, result)
-    else:
-        for source_id in source_ids:
-            result.pending += _drain(engine, storage, source_id, result)
+
+    def announce(row: garbage.GarbageRow) -> None:
+        result.files += 1
+        log.info("purge: deleted file %s", row.path)
+
+    if source_ids is None:
+        leftovers = garbage.due(engine, dt.datetime.now(dt.UTC), reason=PURGED)
+        if leftovers:
+            done = delete_now(engine, storage, [r.path for r in leftovers], reason=PURGED,
+                              lock_timeout_ms=lock_timeout_ms, announce=announce)
+            result.pending = done.deleted + done.already_gone + done.kept
     for source_id in due_sources(engine, source_ids):
-        purged = _queue(engine, source_id)
-        if purged is not None:
-            result.sources.append(purged)
-        _drain(engine, storage, source_id, result)
+        purged = _delete_rows(engine, storage, source_id)
+        if purged is None:
+            continue
+        owner, files = purged
+        result.sources.append(owner)
+        delete_now(engine, storage, files, reason=PURGED, lock_timeout_ms=lock_timeout_ms, announce=announce)
     return result
 
 
-def _queue(engine: Engine, source_id: int) -> tuple[str, str, str, int] | None:
-    """Step 1: in one transaction, list the source's files in `trash_files` and delete its rows. None when
-    the source is no longer due (restored, or purged by someone else meanwhile)."""
+def _delete_rows(
+    engine: Engine, storage: Storage, source_id: int
+) -> tuple[tuple[str, str, str, int], list[str]] | None:
+    """Step 1: in one transaction, delete the source's rows and queue their files (and its trash folder's).
+    None when the source is no longer due (restored, or purged by someone else meanwhile)."""
     with Session(engine) as s, s.begin():
-        row = s.scalars(
-            select(DataSource)
-            .where(DataSource.id == source_id, DataSource.deleted_at.is_not(None),
-                   DataSource.purge_after <= func.now())
-            .with_for_update(skip_locked=True)
-        ).one_or_none()
+        locked = lock_sources(s, DataSource.id == source_id, DataSource.deleted_at.is_not(None),
+                              DataSource.purge_after <= func.now(), skip_locked=True)
+        row = s.get(DataSource, source_id, populate_existing=True) if locked else None
         if row is None:
             return None
         tenant = s.scalars(select(Tenant.name).where(Tenant.id == row.tenant_id)).one()
-        index_ids = list(s.scalars(select(Index.id).where(Index.data_source_id == row.id)))
-        # Lock the shards: a version being published now either commits before (and is listed) or fails after.
-        shard_ids = list(
-            s.scalars(select(IndexShard.id).where(IndexShard.index_id.in_(index_ids)).with_for_update())
-        ) if index_ids else []
-        manifests = list(
-            s.scalars(select(IndexVersion.manifest).where(IndexVersion.shard_id.in_(shard_ids)))
-        ) if shard_ids else []
-        files = list(s.scalars(select(LogSegment.path).where(LogSegment.data_source_id == row.id)))
-        dirs: set[str] = {trash_dir(tenant, row.id)}
-        for manifest in manifests:
-            for entry in manifest.get("segments", ()):
-                folder = entry["dir"]
-                dirs.add(folder)
-                deleted = (entry.get("deleted") or {}).get("path")
-                if deleted and not deleted.startswith(folder + "/"):
-                    files.append(deleted)
-        entries = [{"path": p, "is_dir": False} for p in sorted(set(files))]
-        entries += [{"path": d, "is_dir": True} for d in sorted(dirs)]
-        s.execute(
-            insert(TrashFile),
-            [{"tenant": tenant, "data_source_id": row.id, **e} for e in entries],
-        )
-        s.execute(delete(DataSource).where(DataSource.id == row.id))  # cascades to every row below it
-        log.info(
-            "purge: deleted the catalog rows of data source %s/%s (#%d) of tenant %s (in the trash since %s): "
-            "%d log segments, %d indexes, %d index versions; %d files and folders to delete",
-            row.name, row.version, row.id, tenant, row.deleted_at.isoformat() if row.deleted_at else "?",
-            len(set(files)), len(index_ids), len(manifests), len(entries),
-        )
-        return tenant, row.name, row.version, row.id
-
-
-def _drain(engine: Engine, storage: Storage, source_id: int | None, result: PurgeResult) -> int:
-    """Step 2: delete the listed files (of one source, or every one left over), then their list entries.
-    Returns how many entries were finished."""
-    with Session(engine) as s:
-        q = select(TrashFile.id, TrashFile.tenant, TrashFile.data_source_id, TrashFile.path, TrashFile.is_dir)
-        if source_id is not None:
-            q = q.where(TrashFile.data_source_id == source_id)
-        entries = s.execute(q.order_by(TrashFile.id)).all()
-    if not entries:
-        return 0
-    done: list[int] = []
-    try:
-        for entry_id, tenant, owner, path, is_dir in entries:
-            if _delete(storage, path, is_dir):
-                result.files += 1
-                log.info("purge: deleted %s %s (data source #%d of tenant %s)",
-                         "folder" if is_dir else "file", path, owner, tenant)
-            done.append(entry_id)
-    finally:
-        if done:
-            with Session(engine) as s, s.begin():
-                s.execute(delete(TrashFile).where(TrashFile.id.in_(done)))
-    return len(done)
-
-
-def _delete(storage: Storage, path: str, is_dir: bool) -> bool:
-    """Delete a file, or a folder and everything in it; False when it was already gone. Other errors
-    (storage unreachable) propagate: the entry stays on the list for the next run."""
-    full = storage.path(path)
-    try:
-        if is_dir:
-            if storage.fs.get_file_info(full).type == pafs.FileType.NotFound:
-                return False
-            storage.fs.delete_dir(full)
-        else:
-            storage.fs.delete_file(full)
-    except FileNotFoundError:
-        return False
-    return True
+        name, version, deleted_at = row.name, row.version, row.deleted_at
+        indexes = len(list(s.scalars(select(Index.id).where(Index.data_source_id == row.id))))
+        # The trash folder's files (a dataset's mirror) are listed here, so they are queued with the rows.
+        prefix = len(storage.root) + 1
+        selector = pafs.FileSelector(storage.path(trash_dir(tenant, row.id)), recursive=True, allow_not_found=True)
+        extra = [i.path[prefix:] for i in storage.fs.get_file_info(selector) if i.type == pafs.FileType.File]
+        files = delete_source_rows(s.connection(), row.id, PURGED, dt.datetime.now(dt.UTC), extra)
+    log.info(
+        "purge: deleted the catalog rows of data source %s/%s (#%d) of tenant %s (in the trash since %s) with "
+        "%d indexes; %d files queued for deletion",
+        name, version, source_id, tenant, deleted_at.isoformat() if deleted_at else "?", indexes, len(files),
+    )
+    return (tenant, name, version, source_id), files
 
 
 def pending_files(engine: Engine) -> int:
-    """How many entries of the purge's logged list are still to delete (0 once every purge finished)."""
-    with Session(engine) as s:
-        return int(s.scalar(select(func.count()).select_from(TrashFile)) or 0)
-
+    """How many files of purged data sources are queued and not deleted yet (0 once every purge finished)."""
+    return garbage.pending(engine, reason=PURGED)

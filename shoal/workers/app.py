@@ -6,8 +6,8 @@ from typing import Any
 
 from celery import Celery
 
-from shoal.servers.broker import broker_url
 from shoal.config.settings import Settings
+from shoal.servers.broker import broker_url
 from shoal.workers.names import (
     APPLY_RETENTION,
     COLLECT_GARBAGE,

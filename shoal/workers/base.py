@@ -17,18 +17,20 @@ from celery import Task
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from shoal.index.builder import LeaseBusyError
+from shoal.errors import ConflictError
 from shoal.workers.context import WorkerContext
 
-# The retry map: errors worth a retry, because the catalog, broker or storage was briefly away or another worker
-# holds the shard's lease. Anything else fails the task at once (and is logged by Celery).
+# The retry map: errors worth a retry, because the catalog, broker or storage was briefly away or the task lost a
+# race (a ConflictError: another worker holds the shard's lease, or moved a pointer first; a retry reloads).
+# Anything else fails the task at once (and is logged by Celery). StateUnknownError is not here on purpose: a
+# commit that may have landed must be checked, not blindly repeated.
 TRANSIENT: tuple[type[BaseException], ...] = (
     OperationalError,  # the catalog (Postgres) refused or dropped the connection
     redis.ConnectionError,  # the broker / Redis is away
     redis.TimeoutError,
     ConnectionError,  # storage (S3) or any socket
     TimeoutError,
-    LeaseBusyError,  # another worker builds the shard right now
+    ConflictError,  # lost a race, e.g. LeaseBusyError: another worker builds the shard right now
 )
 
 

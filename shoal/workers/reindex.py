@@ -26,18 +26,19 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine
 
-from shoal.index.segment import SegmentCache, manifest_files, vectors_of
-from shoal.index.generations import Generations, JobRecord, hidden_version, is_hidden
 from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
-from shoal.errors import ReindexConflictError, ValidationError
+from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
+from shoal.index.generations import Generations, JobRecord, hidden_version, is_hidden
+from shoal.index.segment import SegmentCache, vectors_of
 from shoal.index.spec import resolve_index
 from shoal.log.reader import fold, read_log
 from shoal.searcher.execute import execute, prepare_queries
 from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage
+from shoal.upkeep import drops
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,9 @@ def reindex_step(
     if recall is not None and recall < job.gate:
         return _abandon(engine, storage, gens, job, "failed", recall,
                         f"recall@{k} {recall:.4f} below the gate {job.gate:.4f}: the old generation keeps serving")
-    if not gens.swap(job_id, recall if recall is not None else 1.0):
+    try:
+        gens.swap(job_id, recall if recall is not None else 1.0)
+    except ConflictError:  # lost the swap's compare-and-swap: the job says why
         now = gens.job(job_id)
         state = now.state
         if state == "swapped":  # another run of this job (a redelivered task) swapped first
@@ -266,19 +269,23 @@ def _abandon(
 
 
 def drop_generation(engine: Engine, storage: Storage, index_id: int | None) -> int:
-    """Drop a generation that does not serve: its catalog rows first (so nothing points at its files), then
-    its files; returns how many files went. Serving generations are refused."""
+    """Drop a generation that does not serve: its catalog rows go and its files are queued for GC in one
+    transaction, then the files are deleted through GC's checked deletion; returns how many files were
+    queued. Serving generations are refused. Due at once (`shoal.upkeep.drops`): a failed or cancelled
+    generation never served, and a replaced one has not served since its swap, SHOAL_REINDEX_KEEP_S ago."""
     found = ShardCatalog(engine).index_by_id(index_id) if index_id is not None else None
     if found is None:
         return 0
-    tenant_id, index, _ = found
+    _, index, _ = found
     if not is_hidden(index.spec.version):
         raise ReindexConflictError(f"generation {index_id} serves index {index.spec.name!r}: not dropped")
-    paths = manifest_files(
-        IndexCatalog(engine, tenant_id, index.tenant).drop_index(index.spec.name, index.spec.version)
-    )
-    for path in paths:
-        storage.delete_quietly(path)
+    try:
+        paths = drops.drop_index(engine, index.id, reason=drops.GENERATION_DROPPED,
+                                 delete_after=dt.datetime.now(dt.UTC), version=index.spec.version)
+    except NotFoundError:  # dropped meanwhile (a redelivered task, the sweep), or swapped in: not dropped
+        return 0
+    # A crash from here on leaves the files queued: the next GC run deletes them.
+    drops.delete_now(engine, storage, paths, reason=drops.GENERATION_DROPPED)
     log.info("dropped generation %s of index %s (%s, %d files)", index_id, index.spec.name, index.spec.version,
              len(paths))
     return len(paths)

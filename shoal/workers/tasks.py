@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shoal.workers.app import app
 from shoal.errors import CommitError, NotFoundError
 from shoal.log import compaction, retention
 from shoal.upkeep import gc
+from shoal.workers.app import app
 from shoal.workers.base import ShoalTask
 from shoal.workers.names import (
     APPLY_RETENTION,
@@ -96,16 +96,17 @@ def sweep_merges(self: ShoalTask) -> dict[str, int]:
 
 @app.task(base=ShoalTask, bind=True, name=PURGE_TRASH)
 def purge_trash(self: ShoalTask) -> dict[str, Any]:
-    """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows, then
-    their files, through the logged list of `shoal.upkeep.trash` (beat runs this every SHOAL_PURGE_INTERVAL_S).
-    Takes no arguments; a run killed at any point is finished by the next; every deletion is logged."""
+    """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows go and
+    their files are queued for GC in one transaction, then deleted (`shoal.upkeep.trash`; beat runs this every
+    SHOAL_PURGE_INTERVAL_S). Takes no arguments; a run killed at any point is finished by the next (or by GC);
+    every deletion is logged."""
     from shoal.upkeep.trash import purge_due
 
     ctx = self.context
     rt = ctx.runtime
     result = purge_due(rt.engine, rt.storage)
     if result.sources or result.pending:
-        log.info("purge_trash: purged %d data sources, deleted %d files and folders (%d left by an earlier run)",
+        log.info("purge_trash: purged %d data sources, deleted %d files (%d left by an earlier run)",
                  len(result.sources), result.files, result.pending)
     return result.to_json()
 
@@ -196,8 +197,8 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
     generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
     While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
     so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job)."""
-    from shoal.servers.broker import broker_url
     from shoal.searcher.announce import announce_index
+    from shoal.servers.broker import broker_url
     from shoal.workers.reindex import reindex_step
 
     ctx = self.context

@@ -1,0 +1,218 @@
+"""The one error map: what every core error (`shoal.errors`) answers over HTTP, in both shapes the API speaks.
+
+- Vektonn's shape `{"errorMessages": [...]}` answers on every route but the dataset API's; `install` registers
+  it as the app's exception handlers.
+- The dataset API's shape `{"success": false, "error_code", "message", "details"}` answers on the dataset
+  routes only; their route class calls `dataset_response` for every exception they raise.
+
+Both read the status of a core error from `CORE` (the nearest class in the error's MRO), so one error never
+answers with two statuses; the dataset API's codes and their statuses are `DATASET_STATUS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal.datasets.errors import ErrorCode
+from shoal.errors import (
+    AlreadyExistsError,
+    AuthenticationError,
+    BackpressureError,
+    CapacityError,
+    ConfigurationError,
+    ConflictError,
+    DatasetError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReindexConflictError,
+    ShoalError,
+    ValidationError,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How a core error answers: its HTTP status, and its `error_code` in the dataset API (None: not part of
+    that API's contract, so a dataset route answers it as an unexpected 500 INTERNAL_ERROR, logged)."""
+
+    status: int
+    code: ErrorCode | None
+
+
+CORE: dict[type[ShoalError], Answer] = {
+    ValidationError: Answer(400, ErrorCode.VALIDATION_ERROR),
+    AuthenticationError: Answer(401, ErrorCode.UNAUTHORIZED),
+    PermissionDeniedError: Answer(403, ErrorCode.FORBIDDEN),
+    NotFoundError: Answer(404, ErrorCode.DATASET_NOT_FOUND),
+    AlreadyExistsError: Answer(409, ErrorCode.DATASET_ALREADY_EXISTS),
+    ReindexConflictError: Answer(409, None),  # the dataset service raises REINDEX_CONFLICT itself
+    ConflictError: Answer(409, None),  # lost a race (a lease, a swap): reload and retry
+    BackpressureError: Answer(429, None),
+    ConfigurationError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
+    CapacityError: Answer(503, None),
+    ShoalError: Answer(500, None),
+}
+
+DATASET_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.DATASET_NOT_FOUND: 404,
+    ErrorCode.DATASET_ALREADY_EXISTS: 409,
+    ErrorCode.INVALID_DATASET_CONFIG: 400,
+    ErrorCode.INVALID_DATASET_NAME: 400,
+    ErrorCode.RESERVED_DATASET_NAME: 400,
+    ErrorCode.INVALID_DIMENSIONS: 400,
+    ErrorCode.VALIDATION_ERROR: 400,
+    ErrorCode.NOT_IMPLEMENTED: 501,
+    ErrorCode.REINDEX_CONFLICT: 409,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.SERVICE_UNAVAILABLE: 503,
+    ErrorCode.INTERNAL_ERROR: 500,
+}
+
+# A request body field whose type check fails gets the dataset code of the rule it belongs to.
+FIELD_CODES = {
+    "name": ErrorCode.INVALID_DATASET_NAME,
+    "dimensions": ErrorCode.INVALID_DIMENSIONS,
+    "metric_type": ErrorCode.INVALID_DATASET_CONFIG,
+    "index_type": ErrorCode.INVALID_DATASET_CONFIG,
+    "index_params": ErrorCode.INVALID_DATASET_CONFIG,
+    "description": ErrorCode.INVALID_DATASET_CONFIG,
+    "metadata": ErrorCode.INVALID_DATASET_CONFIG,
+}
+# Starlette's own HTTP errors (no route, wrong method, ...) in the dataset API's shape.
+HTTP_CODES = {401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED",
+              413: "PAYLOAD_TOO_LARGE", 429: "TOO_MANY_REQUESTS"}
+
+
+def answer(exc: ShoalError) -> Answer:
+    """The status and dataset code of a core error."""
+    if isinstance(exc, DatasetError):
+        try:
+            code = ErrorCode(exc.code)
+        except ValueError:  # a code no one gave a status: a bug, answered as one
+            return CORE[ShoalError]
+        return Answer(DATASET_STATUS[code], code)
+    for cls in type(exc).__mro__:
+        if cls in CORE:
+            return CORE[cls]  # type: ignore[index]
+    return CORE[ShoalError]
+
+
+def extra_headers(exc: ShoalError) -> dict[str, str]:
+    """Headers a core error answers with in either shape (what a client needs to act on it)."""
+    if isinstance(exc, AuthenticationError):
+        return {"WWW-Authenticate": "ApiKey"}
+    if isinstance(exc, BackpressureError):
+        return {"Retry-After": str(exc.retry_after)}
+    return {}
+
+
+# -- Vektonn's shape -----------------------------------------------------------------------------------------
+
+
+def _vektonn(status: int, messages: list[str], headers: dict[str, str] | None = None) -> JSONResponse:
+    response = JSONResponse(status_code=status, content={"errorMessages": messages})
+    for name, value in (headers or {}).items():  # after the body's headers, as clients have always seen them
+        response.headers[name] = value
+    return response
+
+
+def vektonn_response(exc: ShoalError) -> JSONResponse:
+    """A core error in Vektonn's shape: its status, one message per validation problem (else one message)."""
+    if isinstance(exc, ValidationError):
+        messages = [f"{exc.prefix}: {p}" for p in exc.problems]
+    else:
+        messages = [str(exc)]
+    return _vektonn(answer(exc).status, messages, extra_headers(exc))
+
+
+def vektonn_request_error(exc: RequestValidationError) -> JSONResponse:
+    """A request FastAPI could not parse, in Vektonn's shape (400, one message per problem)."""
+    messages = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        messages.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return _vektonn(400, messages or ["invalid request"])
+
+
+async def _on_core_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ShoalError)
+    return vektonn_response(exc)
+
+
+async def _on_request_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return vektonn_request_error(exc)
+
+
+def install(app: FastAPI) -> None:
+    """Answer every core error (and unparsable requests) in Vektonn's shape, app-wide; the dataset routes
+    answer their own in theirs before these handlers see them."""
+    app.add_exception_handler(RequestValidationError, _on_request_error)
+    for cls in CORE:
+        app.add_exception_handler(cls, _on_core_error)
+
+
+# -- the dataset API's shape ---------------------------------------------------------------------------------
+
+
+def dataset_error(status: int, code: str, message: str, details: dict[str, Any] | None = None,
+                  headers: dict[str, str] | None = None) -> JSONResponse:
+    """One error in the dataset API's shape."""
+    body = {"success": False, "error_code": code, "message": message, "details": details or {}}
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def _dataset_request_error(exc: RequestValidationError) -> JSONResponse:
+    errors = []
+    codes = set()
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ())]
+        errors.append({"loc": ".".join(loc), "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))})
+        top = loc[1] if len(loc) >= 2 and loc[0] == "body" and err.get("type") != "missing" else ""
+        codes.add(FIELD_CODES.get(top, ErrorCode.VALIDATION_ERROR))
+    code = codes.pop() if len(codes) == 1 else ErrorCode.VALIDATION_ERROR
+    shown = "; ".join(f"{e['loc']}: {e['msg']}" if e["loc"] else e["msg"] for e in errors[:10])
+    return dataset_error(DATASET_STATUS[code], code.value, f"invalid request: {shown or 'malformed body'}",
+                         {"errors": errors[:100]})
+
+
+def _details(exc: ShoalError) -> dict[str, Any]:
+    if isinstance(exc, DatasetError):
+        return dict(exc.details)
+    if isinstance(exc, ValidationError):
+        return {"problems": [str(p) for p in exc.problems]}
+    return {}
+
+
+def _app_handles(request: Request, exc: Exception) -> bool:
+    handlers = getattr(request.app, "exception_handlers", {})
+    return any(cls in handlers for cls in type(exc).__mro__ if cls not in (Exception, BaseException))
+
+
+def dataset_response(request: Request, exc: Exception) -> JSONResponse | None:
+    """The dataset API's answer to an exception raised on one of its routes, or None when the app's own
+    handler should answer it (an exception that is not Shoal's and that the app has a handler for)."""
+    if isinstance(exc, RequestValidationError):
+        return _dataset_request_error(exc)
+    if isinstance(exc, StarletteHTTPException):
+        code = HTTP_CODES.get(exc.status_code, "HTTP_ERROR")
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return dataset_error(exc.status_code, code, detail, {}, dict(exc.headers or {}))
+    if isinstance(exc, ShoalError):
+        known = answer(exc)
+        if known.code is not None:
+            return dataset_error(known.status, known.code.value, str(exc), _details(exc), extra_headers(exc) or None)
+    elif _app_handles(request, exc):
+        return None
+    log.exception("dataset API: unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return dataset_error(500, ErrorCode.INTERNAL_ERROR.value, "internal error", {})

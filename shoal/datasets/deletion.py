@@ -1,0 +1,114 @@
+"""Deleting datasets: soft (into the tenant's trash, restorable until `purge_after`) or hard (at once), and the
+trash itself: list, restore, purge. The trash's rows and purge protocol are `shoal.upkeep.trash`'s."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from shoal.datasets import rules
+from shoal.datasets.catalog import LogTotals, TrashedDataset
+from shoal.datasets.errors import DatasetError, ErrorCode, not_found
+from shoal.datasets.files import forget_files, move_mirror_to_trash, trash_mirror_path
+from shoal.datasets.results import Dataset, Deletion, Page, Purge, TrashEntry
+from shoal.datasets.scope import DatasetScope
+from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.storage.layout import trash_dir
+
+log = logging.getLogger(__name__)
+
+
+class Deletions(DatasetScope):
+    """Delete datasets; list, restore and purge the tenant's trash."""
+
+    def delete(self, name: Any, *, hard: bool = False) -> Deletion:
+        """Soft delete: move the dataset to the tenant's trash, restorable until `purge_after`, then purged by
+        beat. With `hard`: delete at once the index, the data source, their files and the metadata mirror."""
+        name = self._lookup_name(name)
+        record = self.catalog.get(name)
+        self._forget(name)
+        try:
+            if hard:
+                files = self._drop(record)
+                log.info("dataset %s (#%d) of tenant %s deleted at once (hard): %d files",
+                         name, record.source_id, self.tenant, files)
+                return Deletion(name, soft=False, files_deleted=files, trash_id=None, purge_after=None)
+            retention = dt.timedelta(days=self.shoal.settings.trash_retention_days)
+            try:
+                trashed = self._trash().soft_delete(name, rules.VERSION, retention)
+            except NotFoundError:
+                raise not_found(name) from None
+            log.info("dataset %s (#%d) of tenant %s moved to the trash; purge after %s",
+                     name, trashed.id, self.tenant, trashed.purge_after.isoformat())
+            self.shoal.runtime.forget_source(record.source_id)  # uploads of this process see it gone at once
+            move_mirror_to_trash(self.shoal.engine, self.shoal.storage, self.tenant, record, trashed.id,
+                                 trashed.deleted_at, trashed.purge_after)
+            self._refresh_searcher()
+        finally:
+            self._forget(name)
+        return Deletion(name, soft=True, files_deleted=0, trash_id=trashed.id, purge_after=trashed.purge_after)
+
+    def _trashed_one(self, name: str, trash_id: int | None) -> TrashedDataset:
+        candidates = self.catalog.trashed(name)
+        if trash_id is not None:
+            candidates = [c for c in candidates if c.record.source_id == trash_id]
+        if not candidates:
+            which = f" with trash_id {trash_id}" if trash_id is not None else ""
+            raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r}{which} not found in the trash",
+                               {"dataset_id": name, "trash_id": trash_id})
+        return candidates[0]
+
+    def trash(self, limit: int = 100, offset: int = 0) -> Page[TrashEntry]:
+        """A page of the tenant's datasets in the trash, most recently deleted first."""
+        self._check_page(limit, offset)
+        items, total = self.catalog.trash_page(limit, offset)
+        totals = self.catalog.log_totals([t.record.source_id for t in items])
+        entries = tuple(
+            TrashEntry(Dataset.of(t.record, totals.get(t.record.source_id, LogTotals())), t.record.source_id,
+                       t.deleted_at, t.purge_after)
+            for t in items
+        )
+        return Page(entries, total, limit, offset)
+
+    def restore(self, name: Any, trash_id: int | None = None) -> Dataset:
+        """Take a dataset out of the trash (the most recently deleted of that name unless `trash_id` picks one):
+        DATASET_ALREADY_EXISTS if a dataset took its name meanwhile, DATASET_NOT_FOUND once purged."""
+        name = self._lookup_name(name)
+        chosen = self._trashed_one(name, trash_id)
+        source_id = chosen.record.source_id
+        self._forget(name)
+        try:
+            try:
+                self._trash().restore(source_id)
+            except NotFoundError as exc:
+                raise DatasetError(ErrorCode.DATASET_NOT_FOUND, str(exc),
+                                   {"dataset_id": name, "trash_id": source_id}) from None
+            except AlreadyExistsError as exc:
+                raise DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"{exc}; delete that one first",
+                                   {"dataset_id": name, "trash_id": source_id, "conflict": "dataset"}) from None
+            log.info("dataset %s (#%d) of tenant %s restored from the trash", name, source_id, self.tenant)
+            record = self.catalog.get(name)
+            try:
+                self._write_mirror(record)
+            except Exception as exc:  # noqa: BLE001 - the catalog is the source of truth
+                log.warning("could not rewrite the metadata mirror of restored dataset %s: %s", name, exc)
+            # The trash folder is the source's alone (keyed by its id).
+            forget_files(self.shoal.engine, self.shoal.storage, folder=trash_dir(self.tenant, source_id),
+                         files=[trash_mirror_path(self.tenant, source_id)])
+            self._refresh_searcher()
+        finally:
+            self._forget(name)
+        return self._datasets([record])[0]
+
+    def purge(self, name: Any, trash_id: int | None = None) -> Purge:
+        """Delete for good, now, a dataset in the trash (the most recently deleted of that name unless
+        `trash_id` picks one): its rows, then its files. DATASET_NOT_FOUND if it left the trash meanwhile."""
+        name = self._lookup_name(name)
+        chosen = self._trashed_one(name, trash_id)
+        result = self._trash().purge(self.shoal.storage, [chosen.record.source_id])
+        purged = any(i == chosen.record.source_id for _, _, _, i in result.sources)
+        if not purged:  # restored or purged by someone else meanwhile
+            raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} is no longer in the trash",
+                               {"dataset_id": name, "trash_id": chosen.record.source_id})
+        return Purge(name, chosen.record.source_id, result.files)

@@ -1,0 +1,158 @@
+"""A dataset's life outside the trash: create (or overwrite), list, read, update, reindex."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shoal.datasets import rules
+from shoal.datasets.catalog import MARKER, LogTotals, definition
+from shoal.datasets.errors import DatasetError, ErrorCode, already_exists, invalid, problems_of
+from shoal.datasets.results import Dataset, Page, ReindexStarted
+from shoal.datasets.scope import DatasetScope
+from shoal.errors import AlreadyExistsError, NotFoundError, ReindexConflictError, ValidationError
+from shoal.index.spec import resolve_index
+from shoal.log.records import DataSourceSpec, IndexSpec
+
+MUTABLE_FIELDS = ("description", "metadata")
+
+
+class Lifecycle(DatasetScope):
+    """Create, list, read, update and reindex datasets."""
+
+    def create(
+        self,
+        name: Any,
+        dimensions: Any,
+        *,
+        metric_type: Any = rules.DEFAULT_METRIC,
+        index_type: Any = rules.DEFAULT_INDEX,
+        description: Any = None,
+        metadata: Any = None,
+        index_params: Any = None,
+        overwrite: bool = False,
+    ) -> Dataset:
+        """Create a dataset (with `overwrite`, first hard-delete a dataset of that name); the new dataset.
+        Undone as far as possible if any step fails."""
+        name = rules.check_name(name)
+        dimensions = rules.check_dimensions(dimensions)
+        metric_type = rules.check_choice("metric_type", metric_type, rules.METRIC_TYPES)
+        index_type = rules.check_choice("index_type", index_type, rules.INDEX_TYPES)
+        description = rules.check_description(description)
+        metadata = rules.check_metadata(metadata)
+        if index_params is not None and not isinstance(index_params, dict):
+            raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, "index_params must be null or a JSON object",
+                               {"field": "index_params"})
+        plain = DataSourceSpec(name, rules.VERSION, dimensions, rules.ATTRIBUTES, rules.PERMANENT)
+        index_spec = IndexSpec(name, rules.VERSION, name, rules.VERSION, algorithm=index_type, metric=metric_type,
+                               params=index_params or {}, id_attributes=rules.PERMANENT, shard_count=1)
+        try:
+            resolved = resolve_index(index_spec, plain)
+        except ValidationError as exc:
+            raise DatasetError(
+                ErrorCode.INVALID_DATASET_CONFIG,
+                f"index_type {index_type!r} with metric_type {metric_type!r} and these index_params is refused: "
+                + "; ".join(problems_of(exc)),
+                {"problems": problems_of(exc), "index_type": index_type, "metric_type": metric_type},
+            ) from None
+        params = dict(resolved.params)
+        spec = DataSourceSpec(
+            name, rules.VERSION, dimensions, rules.ATTRIBUTES, rules.PERMANENT, description=description or "",
+            custom_metadata={MARKER: definition(description, metadata, metric_type, index_type, params)},
+        )
+
+        existing = self.catalog.find(name)
+        if existing is not None:
+            if not overwrite:
+                raise already_exists(name)
+            self._drop(existing)
+        self._refuse_foreign(name)
+        self._forget(name)
+        try:
+            self.shoal.create_data_source(spec)
+        except AlreadyExistsError:
+            raise already_exists(name) from None
+        try:
+            self.shoal.create_index(index_spec)
+            record = self.catalog.get(name)
+            self._write_mirror(record)
+        except BaseException as exc:
+            self._drop_quietly(name)
+            if isinstance(exc, AlreadyExistsError):
+                raise already_exists(name, "index") from None
+            raise
+        finally:
+            self._forget(name)
+        return Dataset.of(record, LogTotals())
+
+    def _refuse_foreign(self, name: str) -> None:
+        """A data source or index of the dataset's name that is not a dataset's blocks it (never overwritten)."""
+        for kind, lookup in (("data_source", self.shoal.get_data_source), ("index", self.shoal.get_index)):
+            try:
+                lookup(name, rules.VERSION)
+            except NotFoundError:
+                continue
+            raise DatasetError(
+                ErrorCode.DATASET_ALREADY_EXISTS,
+                f"a {kind.replace('_', ' ')} named {name!r} version {rules.VERSION!r} exists and is not a dataset",
+                {"dataset_id": name, "conflict": kind},
+            )
+
+    def list(self, limit: int = 100, offset: int = 0) -> Page[Dataset]:
+        """A page of the tenant's datasets, by name."""
+        self._check_page(limit, offset)
+        page = self.cache.get_list(self.tenant, limit, offset) if self.cache is not None else None
+        if page is None:
+            page = self.catalog.page(limit, offset)
+            if self.cache is not None:
+                self.cache.set_list(self.tenant, limit, offset, *page)
+        records, total = page
+        return Page(tuple(self._datasets(records)), total, limit, offset)
+
+    def get(self, name: Any) -> Dataset:
+        """The dataset; DATASET_NOT_FOUND if the tenant has none of that name."""
+        return self._datasets([self.record(name)])[0]
+
+    def update(self, name: Any, changes: Mapping[str, Any]) -> Dataset:
+        """Change the description and/or metadata (a field left out stays, null clears it); the dataset after."""
+        name = self._lookup_name(name)
+        self.catalog.get(name)  # DATASET_NOT_FOUND before any complaint about the body
+        other = sorted(set(changes) - set(MUTABLE_FIELDS))
+        if other:
+            raise DatasetError(
+                ErrorCode.INVALID_DATASET_CONFIG,
+                f"only description and metadata may change; refused: {', '.join(other)}",
+                {"fields": other, "mutable_fields": list(MUTABLE_FIELDS)},
+            )
+        clean: dict[str, Any] = {}
+        if "description" in changes:
+            clean["description"] = rules.check_description(changes["description"])
+        if "metadata" in changes:
+            clean["metadata"] = rules.check_metadata(changes["metadata"])
+        if not clean:
+            return self.get(name)
+        self._forget(name)
+        try:
+            record = self.catalog.update(name, clean)
+            self._write_mirror(record)
+        finally:
+            self._forget(name)
+        return self._datasets([record])[0]
+
+    def reindex(
+        self, name: Any, index_type: str | None = None, index_params: Mapping[str, Any] | None = None,
+        *, wait: bool = False,
+    ) -> ReindexStarted:
+        """Rebuild the dataset's index (optionally with another type or params) as a new generation swapped in
+        once its recall meets the gate; `wait` runs it here, else a worker does. REINDEX_CONFLICT if one runs."""
+        record = self.record(name)
+        if index_type is not None and index_type not in rules.INDEX_TYPES:
+            raise invalid(f"index_type must be one of {', '.join(rules.INDEX_TYPES)}", index_type=index_type)
+        try:
+            job = self.shoal.reindex(record.name, rules.VERSION, algorithm=index_type,
+                                     params=dict(index_params) if index_params is not None else None, wait=wait)
+        except ValidationError as exc:
+            raise invalid(str(exc), problems=problems_of(exc)[:100]) from None
+        except ReindexConflictError as exc:
+            raise DatasetError(ErrorCode.REINDEX_CONFLICT, str(exc), {"dataset_id": record.name}) from None
+        return ReindexStarted(record.name, job)

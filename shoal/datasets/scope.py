@@ -1,0 +1,120 @@
+"""What every dataset operation of one tenant shares: the handles, name lookups, the cache, and dropping a
+dataset's objects. The operations themselves live by idea in `lifecycle`, `deletion`, `stats`, `uploads` and
+`search`; `service.DatasetService` puts them together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from shoal.client import Shoal
+from shoal.datasets import rules
+from shoal.datasets.cache import DatasetCache
+from shoal.datasets.catalog import DatasetCatalog, DatasetRecord, LogTotals
+from shoal.datasets.errors import DatasetError, ErrorCode, invalid, not_found
+from shoal.datasets.files import forget_files, write_mirror
+from shoal.datasets.results import Dataset
+from shoal.errors import NotFoundError
+from shoal.searcher.searcher import Searcher
+from shoal.storage.layout import dataset_metadata_path
+from shoal.upkeep.trash import Trash
+
+log = logging.getLogger(__name__)
+
+
+class DatasetScope:
+    """The datasets of the tenant `shoal` is scoped to. One instance per request is cheap (it holds references
+    only); the cache is shared by the process."""
+
+    def __init__(self, shoal: Shoal, searcher: Searcher, cache: DatasetCache | None = None) -> None:
+        self.shoal = shoal
+        self.searcher = searcher
+        self.cache = cache
+        self.catalog = DatasetCatalog(shoal)
+        self.tenant = shoal.tenant
+
+    # -- lookups -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _lookup_name(name: Any) -> str:
+        """A name from a path or a request: malformed is INVALID_DATASET_NAME; a reserved one cannot exist, so
+        it is DATASET_NOT_FOUND."""
+        try:
+            return rules.check_name(name)
+        except DatasetError as exc:
+            if exc.code is ErrorCode.RESERVED_DATASET_NAME:
+                raise not_found(name) from None
+            raise
+
+    def record(self, name: Any) -> DatasetRecord:
+        """The dataset's catalog entry, from the cache when there; DATASET_NOT_FOUND if absent."""
+        name = self._lookup_name(name)
+        if self.cache is not None:
+            cached = self.cache.get_info(self.tenant, name)
+            if cached is not None:
+                return cached
+        record = self.catalog.get(name)
+        if self.cache is not None:
+            self.cache.set_info(self.tenant, record)
+        return record
+
+    def _forget(self, name: str) -> None:
+        """Drop the cache's entries of the dataset (before and after a change, so no reader caches the old)."""
+        if self.cache is not None:
+            self.cache.invalidate(self.tenant, name)
+
+    def _datasets(self, records: Sequence[DatasetRecord]) -> list[Dataset]:
+        """The datasets of catalog entries, with their log totals (one catalog query)."""
+        totals = self.catalog.log_totals([r.source_id for r in records])
+        return [Dataset.of(r, totals.get(r.source_id, LogTotals())) for r in records]
+
+    def _trash(self) -> Trash:
+        return Trash(self.shoal.engine, self.shoal.catalog.tenant_id, self.tenant)
+
+    @staticmethod
+    def _check_page(limit: Any, offset: Any) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise invalid("limit must be an integer in 1..1000", field="limit")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise invalid("offset must be a non-negative integer", field="offset")
+
+    # -- changes -----------------------------------------------------------------------------------------
+
+    def _write_mirror(self, record: DatasetRecord) -> None:
+        write_mirror(self.shoal.storage, self.tenant, record)
+
+    def _refresh_searcher(self) -> None:
+        # Drop (or reload) views of indexes that went away, so a dataset recreated under the same name is
+        # never served from the old one's view.
+        try:
+            self.searcher.refresh()
+        except Exception as exc:  # noqa: BLE001 - the searcher's poll catches up
+            log.warning("searcher refresh after a dataset change failed: %s", exc)
+
+    def _drop(self, record: DatasetRecord) -> int:
+        """Delete the dataset's index (if it is this dataset's), data source and mirror at once; files deleted."""
+        name = record.name
+        files = 0
+        try:
+            index = self.shoal.get_index(name, rules.VERSION)
+            if index.source_id == record.source_id:
+                files += self.shoal.drop_index(name, rules.VERSION)
+        except NotFoundError:
+            pass
+        try:
+            files += self.shoal.drop_data_source(name, rules.VERSION)
+        except NotFoundError:
+            pass
+        forget_files(self.shoal.engine, self.shoal.storage, files=[dataset_metadata_path(self.tenant, name)])
+        self._refresh_searcher()
+        return files + 1
+
+    def _drop_quietly(self, name: str) -> None:
+        """Undo a failed create as far as possible, logging (not raising) what could not be undone."""
+        for drop in (self.shoal.drop_index, self.shoal.drop_data_source):
+            try:
+                drop(name, rules.VERSION)
+            except Exception as exc:  # noqa: BLE001 - cleanup after a failed create; report the first error
+                log.warning("could not undo a failed create of dataset %s: %s", name, exc)
+        forget_files(self.shoal.engine, self.shoal.storage, files=[dataset_metadata_path(self.tenant, name)])

@@ -1,0 +1,349 @@
+"""The JSON fields Vektonn's upload and search bodies share (attributes, attribute values, vectors), read from
+orjson-parsed values with the rules the pydantic DTOs and the former conversion to records applied.
+
+Two phases live here, used by shoal.vektonn.upload_json and shoal.vektonn.search_json alike:
+
+1. shape: the JSON type of every field (what the pydantic DTOs checked), keys matched ignoring case
+   (read_entry, read_vector);
+2. records: the value slot against the declared type, repeated attributes, the vector's kind (what the former
+   points_from_dtos and query conversion checked: attributes_dict, vector_value).
+
+Each reader notes what is wrong as a Problem naming the point (or query vector) position and the attribute, and
+goes on, so a body that breaks several rules reports all of them as the DTO path did.
+
+Types are stricter than pydantic's lax mode was: a slot, `isDeleted`, `isSparse`, `k` or `retrieveVectors`
+holding a JSON value of another type ("5" for an int64, 1 or "yes" for a bool, 1.0 for an integer, a number of
+seconds for a dateTime) is refused instead of coerced. Coordinates are JSON numbers; a JSON boolean among them
+still reads as 1 or 0, as before (refusing it would cost a type check per coordinate on every batch).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+import orjson
+import pydantic
+
+from shoal.errors import Problem, ValidationError
+from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
+from shoal.log.validation import MAX_PROBLEMS
+
+JSON = "application/json"
+
+VALUE_KINDS = ("string", "guid", "bool", "int64", "float64", "dateTime")
+# Every field name of Vektonn's DTOs: input keys are matched to these ignoring case, as Vektonn (and dto.py) do.
+_FIELDS = (
+    "attributes", "key", "value", "vector", "isSparse", "coordinates", "coordinateIndices", "isDeleted", "k",
+    "queryVectors", "splitFilter", "retrieveVectors", *VALUE_KINDS,
+)
+CANONICAL = {name.lower(): name for name in _FIELDS}
+_FIELD_SET = frozenset(_FIELDS)
+
+# The slot each attribute type travels in.
+SLOT: dict[AttributeType, str] = {
+    AttributeType.STRING: "string",
+    AttributeType.GUID: "guid",
+    AttributeType.BOOL: "bool",
+    AttributeType.INT64: "int64",
+    AttributeType.FLOAT64: "float64",
+    AttributeType.DATETIME: "dateTime",
+}
+_JSON_TYPES: dict[type, str] = {
+    bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null", list: "array",
+    dict: "object",
+}
+# A rule that a JSON integer too large for 64 bits may break only because orjson reads it as a float (see load).
+_INTEGER_WANTED = "must be a JSON integer, got number"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Guids and datetimes are parsed by pydantic, as the DTOs parsed them: the same strings are accepted.
+GUID = pydantic.TypeAdapter(uuid.UUID)
+_DATETIME = pydantic.TypeAdapter(dt.datetime)
+# The hyphenated form: pydantic and uuid.UUID both take it and agree on its canonical (lower-case) text.
+HYPHENATED_GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_COORDINATE_TYPES = frozenset((float, int, bool))  # a JSON boolean reads as 1 or 0, as the DTO read it
+
+# An attribute after phase 1: (key, slot, value); a vector: (is sparse, coordinates, coordinate indices).
+Entry = tuple[str, str, Any]
+Vector = tuple[bool, list[float], list[int] | None]
+
+Shaped = TypeVar("Shaped")
+
+
+# -- the body -------------------------------------------------------------------------------------------------
+
+
+def load(body: bytes, error: type[ValidationError]) -> tuple[Any, bool]:
+    """The parsed body and whether Python's json parsed it (because orjson refused it); raises `error` when
+    neither takes it."""
+    try:
+        return orjson.loads(body), False
+    except orjson.JSONDecodeError as exc:
+        refusal = exc
+    # FastAPI parsed request bodies with Python's json, which takes what orjson refuses: NaN and Infinity,
+    # numbers beyond a double, a byte order mark. Take them too, so such a body meets the rules it met before
+    # (a non-finite coordinate is a point's problem, not a parse error).
+    try:
+        parsed = _stdlib_loads(body)
+        # Lone surrogates cannot be stored as UTF-8 (the DTO path failed on them with a server error).
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+    except (ValueError, TypeError, RecursionError):  # UnicodeError is a ValueError
+        raise error(f"the body is not JSON: {refusal}") from None
+    return parsed, True
+
+
+def shape_body(
+    body: bytes, loaded: tuple[Any, bool], shape: Callable[[Any], tuple[Shaped, list[Problem]]]
+) -> Shaped:
+    """The loaded body put through `shape` (phase 1), or a ValidationError listing shape's problems.
+
+    orjson reads an integer beyond 64 bits as a float, which Python's json (the DTO path's parser) kept as an
+    integer: when a problem may come from that, the body is parsed again with Python's json and shaped anew, so
+    such a body meets the rules it met before.
+    """
+    parsed, by_stdlib = loaded
+    shaped, problems = shape(parsed)
+    if problems and not by_stdlib and any(_INTEGER_WANTED in p.rule for p in problems):
+        try:
+            shaped, problems = shape(_stdlib_loads(body))
+        except (ValueError, TypeError, RecursionError):
+            pass  # orjson's reading stands, and so do its problems
+    if problems:
+        raise ValidationError(problems[:MAX_PROBLEMS])
+    return shaped
+
+
+def _stdlib_loads(body: bytes | bytearray | memoryview | str) -> Any:
+    # Python's json takes bytes and str but not a memoryview.
+    return json.loads(bytes(body) if isinstance(body, memoryview) else body)
+
+
+def canon(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object with its keys spelled as Vektonn's fields are (the last of two spellings wins, as in dto.py)."""
+    if obj.keys() <= _FIELD_SET:
+        return obj
+    return {CANONICAL.get(k.lower(), k): v for k, v in obj.items()}
+
+
+def jtype(value: Any) -> str:
+    """The JSON type name of a parsed value."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def json_object(
+    raw: Any, expected: str, position: int | None, attribute: str, problems: list[Problem]
+) -> dict[str, Any] | None:
+    """`raw` with its keys canonical when it is a JSON object; otherwise None after noting the rule `expected`
+    states ("a vector must be a JSON object {...}") with the JSON type found."""
+    if type(raw) is not dict:
+        problems.append(Problem(f"{expected}, got {jtype(raw)}", position, attribute))
+        return None
+    return canon(raw)
+
+
+# -- phase 1: JSON shape --------------------------------------------------------------------------------------
+
+
+def read_entry(raw: Any, position: int | None, field: str, problems: list[Problem]) -> Entry | None:
+    """One AttributeDto `{key, value: {<slot>: v}}` as (key, slot, value), or None after noting the problem."""
+    entry = json_object(raw, "an attribute must be a JSON object {key, value}", position, field, problems)
+    if entry is None:
+        return None
+    key = entry.get("key")
+    name = key if type(key) is str else None
+    if name is None:
+        rule = (
+            "an attribute needs a key" if key is None else f"an attribute key must be a JSON string, got {jtype(key)}"
+        )
+        problems.append(Problem(rule, position, field))
+    if "value" not in entry:
+        problems.append(Problem("an attribute needs a value", position, name or field))
+        return None
+    value = _value(entry["value"], position, name or field, problems)
+    if name is None or value is None:
+        return None
+    return name, value[0], value[1]
+
+
+def _value(raw: Any, position: int | None, attribute: str, problems: list[Problem]) -> tuple[str, Any] | None:
+    """An AttributeValueDto as (slot, value): exactly one slot holds a value of the slot's JSON type."""
+    slots = json_object(raw, f"an attribute value must be a JSON object holding one of {', '.join(VALUE_KINDS)}",
+                        position, attribute, problems)
+    if slots is None:
+        return None
+    if "bool" not in slots and "bool_" in slots:
+        # The DTO also took its Python field name for the bool slot (populate_by_name): keep taking it.
+        slots = {**slots, "bool": slots["bool_"]}
+    given: list[tuple[str, Any]] = []
+    valid = True
+    for slot in VALUE_KINDS:
+        held = slots.get(slot)
+        if held is None:  # a null slot is an empty slot, as in the DTO
+            continue
+        value, rule = _slot_value(slot, held)
+        if rule is not None:
+            problems.append(Problem(rule, position, attribute))
+            valid = False
+        else:
+            given.append((slot, value))
+    if not valid:
+        return None
+    if len(given) != 1:
+        problems.append(Problem(
+            f"an attribute value needs exactly one of {', '.join(VALUE_KINDS)} (got {len(given)})", position, attribute
+        ))
+        return None
+    return given[0]
+
+
+def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
+    """(the slot's Python value, None), or (None, the rule the JSON value breaks)."""
+    kind = type(raw)
+    if slot == "string":
+        return (raw, None) if kind is str else (None, _wrong_type(slot, "string", raw))
+    if slot == "int64":
+        return (raw, None) if kind is int else (None, _wrong_type(slot, "integer", raw))
+    if slot == "bool":
+        return (raw, None) if kind is bool else (None, _wrong_type(slot, "boolean", raw))
+    if slot == "float64":
+        if kind is float:
+            return raw, None
+        if kind is int:
+            try:
+                return float(raw), None
+            except OverflowError:
+                return None, "float64 value out of range"
+        return None, _wrong_type(slot, "number", raw)
+    if kind is not str:
+        return None, _wrong_type(slot, "string", raw)
+    if slot == "guid":
+        try:
+            return GUID.validate_python(raw), None
+        except pydantic.ValidationError:
+            return None, f"not a guid: {raw[:50]!r}"
+    try:
+        moment = _DATETIME.validate_python(raw)
+    except pydantic.ValidationError:
+        return None, f"not an ISO 8601 date and time: {raw[:50]!r}"
+    try:
+        moment.astimezone(dt.UTC)  # "0001-01-01T00:00:00+01:00" is before year 1 in UTC, where it is stored
+    except OverflowError:
+        return None, f"date and time out of range in UTC: {raw[:50]!r}"
+    return moment, None
+
+
+def _wrong_type(slot: str, wanted: str, raw: Any) -> str:
+    return f"{slot} value must be a JSON {wanted}, got {jtype(raw)}"
+
+
+def read_vector(raw: Any, position: int | None, attribute: str, problems: list[Problem]) -> Vector | None:
+    """A VectorDto as (is sparse, coordinates as floats, indices or None), or None after noting the problem."""
+    vector = json_object(raw, "a vector must be a JSON object {isSparse, coordinates, coordinateIndices}",
+                         position, attribute, problems)
+    if vector is None:
+        return None
+    before = len(problems)
+    sparse = vector.get("isSparse", False)
+    if type(sparse) is not bool:
+        problems.append(Problem(f"isSparse must be a JSON boolean, got {jtype(sparse)}", position, attribute))
+    coordinates: list[float] = []
+    if "coordinates" not in vector:
+        problems.append(Problem("a vector needs coordinates", position, attribute))
+    else:
+        raw_coordinates = vector["coordinates"]
+        numbers = dense_numbers(raw_coordinates) if sparse is False else None
+        if numbers is not None:
+            coordinates = numbers  # type: ignore[assignment]
+        elif type(raw_coordinates) is not list:
+            problems.append(Problem(f"coordinates must be a JSON array of numbers, got {jtype(raw_coordinates)}",
+                                    position, attribute))
+        elif not set(map(type, raw_coordinates)) <= _COORDINATE_TYPES:
+            bad = next(i for i, c in enumerate(raw_coordinates) if type(c) not in _COORDINATE_TYPES)
+            problems.append(Problem(
+                f"coordinates must be JSON numbers, got {jtype(raw_coordinates[bad])} at index {bad}",
+                position, attribute,
+            ))
+        else:
+            try:
+                coordinates = list(map(float, raw_coordinates))  # as the DTO's list[float] held them
+            except OverflowError:
+                problems.append(Problem("a coordinate is out of the range of a double", position, attribute))
+    indices = vector.get("coordinateIndices")
+    if indices is not None:
+        if type(indices) is not list:
+            problems.append(Problem(f"coordinateIndices must be a JSON array of integers, got {jtype(indices)}",
+                                    position, attribute))
+        elif not set(map(type, indices)) <= {int}:
+            bad = next(i for i, c in enumerate(indices) if type(c) is not int)
+            problems.append(Problem(
+                f"coordinateIndices[{bad}] must be a JSON integer, got {jtype(indices[bad])}", position, attribute
+            ))
+    if len(problems) != before:
+        return None
+    return sparse, coordinates, indices
+
+
+def dense_numbers(raw: Any) -> np.ndarray | None:
+    """A dense vector's coordinates as float64, when they are a JSON array of numbers (booleans reading as 1 or
+    0, as the DTO read them); None otherwise, and the per-value checks then name what is wrong.
+
+    NumPy's type discovery runs in C: a list of numbers becomes a numeric array, anything else (a string, a
+    null, a nested array, an integer beyond 64 bits) an array of another kind. The values are the doubles
+    float() gives, so they round to float32 as before.
+    """
+    if type(raw) is not list:
+        return None
+    try:
+        array = np.asarray(raw)
+    except (ValueError, OverflowError):  # ragged nesting and the like
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "fiub":
+        return None
+    return array.astype(np.float64, copy=False)
+
+
+# -- phase 2: values against the data source ------------------------------------------------------------------
+
+
+def attributes_dict(
+    spec: DataSourceSpec, entries: list[Entry], position: int | None, problems: list[Problem]
+) -> dict[str, Any]:
+    """{key: value}: each key once, each declared attribute in its type's slot, guids as canonical text."""
+    out: dict[str, Any] = {}
+    for key, slot, value in entries:
+        if key in out:
+            problems.append(Problem("attribute given twice", position, key))
+            continue
+        declared = spec.attribute_types.get(key)
+        if declared is not None and slot != SLOT[declared]:
+            problems.append(Problem(f"expected a {SLOT[declared]} value, got {slot}", position, key))
+            continue
+        out[key] = str(value) if declared is AttributeType.GUID else value
+    return out
+
+
+def vector_value(
+    spec: DataSourceSpec, vector: Vector, position: int | None, attribute: str, problems: list[Problem]
+) -> list[float] | SparseVector | None:
+    """A vector as the records take it (a list, or a SparseVector), or None after noting the problem."""
+    sparse, coordinates, indices = vector
+    if sparse != spec.vectors_are_sparse:
+        want = "sparse" if spec.vectors_are_sparse else "dense"
+        problems.append(Problem(f"the data source holds {want} vectors", position, attribute))
+        return None
+    if not sparse:
+        return coordinates
+    if indices is None:
+        problems.append(Problem("a sparse vector needs coordinateIndices", position, attribute))
+        return None
+    if any(i < _INT64_MIN or i > _INT64_MAX for i in indices):
+        # Beyond int64 NumPy cannot even hold the index (the DTO path failed there with a server error).
+        problems.append(Problem(f"sparse index out of range 0..{spec.vector_dimension - 1}", position, attribute))
+        return None
+    return SparseVector(indices, coordinates)

@@ -1,0 +1,123 @@
+"""Vektonn's JSON search query (SearchQueryDto) read with orjson, and its values checked against the data source:
+the query vectors as the searcher takes them, the split filter as {attribute: value}.
+
+The JSON types are checked as the pydantic DTO checked them (shoal.vektonn.json_fields, keys in any case); the
+values as the former conversion checked them, with the same problems.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shoal.errors import Problem, ValidationError
+from shoal.log.records import DataSourceSpec
+from shoal.vektonn.json_fields import (
+    attributes_dict,
+    canon,
+    jtype,
+    load,
+    read_entry,
+    read_vector,
+    shape_body,
+    vector_value,
+)
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    """Vektonn's SearchQueryDto with its JSON types checked. Query vectors are canonical dicts
+    `{"isSparse", "coordinates" (floats), "coordinateIndices" (ints or None)}`; split filter entries are
+    `{"key", "value": {slot: value}}` with guids as uuid.UUID and dateTimes as datetime, as the DTO held them."""
+
+    k: int
+    query_vectors: list[dict[str, Any]]
+    split_filter: list[dict[str, Any]] | None
+    retrieve_vectors: bool = False
+
+
+def decode_search(body: bytes) -> SearchQuery:
+    """Vektonn's SearchQueryDto (`k`, `queryVectors`, `splitFilter`, `retrieveVectors`; keys in any case) with
+    its JSON types checked; ValidationError naming the field otherwise. Values are checked against the data
+    source by query_vectors() and split_filter(); that k is positive is left to the caller, as before."""
+    query = shape_body(body, load(body, ValidationError), _search_shape)
+    assert query is not None  # _search_shape gives None only with problems, which shape_body raises
+    return query
+
+
+def _search_shape(raw: Any) -> tuple[SearchQuery | None, list[Problem]]:
+    """The query with its fields' JSON types checked, or None and the problems found."""
+    if type(raw) is not dict:
+        return None, [Problem(f"a search query must be a JSON object, got {jtype(raw)}")]
+    query = canon(raw)
+    problems: list[Problem] = []
+    k = query.get("k")
+    if k is None:
+        problems.append(Problem("a search query needs k", attribute="k"))
+    elif type(k) is not int:
+        problems.append(Problem(f"k must be a JSON integer, got {jtype(k)}", attribute="k"))
+    vectors: list[dict[str, Any]] = []
+    raw_vectors = query.get("queryVectors")
+    if raw_vectors is None:
+        problems.append(Problem("a search query needs queryVectors", attribute="queryVectors"))
+    elif type(raw_vectors) is not list:
+        problems.append(Problem(f"queryVectors must be a JSON array of vectors, got {jtype(raw_vectors)}",
+                                attribute="queryVectors"))
+    else:
+        for i, raw_vector in enumerate(raw_vectors):
+            vector = read_vector(raw_vector, i, "queryVectors", problems)
+            if vector is not None:
+                vectors.append({"isSparse": vector[0], "coordinates": vector[1], "coordinateIndices": vector[2]})
+    split: list[dict[str, Any]] | None = None
+    raw_split = query.get("splitFilter")
+    if raw_split is not None:
+        if type(raw_split) is not list:
+            problems.append(Problem(f"splitFilter must be a JSON array of attributes, got {jtype(raw_split)}",
+                                    attribute="splitFilter"))
+        else:
+            split = []
+            for raw_entry in raw_split:
+                entry = read_entry(raw_entry, None, "splitFilter", problems)
+                if entry is not None:
+                    split.append({"key": entry[0], "value": {entry[1]: entry[2]}})
+    retrieve = query.get("retrieveVectors", False)
+    if type(retrieve) is not bool:
+        problems.append(Problem(f"retrieveVectors must be a JSON boolean, got {jtype(retrieve)}",
+                                attribute="retrieveVectors"))
+    if problems:
+        return None, problems
+    assert isinstance(k, int)
+    return SearchQuery(k, vectors, split, retrieve is True), []
+
+
+def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.ndarray:
+    """The query vectors as the searcher takes them: dense ones as one float32 [n, dim] array when they have
+    one length (else the list, which the searcher refuses by name), sparse ones as SparseVectors. ValidationError
+    with the former query_vectors's problems (attribute `queryVectors`) when one is of the wrong kind."""
+    problems: list[Problem] = []
+    out: list[Any] = []
+    for i, vector in enumerate(query.query_vectors):
+        triple = (vector["isSparse"], vector["coordinates"], vector["coordinateIndices"])
+        out.append(vector_value(spec, triple, i, "queryVectors", problems))
+    if problems:
+        raise ValidationError(problems)
+    if not spec.vectors_are_sparse and out and len(set(map(len, out))) == 1:
+        # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher. A double beyond
+        # float32's range becomes inf here, which the searcher refuses by name: no overflow warning for it.
+        with np.errstate(over="ignore"):
+            return np.array(out, dtype=np.float64).astype(np.float32)
+    return out
+
+
+def split_filter(spec: DataSourceSpec, query: SearchQuery) -> dict[str, Any] | None:
+    """The split filter as {attribute: value} (None when absent or empty), with the former split_filter's rules."""
+    if not query.split_filter:
+        return None
+    entries = [(e["key"], *next(iter(e["value"].items()))) for e in query.split_filter]
+    problems: list[Problem] = []
+    out = attributes_dict(spec, entries, None, problems)
+    if problems:
+        raise ValidationError(problems)
+    return out

@@ -1,0 +1,133 @@
+"""The one error map (shoal.api.errors) through the real app: every core error answers a Vektonn route in
+Vektonn's shape and a dataset route in the dataset API's shape, with the statuses and headers clients have
+always seen. The expected answers are written out here, not read from the map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from shoal.client import Shoal
+from shoal.config.settings import Settings
+from shoal.datasets.errors import ErrorCode
+from shoal.datasets.service import DatasetService
+from shoal.errors import (
+    AlreadyExistsError,
+    AuthenticationError,
+    BackpressureError,
+    CapacityError,
+    CommitError,
+    ConfigurationError,
+    DatasetError,
+    InvalidNameError,
+    NotFoundError,
+    PermissionDeniedError,
+    ReindexConflictError,
+    ShoalError,
+    ValidationError,
+)
+
+INTERNAL = (500, "INTERNAL_ERROR", "internal error", {})
+
+# error, Vektonn (status, errorMessages, extra headers), dataset API (status, error_code, message, details,
+# extra headers); an error outside the dataset API's contract answers there as an unexpected one.
+CASES: list[tuple[ShoalError, tuple[int, list[str], dict[str, str]], tuple[Any, ...]]] = [
+    (ValidationError("k must be positive"),
+     (400, ["invalid input, nothing written: k must be positive"], {}),
+     (400, "VALIDATION_ERROR", "invalid input, nothing written: k must be positive",
+      {"problems": ["k must be positive"]}, {})),
+    (InvalidNameError("names are lower case"),
+     (400, ["invalid name: names are lower case"], {}),
+     (400, "VALIDATION_ERROR", "invalid name: names are lower case", {"problems": ["names are lower case"]}, {})),
+    (AuthenticationError("no API key"),
+     (401, ["no API key"], {"www-authenticate": "ApiKey"}),
+     (401, "UNAUTHORIZED", "no API key", {}, {"www-authenticate": "ApiKey"})),
+    (PermissionDeniedError("readers cannot write"),
+     (403, ["readers cannot write"], {}),
+     (403, "FORBIDDEN", "readers cannot write", {}, {})),
+    (NotFoundError("no such thing"),
+     (404, ["no such thing"], {}),
+     (404, "DATASET_NOT_FOUND", "no such thing", {}, {})),
+    (AlreadyExistsError("taken"),
+     (409, ["taken"], {}),
+     (409, "DATASET_ALREADY_EXISTS", "taken", {}, {})),
+    (ReindexConflictError("a reindex runs"),
+     (409, ["a reindex runs"], {}),
+     (*INTERNAL, {})),
+    (BackpressureError("indexes lag", 7),
+     (429, ["indexes lag"], {"retry-after": "7"}),
+     (*INTERNAL, {})),
+    (ConfigurationError("Postgres is down"),
+     (503, ["Postgres is down"], {}),
+     (503, "SERVICE_UNAVAILABLE", "Postgres is down", {}, {})),
+    (CapacityError("over budget"),
+     (503, ["over budget"], {}),
+     (*INTERNAL, {})),
+    (CommitError("gave up"),
+     (500, ["gave up"], {}),
+     (*INTERNAL, {})),
+    (DatasetError(ErrorCode.INVALID_DIMENSIONS, "expected 2 values", {"expected": 2}),
+     (400, ["expected 2 values"], {}),
+     (400, "INVALID_DIMENSIONS", "expected 2 values", {"expected": 2}, {})),
+    (DatasetError(ErrorCode.REINDEX_CONFLICT, "a reindex runs", {"dataset_id": "d"}),
+     (409, ["a reindex runs"], {}),
+     (409, "REINDEX_CONFLICT", "a reindex runs", {"dataset_id": "d"}, {})),
+]
+
+
+@pytest.mark.parametrize(("error", "vektonn", "dataset"), CASES, ids=lambda c: type(c).__name__ if
+                         isinstance(c, Exception) else "")
+def test_each_core_error_in_both_shapes(
+    served: tuple[str, Settings], monkeypatch: pytest.MonkeyPatch, error: ShoalError,
+    vektonn: tuple[int, list[str], dict[str, str]], dataset: tuple[Any, ...],
+) -> None:
+    def fail(*_: Any, **__: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(Shoal, "get_data_source", fail)  # GET /api/v1/data-sources/{name}/{version}
+    monkeypatch.setattr(DatasetService, "get", fail)  # GET /api/v1/datasets/{id}
+    url, _ = served
+    with httpx.Client(base_url=f"{url}/api/v1", timeout=30) as http:
+        r = http.get("/data-sources/docs/1")
+        status, messages, headers = vektonn
+        assert (r.status_code, r.json()) == (status, {"errorMessages": messages})
+        assert r.headers["content-type"] == "application/json"
+        for name, value in headers.items():
+            assert r.headers[name] == value
+        assert "retry-after" in headers or "retry-after" not in r.headers
+        assert "www-authenticate" in headers or "www-authenticate" not in r.headers
+
+        r = http.get("/datasets/docs")
+        status, code, message, details, headers = dataset
+        body = {"success": False, "error_code": code, "message": message, "details": details}
+        assert (r.status_code, r.json()) == (status, body)
+        assert r.headers["content-type"] == "application/json"
+        for name, value in headers.items():
+            assert r.headers[name] == value
+        assert "retry-after" not in r.headers
+        assert "www-authenticate" in headers or "www-authenticate" not in r.headers
+
+
+def test_stats_read_the_log_through_the_checked_reader(served: tuple[str, Settings]) -> None:
+    """A log segment whose bytes no longer match its recorded checksum (though still valid Parquet) fails
+    /stats (500, logged) instead of being counted: the dataset service reads the log through the standard
+    reader, which verifies checksums."""
+    url, settings = served
+    with httpx.Client(base_url=f"{url}/api/v1", timeout=30) as http:
+        assert http.post("/datasets", json={"name": "docs", "dimensions": 2, "index_type": "flat"}).status_code == 201
+        vectors = [{"id": "a", "values": [1.0, 0.0], "metadata": {"k": 1}}, {"id": "b", "values": [0.0, 1.0]}]
+        assert http.post("/datasets/docs/vectors", json={"vectors": vectors}).status_code == 200
+        stats = http.get("/datasets/docs/stats")
+        assert stats.status_code == 200 and stats.json()["vector_count"] == 2
+
+        log_dir = Path(settings.storage_uri) / "tenants" / settings.tenant / "sources" / "docs" / "1" / "log"
+        [segment] = log_dir.glob("*.parquet")
+        # Valid Parquet with one entry fewer: an unchecked read would answer 1 vector.
+        pq.write_table(pq.read_table(segment).slice(0, 1), segment)
+        r = http.get("/datasets/docs/stats")
+        assert (r.status_code, r.json()) == (500, {"success": False, "error_code": "INTERNAL_ERROR",
+                                                   "message": "internal error", "details": {}})
