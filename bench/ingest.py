@@ -120,7 +120,7 @@ def load_pools(dims: list[int]) -> dict[int, Pool]:
 
 # -- raw pyarrow reference ---------------------------------------------------------------------------
 
-# The encoding Shoal's segment writer uses (shoal/log/segment.py), applied to the raw columns.
+# The encoding Shoal's segment writer uses (shoal/log/segment_file.py), applied to the raw columns.
 MATCHED_OPTIONS: dict[str, Any] = {
     "compression": {"id": "snappy", "package": "snappy", "installed_size_kb": "snappy", "vector": "none"},
     "use_dictionary": ["id", "package", "installed_size_kb"],

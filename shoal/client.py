@@ -221,7 +221,7 @@ class Shoal:
         SHOAL_REINDEX_RECALL_GATE for ANN, 1.0 for flat), it is swapped in atomically. The old generation
         serves meanwhile and is kept for `rollback` for SHOAL_REINDEX_KEEP_S. `wait`: run the job in this
         process and return it ended; otherwise a worker runs it (`reindex_jobs` shows its progress)."""
-        from shoal.workers.reindex import run_reindex, start_reindex
+        from shoal.index.reindex import run_reindex, start_reindex
 
         job = start_reindex(self.catalog, self.indexes, name, version, algorithm=algorithm, metric=metric,
                             params=params, gate=gate, ann_gate=self.settings.reindex_recall_gate)
@@ -244,7 +244,7 @@ class Shoal:
 
     def cancel_reindex(self, name: str, version: str) -> JobRecord:
         """Cancel the running reindex: the old generation keeps serving, the new one and its files go."""
-        from shoal.workers.reindex import drop_generation
+        from shoal.index.reindex import drop_generation
 
         job = self.generations.running(self.catalog.tenant_id, name, version)
         if job is None:

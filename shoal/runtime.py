@@ -22,7 +22,7 @@ from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError
-from shoal.index.segment import SegmentCache
+from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.writer import LogWriter
 from shoal.servers.broker import broker_url

@@ -35,7 +35,7 @@ from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
 from shoal.upkeep import gc_queue as garbage
 from shoal.upkeep.trash import Trash
-from shoal.workers.reindex import start_reindex
+from shoal.index.reindex import start_reindex
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ import sys, time
 import shoal.upkeep.drops as drops
 import shoal.upkeep.trash as trash
 from shoal import Shoal
-from shoal.workers.reindex import drop_generation
+from shoal.index.reindex import drop_generation
 
 def committed(*args, **kwargs):
     print("committed", flush=True)

@@ -12,8 +12,8 @@ import pytest
 from shoal import DataSourceSpec, Shoal
 from shoal.errors import InvalidNameError, NotFoundError, ReindexConflictError
 from shoal.index.builder import ShardBuilder
+from shoal.index.reindex import drop_expired_generations, start_reindex
 from shoal.log.records import AttributeType, IndexSpec
-from shoal.workers.reindex import drop_expired_generations, start_reindex
 
 DIM = 16
 SPEC = DataSourceSpec("docs", "1", DIM, {"id": AttributeType.INT64}, ["id"])

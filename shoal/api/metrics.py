@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from shoal.catalog.indexes import freshness_rows
-from shoal.index.segment import SegmentCache
+from shoal.index.segment_cache import SegmentCache
 
 
 class _LagCollector(Collector):

@@ -134,7 +134,7 @@ class Settings(BaseSettings):
         "HTTP uploads answer 429 (0: no bound).",
     )
     backpressure_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 under backpressure.")
-    # Reindexing: new generations built aside and swapped in (shoal.workers.reindex).
+    # Reindexing: new generations built aside and swapped in (shoal.index.reindex).
     reindex_recall_gate: float = Field(
         default=0.95, ge=0, le=1, description="recall@10 an ANN generation needs before it is swapped in."
     )

@@ -25,7 +25,8 @@ from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, Versio
 from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
 from shoal.index.manifest import Manifest, SegmentEntry
-from shoal.index.segment import SegmentCache, build_segment, manifest_files, read_deletions, write_deletions
+from shoal.index.segment import build_segment, manifest_files, read_deletions, write_deletions
+from shoal.index.segment_cache import SegmentCache
 from shoal.index.sharding import shard_numbers
 from shoal.log.reader import fold, read_log
 from shoal.log.validation import KEY

@@ -10,14 +10,10 @@ form (a dict from a stored manifest).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import datetime as dt
 import hashlib
 import io
-import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,106 +170,6 @@ class LoadedSegment:
     py_columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # What the segment costs in memory, estimated once at load (see `load_segment`).
     nbytes: int = field(default=0, compare=False)
-
-
-class SegmentCache:
-    """Loaded segments by id, accounted in bytes. Segments are immutable, so sharing them is safe.
-
-    A searcher's cache (`keep_unheld=False`) keeps a segment while some holder names it among the segments
-    its views serve (`retain`) and drops it as soon as none does: a superseded segment goes with the last view
-    that served it. `budget` is what the holders must keep `bytes` under; they unload their least recently used
-    views to do so (`over_budget`). A builder's cache (`keep_unheld=True`) has no holders: it keeps the
-    segments it loaded, least recently used dropped first, while they fit the budget.
-    """
-
-    def __init__(self, budget: int = 1 << 30, *, keep_unheld: bool = False) -> None:
-        self.budget = budget
-        self.keep_unheld = keep_unheld
-        self._items: OrderedDict[str, LoadedSegment] = OrderedDict()
-        self._held: dict[int, frozenset[str]] = {}  # holder -> the segment ids its views serve
-        self._lock = threading.Lock()
-        self.bytes = 0
-
-    def load(self, storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
-        """The segment of `entry`, from cache or storage (checksums verified)."""
-        entry = SegmentEntry.of(entry)
-        with self._lock:
-            hit = self._items.get(entry.id)
-            if hit is not None:
-                self._items.move_to_end(entry.id)
-                return hit
-        loaded = load_segment(storage, entry, index)
-        with self._lock:
-            kept = self._items.setdefault(entry.id, loaded)
-            if kept is loaded:
-                self.bytes += loaded.nbytes
-                if self.keep_unheld:
-                    self._trim_unheld()
-        return kept
-
-    def retain(self, holder: int, segments: Iterable[LoadedSegment]) -> None:
-        """Record the segments `holder` serves now and drop every segment no holder serves."""
-        with self._lock:
-            ids = []
-            for seg in segments:  # one a concurrent retain dropped while it loaded comes back
-                ids.append(seg.id)
-                self._items.setdefault(seg.id, seg)
-            self._held[holder] = frozenset(ids)
-            self._drop_unheld()
-
-    def release(self, holder: int) -> None:
-        """Forget a holder (a closed searcher): the segments only it served go."""
-        with self._lock:
-            self._held.pop(holder, None)
-            self._drop_unheld()
-
-    def _live(self) -> frozenset[str]:
-        return frozenset().union(*self._held.values())
-
-    def _drop_unheld(self) -> None:
-        live = self._live()
-        gone = [i for i in self._items if i not in live]
-        for seg_id in gone:
-            del self._items[seg_id]
-        self.bytes = sum(seg.nbytes for seg in self._items.values())
-        if gone:
-            # Called under the lock, but cheap next to the load that replaced them; without it a long-running
-            # searcher keeps the freed pages (bench/soak.py: RSS of a following API vs a fresh one).
-            release_free_memory()
-
-    def _trim_unheld(self) -> None:
-        live = self._live()
-        for seg_id in [i for i in self._items if i not in live]:  # oldest first
-            if self.bytes <= self.budget or len(self._items) <= 1:
-                return
-            self.bytes -= self._items.pop(seg_id).nbytes
-
-    def over_budget(self) -> int:
-        """How many bytes the loaded segments pass the budget by (0 when within it)."""
-        with self._lock:
-            return max(0, self.bytes - self.budget)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-
-def release_free_memory() -> None:
-    """Hand memory freed by dropped segments back to the system: Arrow's pool keeps freed blocks for reuse,
-    and glibc's malloc keeps freed heap pages (hnswlib's graphs, NumPy arrays) unless trimmed."""
-    pa.default_memory_pool().release_unused()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _find_malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
 
 
 def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:

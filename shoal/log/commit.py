@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, LogSegment, ProducerBatch
 from shoal.errors import CommitError, ConflictError, StateUnknownError
-from shoal.log.segment import WrittenSegment
+from shoal.log.segment_file import WrittenSegment
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from shoal.log.compaction_swap import (
     record_noop,
     replace_segments,
 )
-from shoal.log.segment import decode_segment, store_segment
+from shoal.log.segment_file import decode_segment, store_segment
 from shoal.log.validation import DELETE, INGESTED_AT, KEY, OP, SEQ, SEQ_OFFSET
 from shoal.storage import Storage
 

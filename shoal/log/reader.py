@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from sqlalchemy import Engine
 
 from shoal.catalog.repo import head_of, list_segments
-from shoal.log.segment import decode_segment
+from shoal.log.segment_file import decode_segment
 from shoal.log.validation import KEY, OP, SEQ, SEQ_OFFSET, UPSERT
 from shoal.storage import Storage
 

@@ -32,7 +32,7 @@ from shoal.log.commit import BatchSlot, commit_group
 from shoal.log.compaction_swap import sources_with_metadata
 from shoal.log.reader import fold, read_log
 from shoal.log.records import DataSourceSpec
-from shoal.log.segment import WrittenSegment, build_segment_table, store_segment
+from shoal.log.segment_file import WrittenSegment, build_segment_table, store_segment
 from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
 from shoal.storage import Storage
 

@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 
 from shoal.catalog.repo import SourceRecord
 from shoal.log.commit import BatchSlot, commit_group
-from shoal.log.segment import WrittenSegment, build_segment_table, store_segment
+from shoal.log.segment_file import WrittenSegment, build_segment_table, store_segment
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from shoal.catalog.repo import SourceRecord
 from shoal.engines.base import Engine, get_engine
 from shoal.engines.metrics import higher_is_nearer as _higher_is_nearer
 from shoal.index.manifest import Manifest
-from shoal.index.segment import LoadedSegment, SegmentCache, read_deletions
+from shoal.index.segment import LoadedSegment, read_deletions
+from shoal.index.segment_cache import SegmentCache
 from shoal.searcher.hits import RowSource
 from shoal.storage import Storage
 

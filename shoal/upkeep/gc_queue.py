@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert
@@ -233,25 +234,22 @@ def tenants(engine: Engine) -> list[str]:
 
 def live_source_names(conn: Connection, tenant: str, names: Sequence[str]) -> set[str]:
     """The names among `names` of the tenant's live data sources (any version)."""
-    if not names:
-        return set()
-    return set(
-        conn.scalars(
-            select(DataSource.name)
-            .join(Tenant, Tenant.id == DataSource.tenant_id)
-            .where(Tenant.name == tenant, DataSource.name.in_(list(names)), DataSource.deleted_at.is_(None))
-        )
-    )
+    return _sources_among(conn, tenant, DataSource.name, names, trashed=False)
 
 
 def trashed_source_ids(conn: Connection, tenant: str, ids: Sequence[int]) -> set[int]:
     """The ids among `ids` of the tenant's data sources in the trash."""
-    if not ids:
+    return _sources_among(conn, tenant, DataSource.id, ids, trashed=True)
+
+
+def _sources_among(conn: Connection, tenant: str, column: Any, values: Sequence[Any], *, trashed: bool) -> set[Any]:
+    if not values:
         return set()
+    in_trash = DataSource.deleted_at.is_not(None) if trashed else DataSource.deleted_at.is_(None)
     return set(
         conn.scalars(
-            select(DataSource.id)
+            select(column)
             .join(Tenant, Tenant.id == DataSource.tenant_id)
-            .where(Tenant.name == tenant, DataSource.id.in_(list(ids)), DataSource.deleted_at.is_not(None))
+            .where(Tenant.name == tenant, column.in_(list(values)), in_trash)
         )
     )

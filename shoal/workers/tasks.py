@@ -193,13 +193,13 @@ def collect_garbage(self: ShoalTask) -> dict[str, int]:
 
 @app.task(base=ShoalTask, bind=True, name=REINDEX)
 def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
-    """One bounded step of a reindex job (see shoal.workers.reindex): queue the materialization of the new
+    """One bounded step of a reindex job (see shoal.index.reindex): queue the materialization of the new
     generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
     While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
     so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job)."""
+    from shoal.index.reindex import reindex_step
     from shoal.searcher.announce import announce_index
     from shoal.servers.broker import broker_url
-    from shoal.workers.reindex import reindex_step
 
     ctx = self.context
     rt = ctx.runtime
@@ -224,7 +224,7 @@ def sweep_generations(self: ShoalTask) -> dict[str, int]:
     index versions older than SHOAL_VERSION_KEEP_S that nothing serves, tags or may travel back to."""
     from shoal.index.generations import Generations
     from shoal.index.history import prune_versions
-    from shoal.workers.reindex import drop_expired_generations
+    from shoal.index.reindex import drop_expired_generations
 
     ctx = self.context
     rt = ctx.runtime

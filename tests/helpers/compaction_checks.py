@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.catalog.models import ProducerBatch
-from shoal.log.segment import decode_segment
+from shoal.log.segment_file import decode_segment
 
 DIM = 8
 COMPACT_SPEC = DataSourceSpec("Compact.Source", "1", DIM, {"id": "int64", "text": "string"}, ["id"])

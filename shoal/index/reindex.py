@@ -32,7 +32,8 @@ from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
 from shoal.index.generations import Generations, JobRecord, hidden_version, is_hidden
-from shoal.index.segment import SegmentCache, vectors_of
+from shoal.index.segment import vectors_of
+from shoal.index.segment_cache import SegmentCache
 from shoal.index.spec import resolve_index
 from shoal.log.reader import fold, read_log
 from shoal.searcher.execute import execute, prepare_queries
