@@ -56,8 +56,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-import shoal.index.segment as segment_mod
 import shoal.index.builder as builder_mod
+import shoal.index.segment as segment_mod
 import shoal.searcher.execute as execute_mod
 import shoal.searcher.searcher as searcher_mod
 from shoal.catalog.db import resolve_database_url

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from index import DATA_DIR, K, load_data  # noqa: E402 - the index bench's data loader
 
 from shoal import DataSourceSpec, Shoal  # noqa: E402
-from shoal.servers.embedded import stop_embedded  # noqa: E402
 from shoal.config.settings import Settings  # noqa: E402
 from shoal.index.builder import ShardBuilder  # noqa: E402
 from shoal.log.records import AttributeType, IndexSpec  # noqa: E402
+from shoal.servers.embedded import stop_embedded  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 OLD = {"M": 16, "ef_construction": 200, "ef_search": 64}

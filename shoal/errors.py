@@ -42,6 +42,19 @@ class ValidationError(ShoalError):
         super().__init__(f"{self.prefix}: {shown}{more}")
 
 
+class QueryError(ValidationError):
+    """A search broke one or more rules. A search writes nothing, so its message does not say so (the
+    ValidationError prefix speaks of writes); the HTTP routes answer it as any ValidationError (400)."""
+
+    prefix = "invalid query"
+
+    @classmethod
+    def of(cls, exc: ValidationError) -> ValidationError:
+        """`exc`'s problems as a query error; `exc` itself when its message does not speak of writes (a
+        QueryError, an InvalidNameError)."""
+        return cls(exc.problems) if exc.prefix == ValidationError.prefix else exc
+
+
 class InvalidNameError(ValidationError):
     """A tenant, data source or version name breaks the naming rules."""
 
@@ -74,6 +87,16 @@ class CommitError(ShoalError):
     """A batch could not be committed after bounded retries; it was not acknowledged."""
 
 
+class CatalogUnavailableError(ShoalError):
+    """The catalog (Postgres) cannot be reached right now (HTTP 503): retry after `retry_after` seconds. The
+    message names no host, socket or driver error: those go to the log only."""
+
+    def __init__(self, message: str = "the catalog is unavailable right now; retry later",
+                 retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 # -- the concurrency vocabulary ----------------------------------------------------------------------------
 # Every lost race in Shoal is reported one of two ways. ConflictError: this caller lost a compare-and-swap or
 # a precondition it stated; nothing it asked for was written, so it reloads what it read and tries again.
@@ -95,7 +118,16 @@ class ConflictError(ShoalError):
 
 
 class LeaseBusyError(ConflictError):
-    """Another worker holds the shard's build lease (or took it over while this build ran): try later."""
+    """Another worker holds the shard's build lease (or took it over while this build ran): try later.
+
+    `retry_in`, when known, is how many seconds the holder's lease has left: by then it has renewed it (it
+    is alive) or it has expired (it is not), so a retry need not wait longer."""
+
+    def __init__(
+        self, message: str, *, expected: object = None, actual: object = None, retry_in: float | None = None
+    ) -> None:
+        super().__init__(message, expected=expected, actual=actual)
+        self.retry_in = retry_in
 
 
 class StateUnknownError(CommitError):
@@ -117,6 +149,14 @@ class AuthenticationError(ShoalError):
 
 class PermissionDeniedError(ShoalError):
     """The caller is authenticated but its role does not allow the operation (HTTP 403)."""
+
+
+class RateLimitedError(ShoalError):
+    """Too many failed authentications from the caller's address: retry after `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class BackpressureError(ShoalError):

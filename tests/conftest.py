@@ -21,8 +21,8 @@ import pytest
 
 from shoal import Shoal
 from shoal.catalog.db import migrate
-from shoal.servers.embedded import ensure_postgres, stop_embedded
 from shoal.config.settings import Settings
+from shoal.servers.embedded import ensure_postgres, stop_embedded
 
 HERE = Path(__file__).resolve().parent
 # The real embedding data set lives in ../shared beside the repository (CI lays it out the same way).

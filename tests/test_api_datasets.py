@@ -84,12 +84,19 @@ def anonymous(settings: Settings, **overrides: Any) -> Settings:
     return settings.model_copy(update={"anonymous_tenant": settings.tenant, **overrides})
 
 
+def admin_key(settings: Settings) -> str:
+    """An admin key of the settings' tenant: a keyless caller never deletes, and hard deletes, purges and
+    `overwrite` need an admin key (issue 13)."""
+    with Shoal(settings, notify=False) as shoal:
+        return create_key(shoal.engine, settings.tenant, "admin")[1]
+
+
 @pytest.fixture
 def api(serve: Serve, connect: Callable[..., httpx.Client],
         make_settings: Callable[..., Settings]) -> tuple[httpx.Client, Settings]:
-    """A served API on a fresh tenant (anonymous callers), its Redis unreachable (the cache stays out of the way)."""
+    """A served API on a fresh tenant (its admin key), its Redis unreachable (the cache stays out of the way)."""
     settings = anonymous(make_settings("local"))
-    return connect(serve(settings)), settings
+    return connect(serve(settings), admin_key(settings)), settings
 
 
 def create(http: httpx.Client, name: str, dimensions: int = 2, **extra: Any) -> dict[str, Any]:
@@ -501,7 +508,7 @@ def test_dataset_metadata_json_mirrors_the_catalog(api: tuple[httpx.Client, Sett
 def test_on_s3_storage(serve: Serve, connect: Callable[..., httpx.Client],
                       make_settings: Callable[..., Settings]) -> None:
     settings = anonymous(make_settings("s3"))
-    http = connect(serve(settings))
+    http = connect(serve(settings), admin_key(settings))
     create(http, "docs", 2, metric_type="euclidean", index_type="flat")
     upsert(http, "docs", vec("a", [1, 0], document_id="d"), vec("b", [0, 1]))
     upsert(http, "docs", vec("a", [2, 0], document_id="d"))
@@ -525,9 +532,10 @@ def test_redis_cache_keys_ttls_and_invalidation(
     serve: Serve, connect: Callable[..., httpx.Client], make_settings: Callable[..., Settings], redis_url: str
 ) -> None:
     settings = anonymous(make_settings("local", redis_url=redis_url))
-    http = connect(serve(settings))
-    tenant = settings.tenant
-    info, listing = f"dataset:info:{tenant}:docs", f"dataset:list:{tenant}"
+    http = connect(serve(settings), admin_key(settings))
+    with Shoal(settings, notify=False) as shoal:
+        tenant_id = shoal.catalog.tenant_id  # keys carry the tenant's id, not its name (a name may be reused)
+    info, listing = f"dataset:info:{tenant_id}:docs", f"dataset:list:{tenant_id}"
     r = redis.Redis.from_url(redis_url)
     try:
         create(http, "docs", 2, description="v1")
@@ -575,7 +583,8 @@ def test_cache_down_serves_from_the_catalog(
     serve: Serve, connect: Callable[..., httpx.Client], make_settings: Callable[..., Settings]
 ) -> None:
     port = _free_port()  # nothing listens there
-    http = connect(serve(anonymous(make_settings("local", redis_url=f"redis://127.0.0.1:{port}/0"))))
+    settings = anonymous(make_settings("local", redis_url=f"redis://127.0.0.1:{port}/0"))
+    http = connect(serve(settings), admin_key(settings))
     create(http, "docs", 2)
     assert http.get("/datasets/docs").status_code == 200
     assert http.get("/datasets").json()["total"] == 1

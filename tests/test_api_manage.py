@@ -9,13 +9,16 @@ import pytest
 from test_api_vektonn import point
 
 from shoal import Shoal
+from shoal.auth import create_key
 from shoal.config.settings import Settings
-from shoal.vektonn.yaml_config import read_folder
 from shoal.errors import ValidationError
+from shoal.vektonn.yaml_config import read_folder
 
 
 def test_manage_sources_indexes_status_and_metrics(served: tuple[str, Settings]) -> None:
-    url, _ = served
+    url, settings = served
+    with Shoal(settings, notify=False) as shoal:  # /metrics names a tenant, and drops need a key: an admin one
+        admin = {"Authorization": f"ApiKey {create_key(shoal.engine, settings.tenant, 'admin')[1]}"}
     with httpx.Client(base_url=url, timeout=30) as http:
         health = http.get("/healthz")  # a liveness probe: 200 however the rest is; here no broker listens
         assert health.status_code == 200
@@ -97,16 +100,16 @@ def test_manage_sources_indexes_status_and_metrics(served: tuple[str, Settings])
             json={"k": 1, "queryVectors": [{"coordinates": [0, 1]}]},
             headers={"X-Shoal-Consistency": "strong"},
         )
-        metrics = http.get("/metrics").text
+        metrics = http.get("/metrics", headers=admin).text
         assert 'shoal_upload_points_total{tenant="' in metrics and "} 2.0" in metrics
         assert "shoal_search_seconds_count" in metrics
         assert 'shoal_index_built_lag_seqs{index="Ops.Index",shard="0"' in metrics or (
             'index="Ops.Index"' in metrics and "shoal_index_built_lag_seqs" in metrics
         )
 
-        assert http.delete("/api/v1/indexes/Ops.Index/1.0").status_code == 204
+        assert http.delete("/api/v1/indexes/Ops.Index/1.0", headers=admin).status_code == 204
         assert http.get("/api/v1/indexes/Ops.Index/1.0").status_code == 404
-        assert http.delete("/api/v1/data-sources/Ops.Source/1.0").status_code == 204
+        assert http.delete("/api/v1/data-sources/Ops.Source/1.0", headers=admin).status_code == 204
         assert http.get("/api/v1/data-sources/Ops.Source/1.0").status_code == 404
 
 

@@ -23,9 +23,9 @@ from typer.testing import CliRunner, Result
 
 from shoal import Shoal
 from shoal.cli import app
-from shoal.servers.embedded import stop_embedded
 from shoal.config.settings import mask_url
 from shoal.demo import load_demo
+from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 DIM = 384

@@ -32,12 +32,12 @@ from shoal.cli import app
 from shoal.cli.indexes import parse_param_value
 from shoal.cli.search import parse_consistency
 from shoal.cli.worker import worker_argv
-from shoal.servers.embedded import stop_embedded
 from shoal.config.settings import Settings
 from shoal.demo import DEMO_SPEC
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.index.builder import ShardBuilder
 from shoal.searcher.consistency import Consistency
+from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 DIM = 8

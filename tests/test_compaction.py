@@ -20,7 +20,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from conftest import run_helper, start_worker, stop_process, wait_for
-from helpers.compaction_windows import TARGETS, LogWindow, freeze_child_inside
 from helpers.compaction_checks import (
     COMPACT_SPEC,
     DIM,
@@ -32,17 +31,18 @@ from helpers.compaction_checks import (
     mix_batch,
     replay,
 )
+from helpers.compaction_windows import TARGETS, LogWindow, freeze_child_inside
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
-from shoal.upkeep import gc_queue as garbage
 from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.errors import ConflictError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
 from shoal.log import retention
-from shoal.log.validation import columns_to_table
 from shoal.log.records import IndexSpec
+from shoal.log.validation import columns_to_table
+from shoal.upkeep import gc_queue as garbage
 
 NAME, VERSION = COMPACT_SPEC.name, COMPACT_SPEC.version
 
@@ -393,8 +393,8 @@ def test_gc_waits_for_the_grace_period_and_never_deletes_a_referenced_file(
 def test_gc_keeps_index_files_a_kept_version_still_uses(make_shoal: Callable[..., Shoal]) -> None:
     from sqlalchemy import delete
 
-    from shoal.index.segment import segment_files
     from shoal.catalog.models import IndexVersion
+    from shoal.index.segment import segment_files
 
     shoal = make_shoal(gc_grace_s=0)
     shoal.create_data_source(COMPACT_SPEC)

@@ -32,10 +32,10 @@ from shoal.catalog.models import DataSource, Index, IndexFile, IndexShard, Index
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.index.builder import ShardBuilder
+from shoal.index.reindex import start_reindex
 from shoal.log.records import IndexSpec
 from shoal.upkeep import gc_queue as garbage
 from shoal.upkeep.trash import Trash
-from shoal.index.reindex import start_reindex
 
 pytestmark = pytest.mark.slow
 

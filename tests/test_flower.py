@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from shoal import DataSourceSpec, Shoal
 from shoal.cli import app as cli_app
-from shoal.workers.app import beat_schedule
 from shoal.log.records import IndexSpec
+from shoal.workers.app import beat_schedule
 
 DIM = 8
 TASKS = "shoal.workers.tasks."
@@ -307,7 +307,9 @@ def test_up_exits_non_zero_naming_a_child_that_died(fshoal: Shoal) -> None:
     api_port = _free_port()
     log_path = fshoal.settings.data_dir / "up-dies.log"
     fshoal.settings.data_dir.mkdir(parents=True, exist_ok=True)
-    up = _start_up(fshoal.settings, log_path, "--no-consumer", "--port", str(api_port), "--pool", "solo")
+    # --no-restart: the supervisor's restarts of a dead child are tested in test_recovery.py.
+    up = _start_up(fshoal.settings, log_path, "--no-consumer", "--port", str(api_port), "--pool", "solo",
+                   "--no-restart")
     try:
         def ready() -> bool:
             assert up.poll() is None, log_path.read_text()

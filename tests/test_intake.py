@@ -25,11 +25,11 @@ from shoal.catalog.repo import head_of
 from shoal.config.settings import Settings
 from shoal.errors import BackpressureError, ValidationError
 from shoal.index.builder import ShardBuilder
-from shoal.log.validation import VECTOR
 from shoal.intake import codec
 from shoal.intake.consumer import IntakeConsumer, dead_letters
 from shoal.intake.publisher import Publisher
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, IndexSpec, Tombstone
+from shoal.log.validation import VECTOR
 
 DIM = 8
 SPEC = DataSourceSpec("events", "1", DIM, {"id": AttributeType.INT64, "tag": AttributeType.STRING}, ["id"])

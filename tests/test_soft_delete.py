@@ -26,11 +26,12 @@ from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session
 
 from shoal import Shoal
+from shoal.auth import create_key
 from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment
-from shoal.upkeep import gc_queue as garbage
-from shoal.upkeep.trash import PURGED, Trash, pending_files, purge_due
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
+from shoal.upkeep import gc_queue as garbage
+from shoal.upkeep.trash import PURGED, Trash, pending_files, purge_due
 from shoal.workers.base import ShoalTask
 
 API = "/api/v1"
@@ -38,7 +39,8 @@ API = "/api/v1"
 
 @pytest.fixture
 def served(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., tuple[httpx.Client, Settings]]]:
-    """Serve the API for fresh tenants (anonymous callers); every tenant shares one storage root."""
+    """Serve the API for fresh tenants (anonymous too), each client with its tenant's admin key (deletes need a
+    key, hard deletes and purges an admin one); every tenant shares one storage root."""
     stack: list[Any] = []
 
     def start(**overrides: Any) -> tuple[httpx.Client, Settings]:
@@ -47,7 +49,9 @@ def served(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., tup
         ctx = serve_api(settings)
         url = ctx.__enter__()
         stack.append(ctx)
-        client = httpx.Client(base_url=url + API, timeout=30)
+        with Shoal(settings, notify=False) as shoal:
+            key = create_key(shoal.engine, settings.tenant, "admin")[1]
+        client = httpx.Client(base_url=url + API, headers={"Authorization": f"ApiKey {key}"}, timeout=30)
         stack.append(client)
         return client, settings
 
@@ -362,9 +366,9 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
     """A data source (not a dataset) through the catalog's trash, on local and S3 storage: a zero retention
     purges at the next run; an index (and an alias) over it is hidden with it and its name free."""
     from shoal import DataSourceSpec
-    from shoal.upkeep.gc import _delete
     from shoal.errors import AlreadyExistsError, NotFoundError
     from shoal.log.records import IndexSpec
+    from shoal.upkeep.gc import _delete
 
     settings = make_settings(storage_kind)
     with Shoal(settings, notify=False) as shoal, Shoal(make_settings(storage_kind), notify=False) as other:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from shoal import DataSourceSpec, Shoal
-from shoal.index.history import prune_versions
 from shoal.engines.metrics import exact_top_k
 from shoal.errors import NotFoundError, ValidationError
 from shoal.index.builder import ShardBuilder
+from shoal.index.history import prune_versions
 from shoal.log.records import AttributeType, IndexSpec
 
 DIM = 4

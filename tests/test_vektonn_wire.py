@@ -256,7 +256,10 @@ def test_nan_and_infinity_as_python_json_writes_them() -> None:
     assert kind == "rules" and "NaN or infinity at index 1" in str(err)
     kind, err = assert_same_upload(ALL_TYPES, json.dumps([point(1, score={"float64": float("inf")})]).encode(), 10)
     assert kind == "rules" and "float64 value must be finite" in str(err)
-    assert "the body is not JSON" in str(refused(b'["\\ud800"]'))  # a lone surrogate cannot be stored
+    # A lone surrogate cannot be stored: refused naming where it is (issue 13), not as a body that is no JSON.
+    assert refused(b'["\\ud800"]').problems[0].position == 0
+    assert "lone surrogate" in str(refused([point(1, tag={"string": "\ud800"})]))
+    assert "attribute 'tag'" in str(refused([point(1, tag={"string": "\ud800"})]))
 
 
 # -- the intake codec -----------------------------------------------------------------------------------------

@@ -34,9 +34,8 @@ from shoal.index.generations import Generations
 from shoal.index.manifest import Manifest, SegmentEntry
 from shoal.index.segment import manifest_files, segment_files
 from shoal.log.commit import BatchSlot, commit_group
-from shoal.log.segment_file import WrittenSegment
 from shoal.log.records import IndexSpec
-from shoal.log.segment_file import build_segment_table, count_ops, encode_segment
+from shoal.log.segment_file import WrittenSegment, build_segment_table, count_ops, encode_segment
 from shoal.log.validation import columns_to_table
 from shoal.storage import Storage
 from shoal.storage.layout import segment_path

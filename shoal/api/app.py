@@ -18,8 +18,8 @@ from shoal.api.datasets import install as install_datasets
 from shoal.api.errors import install as install_errors
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.health import HealthMonitor
-from shoal.api.metrics import Metrics
-from shoal.api.security import TenantContext, reader_tenant
+from shoal.api.metrics import Metrics, MetricsView
+from shoal.api.security import metrics_view
 from shoal.api.state import Tenants
 from shoal.config.settings import Settings
 
@@ -41,7 +41,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.tenants.close()
 
     # FastAPI, with the hot search route answered before its middleware and routing (shoal.api.fastpath).
-    app = FastSearchAPI(title="Shoal", version=version("shoal"), lifespan=lifespan)
+    app = FastSearchAPI(title="Shoal", version=version("shoal"), lifespan=lifespan,
+                        max_body_bytes=settings.body_limit_bytes)
     app.state.metrics = Metrics()
     app.include_router(health.router)
     app.include_router(vektonn.router)
@@ -64,9 +65,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_errors(app)  # every core error in Vektonn's shape (the dataset routes answer in their own)
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
-    def metrics(ctx: Annotated[TenantContext, Depends(reader_tenant)]) -> PlainTextResponse:
-        """Prometheus metrics: upload rate, search latency, and the caller's tenant's lag per shard."""
-        body = app.state.metrics.exposition(ctx.handle.shoal.engine, ctx.tenant, app.state.runtime.segment_cache)
+    def metrics(view: Annotated[MetricsView, Depends(metrics_view)]) -> PlainTextResponse:
+        """Prometheus metrics: upload rate, search latency, lag per shard. Per-tenant series only for the
+        metrics token (every tenant) or an admin key (its own tenant); totals without names otherwise."""
+        body = app.state.metrics.exposition(app.state.runtime.engine, view, app.state.runtime.segment_cache)
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from shoal.datasets import rules
+from shoal.log.records import MAX_SEQ
 
 
 class _Body(BaseModel):
@@ -159,7 +160,8 @@ class SearchRequest(_Body):
     vector: list[StrictFloat]
     top_k: StrictInt = 10
     consistency: Literal["eventual", "strong"] | None = None
-    min_write_token: StrictInt | None = None
+    # A token beyond a Postgres bigint names no write (and would fail the catalog query).
+    min_write_token: StrictInt | None = Field(default=None, le=MAX_SEQ)
 
 
 class ResultOut(BaseModel):

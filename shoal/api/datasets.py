@@ -42,7 +42,14 @@ from shoal.api.dataset_models import (
     UpsertRequest,
 )
 from shoal.api.errors import dataset_response
-from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.api.security import (
+    TenantContext,
+    admin_tenant,
+    deleter_tenant,
+    reader_tenant,
+    require_admin,
+    writer_tenant,
+)
 from shoal.client import ShardStatus
 from shoal.datasets.cache import DatasetCache
 from shoal.datasets.files import iso_utc
@@ -205,8 +212,23 @@ def write_service(request: Request, ctx: Annotated[TenantContext, Depends(writer
     return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
 
 
+def delete_service(request: Request, ctx: Annotated[TenantContext, Depends(deleter_tenant)]) -> DatasetService:
+    """The service for a caller allowed to delete (a write key; never a keyless caller)."""
+    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+
+
+def admin_service(request: Request, ctx: Annotated[TenantContext, Depends(admin_tenant)]) -> DatasetService:
+    """The service for a caller allowed to delete for good (an admin key)."""
+    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+
+
 Reader = Annotated[DatasetService, Depends(read_service)]
 Writer = Annotated[DatasetService, Depends(write_service)]
+Deleter = Annotated[DatasetService, Depends(delete_service)]
+Admin = Annotated[DatasetService, Depends(admin_service)]
+# The same context the service was made from (FastAPI resolves a dependency once per request).
+WriterContext = Annotated[TenantContext, Depends(writer_tenant)]
+DeleterContext = Annotated[TenantContext, Depends(deleter_tenant)]
 
 
 def install(app: FastAPI) -> None:
@@ -218,8 +240,11 @@ def install(app: FastAPI) -> None:
 
 
 @router.post("/datasets", status_code=201, response_model=DatasetOut)
-def create_dataset(body: Annotated[CreateDatasetRequest, Body()], svc: Writer) -> dict[str, Any]:
-    """Create a dataset: a data source and its default index under one name (`overwrite` replaces one)."""
+def create_dataset(body: Annotated[CreateDatasetRequest, Body()], svc: Writer, ctx: WriterContext) -> dict[str, Any]:
+    """Create a dataset: a data source and its default index under one name (`overwrite`, with an admin key,
+    replaces one)."""
+    if body.overwrite:
+        require_admin(ctx, "overwrite (it deletes the dataset it replaces at once, without the trash)")
     return dataset_json(svc.create(
         body.name, body.dimensions, metric_type=body.metric_type, index_type=body.index_type,
         description=body.description, metadata=body.metadata, index_params=body.index_params,
@@ -252,9 +277,13 @@ def update_dataset(dataset_id: str, body: Annotated[UpdateDatasetRequest, Body()
 
 
 @router.delete("/datasets/{dataset_id}", response_model=DeleteOut)
-def delete_dataset(dataset_id: str, svc: Writer, hard: Annotated[bool, Query()] = False) -> dict[str, Any]:
+def delete_dataset(
+    dataset_id: str, svc: Deleter, ctx: DeleterContext, hard: Annotated[bool, Query()] = False
+) -> dict[str, Any]:
     """Move the dataset to the trash (restorable until `purge_after`, SHOAL_TRASH_RETENTION_DAYS after now);
-    `?hard=true` deletes it and its files at once."""
+    `?hard=true` (an admin key) deletes it and its files at once."""
+    if hard:
+        require_admin(ctx, "a hard delete (?hard=true)")
     return _deletion_json(svc.delete(dataset_id, hard=hard))
 
 
@@ -279,9 +308,10 @@ def restore_dataset(
 
 @router.delete("/trash/{dataset_id}", response_model=PurgeOut)
 def purge_dataset(
-    dataset_id: str, svc: Writer, trash_id: Annotated[int | None, Query(ge=0)] = None
+    dataset_id: str, svc: Admin, trash_id: Annotated[int | None, Query(ge=0)] = None
 ) -> dict[str, Any]:
-    """Delete for good, now, a dataset in the trash (the most recently deleted of that name, or `trash_id`)."""
+    """Delete for good, now, a dataset in the trash (the most recently deleted of that name, or `trash_id`);
+    an admin key only."""
     return _purge_json(svc.purge(dataset_id, trash_id))
 
 

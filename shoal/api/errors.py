@@ -6,7 +6,9 @@
   routes only; their route class calls `dataset_response` for every exception they raise.
 
 Both read the status of a core error from `CORE` (the nearest class in the error's MRO), so one error never
-answers with two statuses; the dataset API's codes and their statuses are `DATASET_STATUS`.
+answers with two statuses; the dataset API's codes and their statuses are `DATASET_STATUS`. A catalog that
+cannot be reached (the driver's connection errors, raised anywhere, or a commit that gave up on them) answers
+as CatalogUnavailableError in both shapes: 503 with Retry-After, and no driver message, host or socket path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.datasets.errors import ErrorCode
@@ -26,13 +29,17 @@ from shoal.errors import (
     AuthenticationError,
     BackpressureError,
     CapacityError,
+    CatalogUnavailableError,
+    CommitError,
     ConfigurationError,
     ConflictError,
     DatasetError,
     NotFoundError,
     PermissionDeniedError,
+    RateLimitedError,
     ReindexConflictError,
     ShoalError,
+    StateUnknownError,
     ValidationError,
 )
 
@@ -57,7 +64,11 @@ CORE: dict[type[ShoalError], Answer] = {
     ReindexConflictError: Answer(409, None),  # the dataset service raises REINDEX_CONFLICT itself
     ConflictError: Answer(409, None),  # lost a race (a lease, a swap): reload and retry
     BackpressureError: Answer(429, None),
+    RateLimitedError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
     ConfigurationError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
+    CatalogUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
+    # The catalog went away during a commit: it may have landed; the message says to retry with the batch id.
+    StateUnknownError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     CapacityError: Answer(503, None),
     ShoalError: Answer(500, None),
 }
@@ -74,6 +85,7 @@ DATASET_STATUS: dict[ErrorCode, int] = {
     ErrorCode.REINDEX_CONFLICT: 409,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
+    ErrorCode.TOO_MANY_REQUESTS: 429,
     ErrorCode.SERVICE_UNAVAILABLE: 503,
     ErrorCode.INTERNAL_ERROR: 500,
 }
@@ -91,6 +103,34 @@ FIELD_CODES = {
 # Starlette's own HTTP errors (no route, wrong method, ...) in the dataset API's shape.
 HTTP_CODES = {401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED",
               413: "PAYLOAD_TOO_LARGE", 429: "TOO_MANY_REQUESTS"}
+
+
+def _catalog_outage(exc: BaseException | None) -> bool:
+    """True when `exc`, or an error it was raised from, is the driver failing to reach or keep the catalog
+    (refused, dropped, shut down, timed out, a pool that could not connect)."""
+    for _ in range(8):  # a short cause chain; never a loop
+        if exc is None:
+            return False
+        if isinstance(exc, (OperationalError, InterfaceError)) or (
+            isinstance(exc, DBAPIError) and exc.connection_invalidated
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def core_error(exc: BaseException) -> BaseException:
+    """`exc` as the core error it stands for: a catalog outage (the driver's error itself, or a commit that
+    gave up because of it) becomes CatalogUnavailableError, logged here with its cause; anything else is
+    returned as it is."""
+    # Of Shoal's own errors only a CommitError hides the driver's (its message quotes it); StateUnknownError
+    # says what to do and answers 503 as it is.
+    if isinstance(exc, ShoalError) and (not isinstance(exc, CommitError) or isinstance(exc, StateUnknownError)):
+        return exc
+    if not _catalog_outage(exc):
+        return exc
+    log.warning("the catalog is unavailable: %s", exc)  # the reason (it may name hosts) goes to the log only
+    return CatalogUnavailableError()
 
 
 def answer(exc: ShoalError) -> Answer:
@@ -111,8 +151,10 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
     """Headers a core error answers with in either shape (what a client needs to act on it)."""
     if isinstance(exc, AuthenticationError):
         return {"WWW-Authenticate": "ApiKey"}
-    if isinstance(exc, BackpressureError):
+    if isinstance(exc, (BackpressureError, CatalogUnavailableError, RateLimitedError)):
         return {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, StateUnknownError):
+        return {"Retry-After": str(CatalogUnavailableError().retry_after)}
     return {}
 
 
@@ -124,6 +166,12 @@ def _vektonn(status: int, messages: list[str], headers: dict[str, str] | None = 
     for name, value in (headers or {}).items():  # after the body's headers, as clients have always seen them
         response.headers[name] = value
     return response
+
+
+def vektonn_error(status: int, messages: list[str]) -> JSONResponse:
+    """An error in Vektonn's shape that no core error stands for (a body over the limit, answered before
+    routing)."""
+    return _vektonn(status, messages)
 
 
 def vektonn_response(exc: ShoalError) -> JSONResponse:
@@ -146,7 +194,18 @@ def vektonn_request_error(exc: RequestValidationError) -> JSONResponse:
 
 async def _on_core_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ShoalError)
-    return vektonn_response(exc)
+    core = core_error(exc)
+    assert isinstance(core, ShoalError)
+    return vektonn_response(core)
+
+
+async def _on_driver_error(request: Request, exc: Exception) -> JSONResponse:
+    core = core_error(exc)
+    if isinstance(core, ShoalError):
+        return vektonn_response(core)
+    # Not an outage (a bug, a constraint nobody expected): a 500 that names nothing of the driver's.
+    log.error("unexpected catalog error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _vektonn(500, ["internal error"])
 
 
 async def _on_request_error(_: Request, exc: Exception) -> JSONResponse:
@@ -160,6 +219,7 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_request_error)
     for cls in CORE:
         app.add_exception_handler(cls, _on_core_error)
+    app.add_exception_handler(DBAPIError, _on_driver_error)
 
 
 # -- the dataset API's shape ---------------------------------------------------------------------------------
@@ -202,6 +262,7 @@ def _app_handles(request: Request, exc: Exception) -> bool:
 def dataset_response(request: Request, exc: Exception) -> JSONResponse | None:
     """The dataset API's answer to an exception raised on one of its routes, or None when the app's own
     handler should answer it (an exception that is not Shoal's and that the app has a handler for)."""
+    exc = core_error(exc)
     if isinstance(exc, RequestValidationError):
         return _dataset_request_error(exc)
     if isinstance(exc, StarletteHTTPException):
@@ -212,7 +273,7 @@ def dataset_response(request: Request, exc: Exception) -> JSONResponse | None:
         known = answer(exc)
         if known.code is not None:
             return dataset_error(known.status, known.code.value, str(exc), _details(exc), extra_headers(exc) or None)
-    elif _app_handles(request, exc):
+    elif _app_handles(request, exc) and not isinstance(exc, DBAPIError):  # the driver's: answered here, as a bug
         return None
     log.exception("dataset API: unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return dataset_error(500, ErrorCode.INTERNAL_ERROR.value, "internal error", {})

@@ -5,6 +5,10 @@ anonymous tenant), touches neither the catalog nor storage: the app answers it o
 Everything else, and every search this path declines or fails (a bad body, an unknown index, a role too low),
 goes on to the FastAPI routes with the body read here, which answer it (and its errors) as always. Routing,
 dependency resolution and five middleware layers cost more than the search itself (bench/api.py, py-spy).
+
+Every request body, on every route, is read here first within SHOAL_MAX_BODY_BYTES: a Content-Length above it
+is answered 413 before a byte is read, and a streamed body is cut off (413) as soon as it passes the limit. No
+route ever parses more than that: parsing is what costs, so a limit checked after it would protect nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import Match
 
+from shoal.api.datasets import router as dataset_router
+from shoal.api.errors import dataset_error, vektonn_error
 from shoal.api.security import context_from_cache
 from shoal.api.vektonn import JSON, plain_search, search_content
 from shoal.auth import Role
@@ -25,23 +32,41 @@ Send = Callable[[Message], Awaitable[None]]
 
 PREFIX = "/api/v1/search/"
 JSON_BYTES = JSON.encode()
-WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of"}
+WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of",
+          b"content-length"}
 
 
 class FastSearchAPI(FastAPI):
     """FastAPI with `POST|GET /api/v1/search/{index}/{version}` answered before its middleware and routing
-    whenever that needs no I/O; every other request, and every search declined here, goes through FastAPI."""
+    whenever that needs no I/O; every other request, and every search declined here, goes through FastAPI.
+    Every request body is read here first, within `max_body_bytes` (413 beyond it)."""
+
+    def __init__(self, *args: Any, max_body_bytes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(PREFIX) or scope["method"] not in ("POST", "GET"):
+        if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        path = scope.get("path", "")
+        fast = path.startswith(PREFIX) and scope["method"] in ("POST", "GET")
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in WANTED}
+        declared = headers.pop("content-length", None)
+        limit = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._too_large(scope, send, f"the request body ({declared} bytes) is larger than")
+            return
+        body = await _read_body(receive, limit)
+        if body is None:
+            await self._too_large(scope, send, "the request body passed")
+            return
+        if not fast:
+            await super().__call__(scope, _replay(body, receive), send)
+            return
         name, _, version = path[len(PREFIX):].partition("/")
-        body = await _read_body(receive)
         content = None
         if name and version and "/" not in version:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in WANTED}
             content = self._answer(name, version, body, headers)
         if content is None:
             await super().__call__(scope, _replay(body, receive), send)
@@ -63,17 +88,46 @@ class FastSearchAPI(FastAPI):
         except Exception:  # noqa: BLE001 - the route answers it again, errors in their proper shape
             return None
 
+    async def _too_large(self, scope: Scope, send: Send, what: str) -> None:
+        """Answer 413 naming the limit and its setting, in the error shape of the route asked for. The body
+        is not read: the server drains and drops what the client still sends, and the connection stays
+        usable."""
+        limit = self.max_body_bytes
+        message = (f"{what} the limit of {limit} bytes (SHOAL_MAX_BODY_BYTES): send a smaller batch, or raise "
+                   "the limit")
+        if self._dataset_route(scope):
+            response: Any = dataset_error(413, "PAYLOAD_TOO_LARGE", message,
+                                          {"max_body_bytes": limit, "setting": "SHOAL_MAX_BODY_BYTES"})
+        else:
+            response = vektonn_error(413, [message])
+        await response(scope, _nothing, send)
 
-async def _read_body(receive: Receive) -> bytes:
+    def _dataset_route(self, scope: Scope) -> bool:
+        """True when the request is for a route of the dataset API (which answers errors in its own shape)."""
+        return any(route.matches(scope)[0] is not Match.NONE for route in dataset_router.routes)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None as soon as it passes `limit` bytes (nothing more is read then)."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client went away: let the app see it
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+async def _nothing() -> Message:
+    # A response sent before the body was read needs no receive (starlette's Response never calls it).
+    return {"type": "http.disconnect"}
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -8,11 +8,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, Field
 
-from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.api.security import TenantContext, deleter_tenant, reader_tenant, writer_tenant
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.index.generations import JobRecord
-from shoal.log.records import DataSourceSpec, IndexSpec
+from shoal.log.records import DataSourceSpec, IndexSpec, check_name
 from shoal.vektonn.dto import ErrorDto
 
 router = APIRouter(prefix="/api/v1", tags=["management"])
@@ -81,6 +81,8 @@ def _index(r: IndexRecord) -> dict[str, Any]:
 
 Reader = Annotated[TenantContext, Depends(reader_tenant)]
 Writer = Annotated[TenantContext, Depends(writer_tenant)]
+# Routes that delete data need a write key: keyless callers never delete (an alias or a tag is no data).
+Deleter = Annotated[TenantContext, Depends(deleter_tenant)]
 
 
 @router.get("/data-sources", responses=ERRORS)
@@ -112,7 +114,7 @@ def get_source(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 
 @router.delete("/data-sources/{name}/{version}", responses=ERRORS, status_code=204)
-def drop_source(name: str, version: str, ctx: Writer) -> Response:
+def drop_source(name: str, version: str, ctx: Deleter) -> Response:
     """Delete a data source, its log and (through the catalog) its indexes."""
     ctx.handle.shoal.drop_data_source(name, version)
     return Response(status_code=204)
@@ -151,7 +153,7 @@ def get_index(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 
 @router.delete("/indexes/{name}/{version}", responses=ERRORS, status_code=204)
-def drop_index(name: str, version: str, ctx: Writer) -> Response:
+def drop_index(name: str, version: str, ctx: Deleter) -> Response:
     """Delete an index with its versions and files."""
     ctx.handle.shoal.drop_index(name, version)
     return Response(status_code=204)
@@ -182,6 +184,9 @@ def list_aliases(ctx: Reader) -> list[dict[str, Any]]:
 @router.put("/aliases/{alias}", responses=ERRORS)
 def set_alias(alias: str, body: AliasBody, ctx: Writer) -> dict[str, Any]:
     """Point an alias at an index: creates it, or moves it atomically (searches see one index or the other)."""
+    # Names checked before the catalog sees them: text it cannot store (a lone surrogate) is a 400, not a 500.
+    check_name("index name", body.indexName)
+    check_name("index version", body.indexVersion)
     return _alias(ctx.handle.shoal.set_alias(alias, body.indexName, body.indexVersion))
 
 

@@ -1,38 +1,66 @@
-"""Prometheus metrics: upload rate, search latency, and lag per shard (read from the catalog at scrape)."""
+"""Prometheus metrics: upload rate, search latency, and lag per shard (read from the catalog at scrape).
+
+A scrape shows what its caller may see (`MetricsView`): with the metrics token, every tenant's series; with an
+admin key, its own tenant's series; anyone else gets totals over all tenants, in which no tenant, index or data
+source is named. (Never both for one family: a total beside its parts would be counted twice by a sum.)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from shoal.catalog.indexes import freshness_rows
 from shoal.index.segment_cache import SegmentCache
 
+TENANT = "tenant"
+
+
+@dataclass(frozen=True)
+class MetricsView:
+    """Which series a scrape shows: every tenant's, one tenant's, or (neither named) totals over all tenants."""
+
+    every_tenant: bool = False
+    tenant: str | None = None
+
+    def shows(self, tenant: str) -> bool:
+        """True when the series of `tenant` may be shown."""
+        return self.every_tenant or tenant == self.tenant
+
 
 class _LagCollector(Collector):
-    """Per-shard lag of one tenant, read from the catalog when collected (a scrape shows only its tenant)."""
+    """Lag per shard read from the catalog when collected: the largest over every shard (no names), and the
+    per-shard series of the tenants the view shows."""
 
-    def __init__(self, engine: Engine, tenant: str) -> None:
+    def __init__(self, engine: Engine, view: MetricsView) -> None:
         self.engine = engine
-        self.tenant = tenant
+        self.view = view
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["tenant", "index", "version", "shard"]
         built = GaugeMetricFamily("shoal_index_built_lag_seqs", "Log entries not indexed yet", labels=labels)
         served = GaugeMetricFamily("shoal_index_served_lag_seqs", "Log entries searchers do not serve", labels=labels)
+        max_built = max_served = 0
         for tenant, index, version, shard, head, built_w, served_w in freshness_rows(self.engine):
-            if tenant != self.tenant:
-                continue
-            values = [tenant, index, version, str(shard)]
-            built.add_metric(values, head - built_w)
-            served.add_metric(values, head - served_w)
-        yield built
-        yield served
+            max_built, max_served = max(max_built, head - built_w), max(max_served, head - served_w)
+            if self.view.shows(tenant):
+                values = [tenant, index, version, str(shard)]
+                built.add_metric(values, head - built_w)
+                served.add_metric(values, head - served_w)
+        if self.view.every_tenant or self.view.tenant is not None:
+            yield built
+            yield served
+        yield GaugeMetricFamily("shoal_index_built_lag_seqs_max", "Largest built lag of any shard of any tenant",
+                                value=max_built)
+        yield GaugeMetricFamily("shoal_index_served_lag_seqs_max", "Largest served lag of any shard of any tenant",
+                                value=max_served)
 
 
 class _CacheCollector(Collector):
@@ -50,16 +78,46 @@ class _CacheCollector(Collector):
                                 value=len(self.cache))
 
 
+class _Viewed(Collector):
+    """The per-tenant counters and histograms of a registry as a view allows: the series of the tenants it
+    shows, or (when it names none) the totals over all tenants, without the tenant label."""
+
+    def __init__(self, families: Iterable[Metric], view: MetricsView) -> None:
+        self.families = list(families)
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        named = self.view.every_tenant or self.view.tenant is not None
+        for family in self.families:
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            totals: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in family.samples:
+                tenant = sample.labels.get(TENANT)
+                if named:
+                    if tenant is not None and self.view.shows(tenant):
+                        out.add_sample(sample.name, sample.labels, sample.value, sample.timestamp)
+                    continue
+                rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k != TENANT))
+                key = (sample.name, rest)
+                if sample.name.endswith("_created"):  # a creation time: the earliest, not a sum
+                    totals[key] = min(totals.get(key, sample.value), sample.value)
+                else:
+                    totals[key] = totals.get(key, 0.0) + sample.value
+            for (name, rest), value in totals.items():
+                out.add_sample(name, dict(rest), value)
+            yield out
+
+
 class Metrics:
     """The service's metrics in a registry of its own (several apps may live in one process)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.uploaded = Counter(
-            "shoal_upload_points", "Data points and tombstones accepted by uploads", ["tenant"], registry=self.registry
+            "shoal_upload_points", "Data points and tombstones accepted by uploads", [TENANT], registry=self.registry
         )
         self.search_seconds = Histogram(
-            "shoal_search_seconds", "Search request latency", ["tenant"], registry=self.registry,
+            "shoal_search_seconds", "Search request latency", [TENANT], registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
         self._search_by_tenant: dict[str, Any] = {}
@@ -71,10 +129,11 @@ class Metrics:
             child = self._search_by_tenant.setdefault(tenant, self.search_seconds.labels(tenant))
         return child.time()
 
-    def exposition(self, engine: Engine, tenant: str, cache: SegmentCache) -> bytes:
-        """The metrics in Prometheus's text format, with the lag of `tenant`'s shards read from the catalog and
-        the process's segment cache."""
+    def exposition(self, engine: Engine, view: MetricsView, cache: SegmentCache) -> bytes:
+        """The metrics in Prometheus's text format as `view` allows, with the lag of shards read from the catalog
+        and the process's segment cache."""
         now = CollectorRegistry()
-        now.register(_LagCollector(engine, tenant))
+        now.register(_Viewed(self.registry.collect(), view))
+        now.register(_LagCollector(engine, view))
         now.register(_CacheCollector(cache))
-        return generate_latest(self.registry) + generate_latest(now)
+        return generate_latest(now)

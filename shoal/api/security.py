@@ -1,43 +1,74 @@
 """Who is calling: `Authorization: ApiKey <key>` (or the anonymous tenant) to the tenant a request is scoped to,
-and whether its role allows the route."""
+and whether its role allows the route.
+
+What each kind of route needs:
+
+- read: searches, listings, status (`reader_tenant`);
+- write: uploads, creates, updates, reindexes, restores (`writer_tenant`);
+- write with a key: deletes and drops (`deleter_tenant`); a keyless caller never deletes;
+- admin: what cannot be undone at once (`admin_tenant`, `require_admin`): hard deletes, trash purges,
+  `overwrite` on create.
+"""
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import socket
 from dataclasses import dataclass
 
 from fastapi import Request
 
+from shoal.api.metrics import MetricsView
 from shoal.api.state import TenantHandle, Tenants
-from shoal.auth import Principal, Role, authenticate, cached_principal, require
+from shoal.auth import Principal, Role, authenticate, cached_principal, require, require_key
+from shoal.config.settings import Settings
+from shoal.errors import AuthenticationError, ConfigurationError, PermissionDeniedError
 
 
 @dataclass(frozen=True)
 class TenantContext:
-    """The caller's tenant, role and that tenant's client."""
+    """The caller's tenant, role and that tenant's client, and who the caller is."""
 
     tenant: str
     role: str
     handle: TenantHandle
+    principal: Principal | None = None
 
 
 def _tenant_context(tenants: Tenants, principal: Principal, need: Role) -> TenantContext:
     require(principal, need)
-    return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name))
+    return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name), principal)
+
+
+def client_address(request: Request) -> str:
+    """The address failed authentications are counted against (the peer: a proxy in front counts as one)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+def _principal(request: Request) -> Principal:
+    tenants: Tenants = request.app.state.tenants
+    settings = tenants.settings
+    return authenticate(
+        tenants.engine,
+        request.headers.get("Authorization"),
+        tenants.anonymous_tenant,
+        anonymous_role=tenants.anonymous_role,
+        client=client_address(request),
+        limiter=tenants.limiter,
+        failure_ttl_s=settings.auth_failure_cache_s,
+    )
 
 
 def _context(request: Request, need: Role) -> TenantContext:
-    tenants: Tenants = request.app.state.tenants
-    principal = authenticate(
-        tenants.engine, request.headers.get("Authorization"), tenants.settings.resolved_anonymous_tenant
-    )
-    return _tenant_context(tenants, principal, need)
+    return _tenant_context(request.app.state.tenants, _principal(request), need)
 
 
 def context_from_cache(tenants: Tenants, authorization: str | None, need: Role) -> TenantContext | None:
     """The caller's context when it is known without I/O (a cached key verdict, a tenant already served), so a
     search can be answered on the event loop; None when `reader_tenant` and the like must run in a thread.
     Raises as they do when the role is not enough."""
-    principal = cached_principal(tenants.engine, authorization, tenants.settings.resolved_anonymous_tenant)
+    principal = cached_principal(tenants.engine, authorization, tenants.anonymous_tenant, tenants.anonymous_role)
     if principal is None or not tenants.has(principal.tenant_name):
         return None
     return _tenant_context(tenants, principal, need)
@@ -48,11 +79,88 @@ def reader_tenant(request: Request) -> TenantContext:
     return _context(request, Role.READ)
 
 
-def admin_tenant(request: Request) -> TenantContext:
-    """The caller, allowed to administer its tenant."""
-    return _context(request, Role.ADMIN)
-
-
 def writer_tenant(request: Request) -> TenantContext:
     """The caller, allowed to write."""
     return _context(request, Role.WRITE)
+
+
+def deleter_tenant(request: Request) -> TenantContext:
+    """The caller, allowed to delete: a write key (a keyless caller never deletes)."""
+    principal = require_key(_principal(request), "delete or drop data")  # said first: the fix is to send a key
+    return _tenant_context(request.app.state.tenants, principal, Role.WRITE)
+
+
+def admin_tenant(request: Request) -> TenantContext:
+    """The caller, allowed to administer its tenant and delete for good (an admin key)."""
+    principal = require_key(_principal(request), "delete data for good or administer a tenant")
+    return _tenant_context(request.app.state.tenants, principal, Role.ADMIN)
+
+
+def require_admin(ctx: TenantContext, what: str) -> TenantContext:
+    """`ctx` when its caller holds an admin key; PermissionDeniedError saying that `what` needs one otherwise."""
+    principal = ctx.principal
+    if principal is None or principal.anonymous or not principal.allows(Role.ADMIN):
+        who = "a request without an API key" if principal is None or principal.anonymous else (
+            f"API key {principal.key_id} (role {principal.role.value!r})"
+        )
+        raise PermissionDeniedError(f"{what} cannot be undone: it needs an admin key, and {who} is not one")
+    return ctx
+
+
+# -- /metrics --------------------------------------------------------------------------------------------------
+
+
+def metrics_view(request: Request) -> MetricsView:
+    """What a /metrics caller may see: every tenant with the metrics token (`Authorization: Bearer <token>`), its
+    own tenant's series with an admin key, aggregates without any tenant's name otherwise."""
+    tenants: Tenants = request.app.state.tenants
+    token = tenants.settings.metrics_token
+    header = (request.headers.get("Authorization") or "").strip()
+    scheme, _, presented = header.partition(" ")
+    if token and scheme.lower() == "bearer":
+        address = client_address(request)
+        tenants.limiter.check(address)
+        if hmac.compare_digest(presented.strip().encode(), token.encode()):
+            return MetricsView(every_tenant=True)
+        tenants.limiter.failed(address)
+        raise AuthenticationError("invalid metrics token")
+    principal = _principal(request)
+    require(principal, Role.READ)
+    if not principal.anonymous and principal.allows(Role.ADMIN):
+        return MetricsView(tenant=principal.tenant_name)
+    return MetricsView()
+
+
+# -- where the API may listen ----------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` only accepts connections from this machine (127.0.0.0/8, ::1, or a name resolving only
+    to those); every other address, including 0.0.0.0 and ::, reaches the network."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host:
+        return False
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
+def check_exposure(settings: Settings, host: str) -> None:
+    """Refuse (ConfigurationError, saying what to do) to serve anonymous writes on an address beyond loopback
+    unless SHOAL_ALLOW_ANONYMOUS_WRITES (`shoal api --allow-anonymous-writes`) says so."""
+    anonymous = settings.resolved_anonymous_tenant
+    if anonymous is None or settings.anonymous_role != Role.WRITE or settings.allow_anonymous_writes:
+        return
+    if is_loopback(host):
+        return
+    raise ConfigurationError(
+        f"refusing to listen on {host}: requests without an API key would upload and create as tenant "
+        f"{anonymous!r} from the network. Require keys (SHOAL_ANONYMOUS_TENANT=''), make keyless callers "
+        "read-only (SHOAL_ANONYMOUS_ROLE=read), listen on 127.0.0.1, or say it is meant with "
+        "--allow-anonymous-writes (SHOAL_ALLOW_ANONYMOUS_WRITES=true)"
+    )

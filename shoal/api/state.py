@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from shoal.auth.limits import FailureLimiter
+from shoal.auth.principal import Role
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.runtime import Runtime
@@ -21,13 +23,17 @@ class TenantHandle:
 
 
 class Tenants:
-    """The process's runtime and search service, and a handle per tenant over them."""
+    """The process's runtime and search service, a handle per tenant over them, and the count of failed
+    authentications per client address (429 past SHOAL_AUTH_FAILURE_LIMIT)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.runtime = Runtime(settings)
         self.engine = self.runtime.engine  # for authentication, before the caller's tenant is known
         self.search = SearchService(self.runtime)
+        self.limiter = FailureLimiter(settings.auth_failure_limit, settings.auth_failure_window_s)
+        self.anonymous_tenant = settings.resolved_anonymous_tenant  # read by every keyless request: resolved once
+        self.anonymous_role = Role(settings.anonymous_role)
         self._handles: dict[str, TenantHandle] = {}
         self._lock = threading.Lock()
 

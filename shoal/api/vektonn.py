@@ -22,7 +22,8 @@ from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
-from shoal.errors import NotFoundError, ValidationError
+from shoal.errors import NotFoundError, QueryError, ValidationError
+from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
 from shoal.vektonn import wire
 from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
@@ -33,7 +34,6 @@ TOKEN_HEADER = "X-Shoal-Write-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 JSON = "application/json"
 ARROW = "application/vnd.apache.arrow.stream"
-MAX_SEQ = (1 << 63) - 1  # seqs are Postgres bigints
 
 # The request bodies, documented in the OpenAPI document although the routes read the raw bytes.
 REF = "#/components/schemas/{model}"
@@ -165,22 +165,28 @@ def plain_search(headers: Mapping[str, str]) -> bool:
 def search_content(
     ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str]
 ) -> bytes:
-    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs."""
+    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs.
+    A search that breaks a rule raises a QueryError (400), whose message does not claim that nothing was
+    written: a search writes nothing."""
+    settings = ctx.handle.shoal.settings
     with metrics.search_timer(ctx.tenant):
-        query = wire.decode_search(body)
-        consistency = _consistency(headers)
-        searcher = ctx.handle.searcher
-        # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
-        source = searcher.view(name, version).source.spec
-        vectors = wire.query_vectors(source, query)
-        results = searcher.search(
-            name, version, vectors, query.k,
-            split_filter=wire.split_filter(source, query),
-            retrieve_vectors=query.retrieve_vectors,
-            consistency=consistency,
-            tag=headers.get("x-shoal-tag"),
-            as_of=_int_header(headers, "x-shoal-as-of"),
-        )
+        try:
+            query = wire.decode_search(body, settings.max_query_vectors)
+            consistency = _consistency(headers)
+            searcher = ctx.handle.searcher
+            # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
+            source = searcher.view(name, version).source.spec
+            vectors = wire.query_vectors(source, query)
+            results = searcher.search(
+                name, version, vectors, query.k,
+                split_filter=wire.split_filter(source, query),
+                retrieve_vectors=query.retrieve_vectors,
+                consistency=consistency,
+                tag=headers.get("x-shoal-tag"),
+                as_of=_int_header(headers, "x-shoal-as-of"),
+            )
+        except ValidationError as exc:
+            raise QueryError.of(exc) from None
         # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
         return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors)
 

@@ -4,6 +4,7 @@
     record, plaintext = create_key(engine, "acme", "write", "ingest job")   # plaintext shown once
     principal = authenticate(engine, request.headers.get("Authorization"), settings.anonymous_tenant)
     require(principal, "write")
+    require_key(principal, "delete")    # anonymous callers upload and search, never delete
 
 Every catalog query of a request is then scoped to `principal.tenant_id` (DESIGN invariant 7).
 """
@@ -21,13 +22,16 @@ from shoal.auth.keys import (
     list_tenants,
     revoke_key,
 )
-from shoal.auth.principal import Principal, Role, require
-from shoal.errors import AuthenticationError, PermissionDeniedError
+from shoal.auth.limits import FailureLimiter
+from shoal.auth.principal import Principal, Role, require, require_key
+from shoal.errors import AuthenticationError, PermissionDeniedError, RateLimitedError
 
 __all__ = [
     "AuthenticationError",
+    "FailureLimiter",
     "KeyRecord",
     "PermissionDeniedError",
+    "RateLimitedError",
     "Principal",
     "Role",
     "TenantRecord",
@@ -38,5 +42,6 @@ __all__ = [
     "list_keys",
     "list_tenants",
     "require",
+    "require_key",
     "revoke_key",
 ]

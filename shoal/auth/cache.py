@@ -1,7 +1,9 @@
-"""An in-process cache of verified keys, so a request pays the KDF only once per key and TTL.
+"""An in-process cache of verified keys, so a request pays the KDF only once per key and TTL, and of rejected
+ones, so a key that failed is answered 401 again without hashing it for a short while.
 
 Revocation is therefore seen by other processes within the TTL (30 s by default); the process that revokes
 a key evicts it at once. Entries are keyed by a SHA-256 digest of the presented key, never the key itself.
+Both tables are bounded (a flood of distinct keys evicts the oldest entries, never grows memory).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from shoal.auth.principal import Principal
 
 CACHE_TTL_S = 30.0
 MAX_ENTRIES = 10_000
+# Rejections are cached briefly: long enough that repeating a bad key costs no KDF, short enough that nothing
+# a key's owner fixes (a typo, a tenant created late) waits long.
+FAILURE_TTL_S = 10.0
+MAX_FAILURES = 10_000
 # last_used_at is bookkeeping for operators ("is this key still in use?"): minute precision is plenty,
 # and one UPDATE per key per minute keeps the hot path read-only.
 TOUCH_INTERVAL_S = 60.0
@@ -52,6 +58,7 @@ class VerifiedKeys:
         self.max_entries = max_entries
         self.clock = clock
         self._keys: dict[str, CachedKey] = {}
+        self._failures: dict[str, tuple[str, float]] = {}  # digest -> (the 401's message, expires at)
         self._anonymous: dict[str, tuple[int, float]] = {}
         self._lock = threading.Lock()
 
@@ -75,6 +82,30 @@ class VerifiedKeys:
             self._keys[key_digest] = CachedKey(
                 principal, row_id, now + self.ttl_s, now if touched else now - TOUCH_INTERVAL_S
             )
+
+    def failure(self, key_digest: str) -> str | None:
+        """The message a key was recently rejected with, or None when it was not (or the verdict expired)."""
+        with self._lock:
+            found = self._failures.get(key_digest)
+            if found is None:
+                return None
+            if found[1] <= self.clock():
+                del self._failures[key_digest]
+                return None
+            return found[0]
+
+    def put_failure(self, key_digest: str, message: str, ttl_s: float = FAILURE_TTL_S) -> None:
+        """Remember for `ttl_s` that a key was rejected with `message` (bounded: the oldest go first)."""
+        if ttl_s <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            if key_digest not in self._failures and len(self._failures) >= MAX_FAILURES:
+                for k in [k for k, (_, until) in self._failures.items() if until <= now]:
+                    del self._failures[k]
+                while len(self._failures) >= MAX_FAILURES:  # dicts keep insertion order: the oldest first
+                    del self._failures[next(iter(self._failures))]
+            self._failures[key_digest] = (message, now + ttl_s)
 
     def due_for_touch(self, entry: CachedKey) -> bool:
         """True (and marks the entry touched) when the key's last_used_at should be written again."""
@@ -106,6 +137,7 @@ class VerifiedKeys:
         """Forget everything."""
         with self._lock:
             self._keys.clear()
+            self._failures.clear()
             self._anonymous.clear()
 
     def _prune(self, now: float) -> None:

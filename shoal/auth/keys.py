@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from shoal.auth.cache import TOUCH_INTERVAL_S, VerifiedKeys, cache_for, digest
+from shoal.auth.cache import FAILURE_TTL_S, TOUCH_INTERVAL_S, CachedKey, VerifiedKeys, cache_for, digest
 from shoal.auth.hashing import (
     dummy_hash,
     format_key,
@@ -27,6 +27,7 @@ from shoal.auth.hashing import (
     parse_key,
     verify_secret,
 )
+from shoal.auth.limits import FailureLimiter
 from shoal.auth.principal import Principal, Role
 from shoal.catalog.models import ApiKey, Tenant
 from shoal.errors import AlreadyExistsError, AuthenticationError, NotFoundError, ValidationError
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 AUTH_SCHEME = "apikey"
 SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,19}")
 MAX_KEY_NAME = 200
-# The role of the anonymous tenant: Vektonn clients send no key, and they upload as well as search.
+# The default role of the anonymous tenant: Vektonn clients send no key, and they upload as well as search.
+# Whatever its role, an anonymous caller never deletes (shoal.auth.principal.require_key).
 ANONYMOUS_ROLE = Role.WRITE
 
 
@@ -193,28 +195,80 @@ def authenticate(
     anonymous_tenant: str | None = None,
     *,
     cache: VerifiedKeys | None = None,
+    anonymous_role: str | Role = ANONYMOUS_ROLE,
+    client: str | None = None,
+    limiter: FailureLimiter | None = None,
+    failure_ttl_s: float = FAILURE_TTL_S,
 ) -> Principal:
     """The Principal an `Authorization` header value authenticates as; AuthenticationError otherwise.
 
     The header must read `ApiKey <key>` (scheme case-insensitive). Without a header (None or blank) the
-    caller is `anonymous_tenant` with role write when one is given (the tenant is created if needed), and
+    caller is `anonymous_tenant` with `anonymous_role` when one is given (the tenant is created if needed), and
     rejected otherwise. A header that is present but wrong is always rejected, never downgraded to
     anonymous. `cache` defaults to the process's shared cache for the engine's catalog.
+
+    A rejected key is remembered for `failure_ttl_s`, and answered again without the KDF. With a `limiter`,
+    every rejection counts against the `client` address, and an address over its limit gets RateLimitedError
+    for any key not verified already (a cached good key costs nothing, so it still passes).
     """
     cache = cache if cache is not None else cache_for(engine)
     if header_value is None or not header_value.strip():
         if anonymous_tenant is None:
             raise AuthenticationError("missing API key: send the header 'Authorization: ApiKey <key>'")
-        return _anonymous(engine, anonymous_tenant, cache)
-    presented = _presented_key(header_value)
+        return _anonymous(engine, anonymous_tenant, Role.parse(anonymous_role), cache)
+    address = client or "unknown"
+    try:
+        presented = _presented_key(header_value)
+    except AuthenticationError:
+        if limiter is not None:
+            limiter.check(address)
+            limiter.failed(address)
+        raise
 
     key_digest = digest(presented)
-    entry = cache.get(key_digest)
+    entry = _cached(cache, key_digest, presented)
     if entry is not None:
         if cache.due_for_touch(entry):
             _touch(engine, entry.row_id)
         return entry.principal
 
+    if limiter is not None:
+        limiter.check(address)  # before anything that costs: the KDF, a catalog query
+    try:
+        return _verify(engine, cache, presented, key_digest, failure_ttl_s)
+    except AuthenticationError:
+        if limiter is not None:
+            limiter.failed(address)
+        raise
+
+
+def _cached(cache: VerifiedKeys, key_digest: str, presented: str) -> CachedKey | None:
+    """The cached verdict on a presented key, checked to be about that key's id (a verdict about any other
+    key is dropped: it must never authenticate this one)."""
+    entry = cache.get(key_digest)
+    if entry is None:
+        return None
+    parsed = parse_key(presented)
+    if parsed is None or parsed.key_id != entry.principal.key_id:
+        log.warning("dropped a cached key verdict that does not match the key presented")
+        cache.evict_key(entry.principal.key_id or "")
+        return None
+    return entry
+
+
+def _verify(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: str, failure_ttl_s: float) -> Principal:
+    """Check a presented key against the catalog (the KDF); a rejection is cached for `failure_ttl_s`."""
+    failed = cache.failure(key_digest)
+    if failed is not None:
+        raise AuthenticationError(failed)
+    try:
+        return _check_key(engine, cache, presented, key_digest)
+    except AuthenticationError as exc:
+        cache.put_failure(key_digest, str(exc), failure_ttl_s)
+        raise
+
+
+def _check_key(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: str) -> Principal:
     parsed = parse_key(presented)
     if parsed is None:
         raise AuthenticationError("malformed API key: expected shoal_<key id>_<secret>")
@@ -239,7 +293,12 @@ def authenticate(
     return principal
 
 
-def cached_principal(engine: Engine, header_value: str | None, anonymous_tenant: str | None = None) -> Principal | None:
+def cached_principal(
+    engine: Engine,
+    header_value: str | None,
+    anonymous_tenant: str | None = None,
+    anonymous_role: str | Role = ANONYMOUS_ROLE,
+) -> Principal | None:
     """The Principal `authenticate` would return, when it is known without any I/O: a cached verdict on the key
     that is not due for its last-used write, or a cached anonymous tenant. None when `authenticate` must run
     (it may hash, query or write), so a caller on an event loop knows when to move the work to a thread."""
@@ -248,12 +307,13 @@ def cached_principal(engine: Engine, header_value: str | None, anonymous_tenant:
         if anonymous_tenant is None:
             return None
         tenant_id = cache.anonymous_id(anonymous_tenant)
-        return None if tenant_id is None else Principal(anonymous_tenant, tenant_id, ANONYMOUS_ROLE, None)
+        role = anonymous_role if type(anonymous_role) is Role else Role.parse(anonymous_role)
+        return None if tenant_id is None else Principal(anonymous_tenant, tenant_id, role, None)
     try:
         presented = _presented_key(header_value)
     except AuthenticationError:
         return None
-    entry = cache.get(digest(presented))
+    entry = _cached(cache, digest(presented), presented)
     if entry is None or cache.clock() - entry.touched_at >= TOUCH_INTERVAL_S:
         return None
     return entry.principal
@@ -271,7 +331,7 @@ def _presented_key(header_value: str) -> str:
     return parts[1]
 
 
-def _anonymous(engine: Engine, tenant: str, cache: VerifiedKeys) -> Principal:
+def _anonymous(engine: Engine, tenant: str, role: Role, cache: VerifiedKeys) -> Principal:
     tenant_id = cache.anonymous_id(tenant)
     if tenant_id is None:
         check_tenant_name(tenant)
@@ -280,7 +340,7 @@ def _anonymous(engine: Engine, tenant: str, cache: VerifiedKeys) -> Principal:
             s.execute(insert(Tenant).values(name=tenant).on_conflict_do_nothing(index_elements=["name"]))
             tenant_id = s.scalars(select(Tenant.id).where(Tenant.name == tenant)).one()
         cache.put_anonymous(tenant, tenant_id)
-    return Principal(tenant, tenant_id, ANONYMOUS_ROLE, None)
+    return Principal(tenant, tenant_id, role, None)
 
 
 def _touch(engine: Engine, row_id: int) -> None:

@@ -55,6 +55,17 @@ class Principal:
         return _RANKS[self.role] >= _RANKS[role if type(role) is Role else Role.parse(role)]
 
 
+def require_key(principal: Principal, what: str) -> Principal:
+    """Return `principal` when it came with an API key; PermissionDeniedError saying that `what` needs one when
+    the caller is anonymous (keyless callers may upload and search, never delete)."""
+    if principal.anonymous:
+        raise PermissionDeniedError(
+            f"requests without an API key may not {what}: send 'Authorization: ApiKey <key>' with a key of "
+            "your tenant"
+        )
+    return principal
+
+
 def require(principal: Principal, role: str | Role) -> Principal:
     """Return `principal` if its role includes `role`; PermissionDeniedError otherwise."""
     needed = role if type(role) is Role else Role.parse(role)  # every request asks: no parse for a Role

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,8 @@ from shoal.catalog.models import DataSource, Index, IndexAlias, IndexFile, Index
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import AlreadyExistsError, NotFoundError
 from shoal.log.records import GENERATION_MARK, IndexSpec, check_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -337,10 +340,14 @@ class ShardCatalog:
             ).one_or_none()
             return _version(row) if row is not None else None
 
-    def acquire_lease(self, shard_id: int, owner: str, seconds: float) -> bool:
-        """Take (or renew) the shard's build lease; False when another owner holds an unexpired one."""
+    def acquire_lease(
+        self, shard_id: int, owner: str, seconds: float, *, owner_is_dead: Callable[[str], bool] | None = None
+    ) -> bool:
+        """Take (or renew) the shard's build lease for `seconds`; False when another owner holds an unexpired
+        one, unless `owner_is_dead` says that owner is a process that no longer runs: then its lease is
+        taken over at once (by compare-and-swap on the owner, so two successors never both win)."""
+        now = func.clock_timestamp()
         with Session(self.engine) as s, s.begin():
-            now = func.clock_timestamp()
             taken = s.execute(
                 update(IndexShard)
                 .where(
@@ -353,7 +360,45 @@ class ShardCatalog:
                 )
                 .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=seconds))
             ).rowcount
-            return taken == 1
+            if taken == 1 or owner_is_dead is None:
+                return taken == 1
+            holder = s.scalar(select(IndexShard.lease_owner).where(IndexShard.id == shard_id))
+            if holder is None or not owner_is_dead(holder):
+                return False
+            taken = s.execute(
+                update(IndexShard)
+                .where(IndexShard.id == shard_id, IndexShard.lease_owner == holder)
+                .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=seconds))
+            ).rowcount
+        if taken == 1:
+            log.warning("index shard %s: took over the build lease of %s, a process that no longer runs",
+                        shard_id, holder)
+        return taken == 1
+
+    def renew_lease(self, shard_id: int, owner: str, seconds: float) -> bool:
+        """Extend `owner`'s lease to `seconds` from now; False when `owner` no longer holds it (another worker
+        took it over, or it was released), and then nothing changes."""
+        now = func.clock_timestamp()
+        with Session(self.engine) as s, s.begin():
+            renewed = s.execute(
+                update(IndexShard)
+                .where(IndexShard.id == shard_id, IndexShard.lease_owner == owner)
+                .values(lease_expires_at=now + dt.timedelta(seconds=seconds))
+            ).rowcount
+            return renewed == 1
+
+    def lease_holder(self, shard_id: int) -> tuple[str | None, float | None]:
+        """(owner, seconds until its lease expires) of the shard's lease; (None, None) when none is held."""
+        with Session(self.engine) as s:
+            row = s.execute(
+                select(
+                    IndexShard.lease_owner,
+                    func.extract("epoch", IndexShard.lease_expires_at - func.clock_timestamp()),
+                ).where(IndexShard.id == shard_id)
+            ).one_or_none()
+        if row is None or row[0] is None:
+            return None, None
+        return row[0], (float(row[1]) if row[1] is not None else None)
 
     def release_lease(self, shard_id: int, owner: str) -> None:
         """Give the lease back if `owner` still holds it."""
@@ -374,13 +419,15 @@ class ShardCatalog:
         *,
         files: Collection[str],
         precondition: Callable[[Connection], bool] | None = None,
+        lease_owner: str | None = None,
     ) -> int | None:
         """Insert a version naming `files` (every path its manifest references, recorded in `index_files`)
         and move the shard's active pointer to it by compare-and-swap, all in one transaction.
 
         Returns the new version id, or None when the pointer no longer names `expected_active` (someone
-        else published first) or `precondition`, asked last inside the transaction, says no; nothing was
-        changed then.
+        else published first), when `lease_owner` is given and no longer holds the shard's lease (another
+        worker took it over: its build will publish instead), or when `precondition`, asked last inside the
+        transaction, says no; nothing was changed then.
         """
         with Session(self.engine) as s:
             version_id = s.execute(
@@ -399,9 +446,10 @@ class ShardCatalog:
                 if expected_active is None
                 else IndexShard.active_version_id == expected_active
             )
+            guard = [IndexShard.lease_owner == lease_owner] if lease_owner is not None else []
             moved = s.execute(
                 update(IndexShard)
-                .where(IndexShard.id == shard_id, pointer)
+                .where(IndexShard.id == shard_id, pointer, *guard)
                 .values(active_version_id=version_id, built_watermark=watermark)
             ).rowcount
             if moved != 1 or (precondition is not None and not precondition(s.connection())):

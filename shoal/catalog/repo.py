@@ -94,6 +94,7 @@ class Catalog:
 
     def create_data_source(self, spec: DataSourceSpec, *, exist_ok: bool = False) -> SourceRecord:
         """Create the data source; with `exist_ok`, an identical definition already there is returned."""
+        spec.check_storable()  # before anything is written: metadata every reader can answer with
         with Session(self.engine) as s, s.begin():
             stmt = (
                 insert(DataSource)

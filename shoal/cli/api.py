@@ -14,19 +14,33 @@ def api(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes (one per core scales search).")] = 1,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.")] = True,
+    allow_anonymous_writes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-anonymous-writes",
+            help="Serve uploads and creates without an API key on an address beyond loopback (refused otherwise; "
+            "also SHOAL_ALLOW_ANONYMOUS_WRITES).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the HTTP API: Vektonn's upload and search routes, management, /healthz, /metrics, /docs.
 
     The API alone does not index: run `shoal worker` beside it (or everything at once with `shoal up`).
     """
     from shoal.api.app import create_app
+    from shoal.api.security import check_exposure
     from shoal.api.serve import serve
 
     settings = load_settings()
+    if allow_anonymous_writes:
+        settings = settings.model_copy(update={"allow_anonymous_writes": True})
+    check_exposure(settings, host)  # before anything starts: a refusal must cost nothing and say why
     anonymous = settings.resolved_anonymous_tenant
-    out.print(
-        f"Shoal API on http://{host}:{port} (OpenAPI at /docs); "
-        + (f"requests without a key are tenant {anonymous!r}" if anonymous else "every request needs an API key")
-    )
+    if anonymous is None:
+        who = "every request needs an API key"
+    else:
+        who = (f"requests without a key are tenant {anonymous!r} with role {settings.anonymous_role} "
+               "(they never delete)")
+    out.print(f"Shoal API on http://{host}:{port} (OpenAPI at /docs); {who}")
     serve(None if workers > 1 else create_app(settings), host=host, port=port, workers=workers,
           access_log=access_log)

@@ -77,5 +77,10 @@ def embedded_valkey_status(data_dir: Path) -> tuple[str, str]:
         port = int(json.loads(state.read_text())["port"])
     except (ValueError, KeyError, TypeError):
         return "stopped (unreadable state file)", str(state)
-    url = f"redis://127.0.0.1:{port}/0"
-    return ("running" if redis_status(url) == "reachable" else "stopped"), url
+    from shoal.config.settings import mask_url
+    from shoal.servers.embedded import valkey_url
+
+    # The server requires the password kept beside it (one started by an older Shoal may have none yet).
+    has_password = (data_dir / "valkey" / "password").is_file()
+    url = valkey_url(data_dir, port) if has_password else f"redis://127.0.0.1:{port}/0"
+    return ("running" if redis_status(url) == "reachable" else "stopped"), mask_url(url)

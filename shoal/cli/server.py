@@ -30,7 +30,7 @@ def server_start() -> None:
     if settings.redis_url:
         out.print(f"broker:  uses SHOAL_REDIS_URL {mask_url(settings.redis_url)} (no embedded Valkey)")
     else:
-        out.print(f"broker:  embedded Valkey running at {ensure_valkey(settings.data_dir)}")
+        out.print(f"broker:  embedded Valkey running at {mask_url(ensure_valkey(settings.data_dir))}")
     out.print(f"storage: {settings.resolved_storage_uri}")
 
 

@@ -1,8 +1,9 @@
 """`shoal up`: everything one machine needs, in the foreground: a worker with beat and task events, the
 message consumer, the HTTP API and, on request, Flower, each a supervised child process.
 
-Ctrl-C (or SIGTERM) stops every child, the worker last and warmly; a child that dies on its own stops the
-others and ends `shoal up` with status 1, naming the child and printing the tail of its log.
+Ctrl-C (or SIGTERM) stops every child, the worker last and warmly. A child that dies on its own is started
+again after a backoff (1 s, doubling up to 30 s; back to 1 s once a run lasted a minute), and `shoal up` says
+so with the tail of its log; with --no-restart it stops the others instead and ends with status 1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Annotated
@@ -39,11 +41,16 @@ from shoal.config.settings import mask_url
 LOG_DIR = "logs"  # under SHOAL_DATA_DIR: one file per child, appended to across runs
 TAIL_LINES = 25  # lines of a dead child's log shown
 POLL_S = 0.2
+RESTART_FIRST_S = 1.0  # the first restart of a dead child waits this long; each quick death doubles it ...
+RESTART_MAX_S = 30.0  # ... up to this
+RESTART_STABLE_S = 60.0  # a run this long resets the backoff: the child was healthy, its death is news
+RESTART_TAIL_LINES = 5  # lines of a dead child's log shown when it is restarted
 
 
 @dataclass
 class Child:
-    """One supervised process: what it is, its log, how long a warm stop may take, where it answers."""
+    """One supervised process: what it is, how to start it again, its log, how long a warm stop may take,
+    where it answers, and its restarts."""
 
     name: str
     proc: subprocess.Popen[bytes]
@@ -52,6 +59,11 @@ class Child:
     ready_at: tuple[str, int] | None = None  # (host, port) that accepts connections once it serves
     ready_note: str = ""
     announced: bool = field(default=False)
+    launch: Callable[[], subprocess.Popen[bytes]] | None = None  # starts it again (None: it is not restarted)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    backoff: float = 0.0  # the wait before its next restart (0: none yet, or reset by a long healthy run)
+    restart_at: float | None = None  # when the pending restart of a dead child is due
 
 
 def _say(text: str) -> None:
@@ -150,6 +162,11 @@ def up(
         typer.Option(min=0.1, help="Seconds the worker may take to finish its running tasks on Ctrl-C before it "
                      "is killed."),
     ] = 60.0,
+    restart: Annotated[
+        bool,
+        typer.Option("--restart/--no-restart", help="Start a child that died on its own again, with backoff "
+                     "(--no-restart: stop everything and exit 1 instead)."),
+    ] = True,
 ) -> None:
     """Run Shoal on this machine in the foreground: a worker (with beat and task events), the message
     consumer, the HTTP API and, with --flower, Flower; each a child process logging to SHOAL_DATA_DIR/logs/.
@@ -159,7 +176,8 @@ def up(
     deployment); add workers elsewhere with `shoal worker --no-beat`.
 
     Ctrl-C or SIGTERM stops everything (the worker last, letting running tasks finish; press it again to
-    kill). If a child dies on its own, the others are stopped and `shoal up` exits with status 1.
+    kill). A child that dies on its own is started again after a backoff (1 s doubling to 30 s), and said so;
+    with --no-restart the others are stopped instead and `shoal up` exits with status 1.
     """
     from shoal.servers.broker import broker_url
 
@@ -192,39 +210,34 @@ def up(
                 beat=True, schedule=schedule, concurrency=concurrency, loglevel=loglevel.value,
                 pool=pool.value if pool else None, events=True,
             )
-            _mark(logs / "worker.log", "worker")
-            children.append(Child("worker", start_worker_process(argv, logs / "worker.log", env),
-                                  logs / "worker.log", stop_timeout))
+            children.append(_child("worker", logs, lambda: start_worker_process(argv, logs / "worker.log", env),
+                                   stop_timeout=stop_timeout))
             merges = (f"merges every {settings.merge_interval_s:g} s" if settings.merge_interval_s > 0
                       else "no merge sweep (SHOAL_MERGE_INTERVAL_S=0)")
             _say(f"worker:  celery -A {CELERY_APP} worker --beat --task-events (pid {children[-1].proc.pid}); "
                  f"beat sweeps lagging shards every {settings.sweep_interval_s:g} s, {merges}")
             if consumer:
-                _mark(logs / "consumer.log", "consumer")
-                proc = _start([sys.executable, "-m", "shoal", "consume"], logs / "consumer.log", env)
-                children.append(Child("consumer", proc, logs / "consumer.log"))
-                _say(f"intake:  shoal consume (pid {proc.pid}), group {settings.intake_group!r} on exchange "
-                     f"{settings.intake_exchange!r}")
+                consume = [sys.executable, "-m", "shoal", "consume"]
+                children.append(_child("consumer", logs, lambda: _start(consume, logs / "consumer.log", env)))
+                _say(f"intake:  shoal consume (pid {children[-1].proc.pid}), group {settings.intake_group!r} on "
+                     f"exchange {settings.intake_exchange!r}")
             if api:
-                _mark(logs / "api.log", "api")
-                argv = [sys.executable, "-m", "shoal", "api", "--host", host, "--port", str(port)]
-                proc = _start(argv, logs / "api.log", env)
+                api_argv = [sys.executable, "-m", "shoal", "api", "--host", host, "--port", str(port)]
                 shown = f"[{host}]" if ":" in host else host
                 url = f"http://{shown}:{port}"
-                children.append(Child("api", proc, logs / "api.log", ready_at=(host, port),
-                                      ready_note=f"API ready at {url}"))
-                _say(f"api:     {url} (OpenAPI at {url}/docs, metrics at {url}/metrics) (pid {proc.pid})")
+                children.append(_child("api", logs, lambda: _start(api_argv, logs / "api.log", env),
+                                       ready_at=(host, port), ready_note=f"API ready at {url}"))
+                _say(f"api:     {url} (OpenAPI at {url}/docs, metrics at {url}/metrics) "
+                     f"(pid {children[-1].proc.pid})")
             if flower:
-                _mark(logs / "flower.log", "flower")
-                argv = [sys.executable, "-m", "celery", "-A", CELERY_APP, "flower", f"--port={flower_port}",
-                        "--address=127.0.0.1"]
-                proc = _start(argv, logs / "flower.log", env)
+                flower_argv = [sys.executable, "-m", "celery", "-A", CELERY_APP, "flower", f"--port={flower_port}",
+                               "--address=127.0.0.1"]
                 url = f"http://127.0.0.1:{flower_port}"
-                children.append(Child("flower", proc, logs / "flower.log", ready_at=("127.0.0.1", flower_port),
-                                      ready_note=f"Flower ready at {url}"))
-                _say(f"flower:  {url} (tasks, their arguments and states; workers) (pid {proc.pid})")
-            err.print("Ctrl-C stops everything")
-            died = _supervise(children)
+                children.append(_child("flower", logs, lambda: _start(flower_argv, logs / "flower.log", env),
+                                       ready_at=("127.0.0.1", flower_port), ready_note=f"Flower ready at {url}"))
+                _say(f"flower:  {url} (tasks, their arguments and states; workers) (pid {children[-1].proc.pid})")
+            err.print("Ctrl-C stops everything" + ("; a child that dies is restarted" if restart else ""))
+            died = _supervise(children, restart=restart)
         except KeyboardInterrupt:
             err.print("stopping ...")
         finally:
@@ -239,15 +252,54 @@ def up(
         raise typer.Exit(1)
 
 
-def _supervise(children: list[Child]) -> Child:
-    """Watch the children until one exits and return it; announce each server once it answers."""
+def _child(name: str, logs: Path, launch: Callable[[], subprocess.Popen[bytes]], **options: object) -> Child:
+    """Start a child by `launch` (marking its log first) and return it, ready to be restarted the same way."""
+    _mark(logs / f"{name}.log", name)
+    return Child(name, launch(), logs / f"{name}.log", launch=launch, **options)  # type: ignore[arg-type]
+
+
+def _supervise(children: list[Child], *, restart: bool = True) -> Child:
+    """Watch the children, announce each server once it answers, and start a child that died again after
+    its backoff, saying so. Returns only when a child died and is not to be restarted (`restart` False)."""
     while True:
+        now = time.monotonic()
         for child in children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    _relaunch(child)
+                continue
             code = child.proc.poll()
             if code is not None:
-                err.print(f"error: the {child.name} exited unexpectedly with code {code}; stopping the others")
-                return child
+                if not restart or child.launch is None:
+                    err.print(f"error: the {child.name} exited unexpectedly with code {code}; stopping the others")
+                    return child
+                _schedule_restart(child, code, now)
+                continue
             if child.ready_at and not child.announced and _answers(*child.ready_at):
                 child.announced = True
                 _say(child.ready_note)
         time.sleep(POLL_S)
+
+
+def _schedule_restart(child: Child, code: int, now: float) -> None:
+    """Plan the restart of a child that died: after its backoff, which doubles with each death that came soon
+    after a start and starts over after a long healthy run."""
+    healthy = now - child.started_at >= RESTART_STABLE_S
+    child.backoff = RESTART_FIRST_S if healthy or not child.backoff else min(child.backoff * 2, RESTART_MAX_S)
+    child.restart_at = now + child.backoff
+    err.print(f"error: the {child.name} exited unexpectedly with code {code}; restarting it in "
+              f"{child.backoff:g} s (restart {child.restarts + 1}); last lines of {child.log_path}:",
+              markup=False, soft_wrap=True)
+    err.print(log_tail(child.log_path, RESTART_TAIL_LINES) or "(empty)", markup=False, soft_wrap=True)
+
+
+def _relaunch(child: Child) -> None:
+    """Start a dead child again, as it was started first."""
+    assert child.launch is not None
+    _mark(child.log_path, f"{child.name} (restart {child.restarts + 1})")
+    child.proc = child.launch()
+    child.started_at = time.monotonic()
+    child.restart_at = None
+    child.restarts += 1
+    child.announced = False  # say again when it answers
+    err.print(f"{child.name} restarted (pid {child.proc.pid}, restart {child.restarts})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import platformdirs
@@ -15,6 +15,15 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+# The request body budget per point of SHOAL_MAX_BATCH_POINTS when SHOAL_MAX_BODY_BYTES is unset: a point with
+# a 64-dimensional vector and a few attributes is about 1 KiB of JSON (a 256-dimensional one in Arrow).
+BODY_BYTES_PER_POINT = 1024
+
+
+# The embedded default's tenant for requests without a key: never the CLI's own (`default`), so a keyless
+# caller cannot touch what the CLI created.
+ANONYMOUS_TENANT = "anonymous"
 
 
 def config_file() -> Path | None:
@@ -51,8 +60,28 @@ class Settings(BaseSettings):
     tenant: str = Field(default="default", description="Tenant of the Python API and CLI.")
     anonymous_tenant: str | None = Field(
         default=None,
-        description="Tenant of HTTP requests without an API key (role write); unset: the Python API's tenant when "
-        "the catalog is embedded, else none; empty string: never.",
+        description="Tenant of HTTP requests without an API key; unset: 'anonymous' when the catalog is "
+        "embedded, else none; empty string: never. Anonymous callers never delete.",
+    )
+    anonymous_role: Literal["read", "write"] = Field(
+        default="write", description="Role of requests without an API key (write: upload and create, never delete)."
+    )
+    allow_anonymous_writes: bool = Field(
+        default=False,
+        description="Let `shoal api` serve anonymous writes on an address beyond loopback (refused otherwise).",
+    )
+    metrics_token: str | None = Field(
+        default=None,
+        description="Bearer token that lets a scraper see /metrics of every tenant (labels included).",
+    )
+    auth_failure_limit: int = Field(
+        default=20, ge=0, description="Failed authentications per client address and window before 429 (0: off)."
+    )
+    auth_failure_window_s: float = Field(
+        default=60.0, gt=0, description="Window over which failed authentications per client address are counted."
+    )
+    auth_failure_cache_s: float = Field(
+        default=10.0, ge=0, description="How long a rejected API key is answered 401 without hashing it again."
     )
     db_pool_size: int = Field(
         default=5, ge=1, description="Catalog connections one process keeps open (shared by every tenant)."
@@ -70,13 +99,28 @@ class Settings(BaseSettings):
         default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
     )
     max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
+    # Checked before any body is parsed (413): parsing is what costs, so a limit checked after it protects nothing.
+    max_body_bytes: int | None = Field(
+        default=None, ge=1,
+        description="Largest request body any route reads, checked before parsing (413); unset: max_batch_points "
+        f"x {BODY_BYTES_PER_POINT} bytes (about 100 MB at the default 100,000 points).",
+    )
+    max_query_vectors: int = Field(default=1_000, ge=1, description="Most query vectors one search may carry.")
     group_commit_max_points: int = Field(
         default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
     )
     commit_retries: int = Field(default=3, ge=1, description="Attempts at a commit whose outcome is unknown.")
     lock_timeout_ms: int = Field(default=30_000, ge=1, description="Catalog lock wait before giving up.")
     sweep_interval_s: float = Field(default=10.0, gt=0, description="How often beat sweeps for lagging shards.")
-    lease_seconds: float = Field(default=600.0, gt=0, description="How long a shard build lease lasts.")
+    lease_seconds: float = Field(
+        default=30.0, gt=0,
+        description="How long a shard build lease lasts without renewal (a dead worker's lease expires).",
+    )
+    lease_heartbeat_s: float = Field(
+        default=10.0, gt=0,
+        description="How often a worker renews the lease of the shard it builds (at most a third of "
+        "lease_seconds).",
+    )
     task_visibility_timeout_s: float = Field(
         default=3600.0, gt=0, description="Broker redelivers an unacknowledged task after this long."
     )
@@ -162,10 +206,11 @@ class Settings(BaseSettings):
 
     @property
     def resolved_anonymous_tenant(self) -> str | None:
-        """The anonymous tenant in effect: on (the default tenant) in the embedded default, off otherwise."""
+        """The anonymous tenant in effect: the one named; else `anonymous` (never the CLI's tenant) in the
+        embedded default, none otherwise."""
         if self.anonymous_tenant is not None:
             return self.anonymous_tenant or None
-        return self.tenant if self.database_url is None else None
+        return ANONYMOUS_TENANT if self.database_url is None else None
 
     @classmethod
     def settings_customise_sources(
@@ -183,6 +228,11 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     @property
+    def body_limit_bytes(self) -> int:
+        """The request body limit in effect: max_body_bytes, else max_batch_points x BODY_BYTES_PER_POINT."""
+        return self.max_body_bytes or self.max_batch_points * BODY_BYTES_PER_POINT
+
+    @property
     def resolved_storage_uri(self) -> str:
         """Where the log lives: the configured URI or the data directory's storage folder."""
         return self.storage_uri or str(self.data_dir / "storage")
@@ -198,8 +248,9 @@ class Settings(BaseSettings):
     def describe(self) -> dict[str, Any]:
         """Settings as shown to an operator: secrets and passwords inside URLs masked."""
         shown = self.model_dump(mode="json")
-        if shown.get("s3_secret_key"):
-            shown["s3_secret_key"] = "***"
+        for secret in ("s3_secret_key", "metrics_token"):
+            if shown.get(secret):
+                shown[secret] = "***"
         for name in ("database_url", "redis_url"):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])

@@ -1,11 +1,16 @@
 """A Redis cache of dataset catalog entries, best effort: a cache that is down never fails a request.
 
-Keys (DESIGN.md tenants never share a key: the tenant is part of every key):
+Keys (DESIGN.md tenants never share a key: the tenant's id is part of every key):
 
-- `dataset:info:{tenant}:{dataset}`: a string, the dataset's catalog entry as JSON; TTL 1 hour.
-- `dataset:list:{tenant}`: a hash, one field `{limit}:{offset}` per cached page holding
-  `{"total": n, "datasets": [entries]}`; TTL 5 minutes, set when the hash is created (so no page is older than
-  5 minutes however many pages are added later).
+- `dataset:info:{tenant_id}:{dataset}`: a string, the dataset's catalog entry as JSON with the tenant's id
+  (`"tenant_id"`); TTL 1 hour.
+- `dataset:list:{tenant_id}`: a hash, one field `{limit}:{offset}` per cached page holding
+  `{"tenant_id": id, "total": n, "datasets": [entries]}`; TTL 5 minutes, set when the hash is created (so no page
+  is older than 5 minutes however many pages are added later).
+
+An entry is trusted only when the tenant id inside it is the reader's (and an info entry's name the one asked
+for): anything else, whoever wrote it, is a miss, logged and deleted. The tenant's id, not its name, so a tenant
+made again under an old name never reads what the old one cached.
 
 Create, update and delete invalidate both the dataset's info key and the tenant's list key, before and after
 the catalog change (a reader that read the catalog just before the change cannot leave its stale copy behind
@@ -37,14 +42,14 @@ INFO_TTL_S = 3600
 LIST_TTL_S = 300
 
 
-def info_key(tenant: str, name: str) -> str:
+def info_key(tenant_id: int, name: str) -> str:
     """The key of a dataset's cached catalog entry."""
-    return f"dataset:info:{tenant}:{name}"
+    return f"dataset:info:{tenant_id}:{name}"
 
 
-def list_key(tenant: str) -> str:
+def list_key(tenant_id: int) -> str:
     """The key of the tenant's cached list pages (a hash by `{limit}:{offset}`)."""
-    return f"dataset:list:{tenant}"
+    return f"dataset:list:{tenant_id}"
 
 
 def page_field(limit: int, offset: int) -> str:
@@ -109,41 +114,61 @@ class DatasetCache:
 
     # -- dataset info --------------------------------------------------------------------------------------
 
-    def get_info(self, tenant: str, name: str) -> DatasetRecord | None:
-        """The cached entry, or None (a miss, a corrupt entry or a cache that is down)."""
-        raw = self._run(lambda c: c.get(info_key(tenant, name)))
-        if raw is None:
-            return None
-        try:
-            return DatasetRecord.from_json(json.loads(raw))
-        except (ValueError, KeyError, TypeError):
-            self._run(lambda c: c.delete(info_key(tenant, name)))
-            return None
-
-    def set_info(self, tenant: str, record: DatasetRecord) -> None:
-        """Cache an entry for an hour."""
-        self._run(lambda c: c.set(info_key(tenant, record.name), json.dumps(record.to_json()), ex=INFO_TTL_S))
-
-    # -- list pages ----------------------------------------------------------------------------------------
-
-    def get_list(self, tenant: str, limit: int, offset: int) -> tuple[list[DatasetRecord], int] | None:
-        """A cached page and the total, or None."""
-        raw = self._run(lambda c: c.hget(list_key(tenant), page_field(limit, offset)))
+    def get_info(self, tenant_id: int, name: str) -> DatasetRecord | None:
+        """The cached entry of the tenant's dataset, or None (a miss, a corrupt entry, an entry of another tenant
+        or dataset, or a cache that is down)."""
+        key = info_key(tenant_id, name)
+        raw = self._run(lambda c: c.get(key))
         if raw is None:
             return None
         try:
             data = json.loads(raw)
-            return [DatasetRecord.from_json(d) for d in data["datasets"]], int(data["total"])
-        except (ValueError, KeyError, TypeError):
-            self._run(lambda c: c.delete(list_key(tenant)))
+            record = DatasetRecord.from_json(data)
+            owner = data.get("tenant_id")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self._run(lambda c: c.delete(key))
             return None
+        if owner != tenant_id or record.name != name:
+            self._distrust(key, owner)
+            return None
+        return record
 
-    def set_list(self, tenant: str, limit: int, offset: int, records: list[DatasetRecord], total: int) -> None:
-        """Cache a page; the hash expires 5 minutes after its first page was cached."""
-        value = json.dumps({"total": total, "datasets": [r.to_json() for r in records]})
+    def set_info(self, tenant_id: int, record: DatasetRecord) -> None:
+        """Cache an entry of the tenant for an hour."""
+        value = json.dumps(record.to_json() | {"tenant_id": tenant_id})
+        self._run(lambda c: c.set(info_key(tenant_id, record.name), value, ex=INFO_TTL_S))
+
+    def _distrust(self, key: str, owner: object) -> None:
+        """Delete an entry that does not belong where it was found (a bug or a poisoned cache), saying so."""
+        log.warning("dataset cache: ignored and deleted %s, which holds an entry of tenant id %r", key, owner)
+        self._run(lambda c: c.delete(key))
+
+    # -- list pages ----------------------------------------------------------------------------------------
+
+    def get_list(self, tenant_id: int, limit: int, offset: int) -> tuple[list[DatasetRecord], int] | None:
+        """A cached page of the tenant and the total, or None (as `get_info`)."""
+        key = list_key(tenant_id)
+        raw = self._run(lambda c: c.hget(key, page_field(limit, offset)))
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+            page = [DatasetRecord.from_json(d) for d in data["datasets"]], int(data["total"])
+            owner = data.get("tenant_id")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self._run(lambda c: c.delete(key))
+            return None
+        if owner != tenant_id:
+            self._distrust(key, owner)
+            return None
+        return page
+
+    def set_list(self, tenant_id: int, limit: int, offset: int, records: list[DatasetRecord], total: int) -> None:
+        """Cache a page of the tenant; the hash expires 5 minutes after its first page was cached."""
+        value = json.dumps({"tenant_id": tenant_id, "total": total, "datasets": [r.to_json() for r in records]})
 
         def op(c: redis.Redis) -> None:
-            key = list_key(tenant)
+            key = list_key(tenant_id)
             pipe = c.pipeline(transaction=True)
             pipe.hset(key, page_field(limit, offset), value)
             pipe.ttl(key)
@@ -155,9 +180,9 @@ class DatasetCache:
 
     # -- invalidation --------------------------------------------------------------------------------------
 
-    def invalidate(self, tenant: str, name: str) -> None:
+    def invalidate(self, tenant_id: int, name: str) -> None:
         """Forget the dataset's entry and the tenant's list pages (remembered for later if Redis is down)."""
-        keys = [info_key(tenant, name), list_key(tenant)]
+        keys = [info_key(tenant_id, name), list_key(tenant_id)]
         done = self._run(lambda c: c.delete(*keys))
         if done is None:
             with self._lock:

@@ -101,11 +101,11 @@ class Lifecycle(DatasetScope):
     def list(self, limit: int = 100, offset: int = 0) -> Page[Dataset]:
         """A page of the tenant's datasets, by name."""
         self._check_page(limit, offset)
-        page = self.cache.get_list(self.tenant, limit, offset) if self.cache is not None else None
+        page = self.cache.get_list(self.tenant_id, limit, offset) if self.cache is not None else None
         if page is None:
             page = self.catalog.page(limit, offset)
             if self.cache is not None:
-                self.cache.set_list(self.tenant, limit, offset, *page)
+                self.cache.set_list(self.tenant_id, limit, offset, *page)
         records, total = page
         return Page(tuple(self._datasets(records)), total, limit, offset)
 

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shoal.datasets.errors import DatasetError, ErrorCode
-from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType
+from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType, json_depth
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")  # DESIGN.md invariant 7
 # Data source names must start with a letter or digit (no name may form a hidden file or `..`), so the
@@ -48,6 +48,10 @@ PERMANENT = ("id",)
 
 MAX_DESCRIPTION = 10_000  # characters
 MAX_METADATA_BYTES = 64 * 1024  # of the dataset's metadata as compact JSON
+# Of a dataset's (or a vector's) metadata: deeper values broke every answer carrying them (JSON encoders stop
+# at 255 levels or at the recursion limit) and so every list holding the dataset; 32 leaves room for the two
+# levels the dataset's definition adds within its data source's custom metadata (MAX_CUSTOM_METADATA_DEPTH).
+MAX_METADATA_DEPTH = 32
 MAX_VECTOR_ID = 512  # characters of a vector id
 MAX_VECTOR_METADATA_BYTES = 64 * 1024
 MAX_TOP_K = 1000
@@ -129,12 +133,19 @@ def check_description(description: Any) -> str | None:
 def check_metadata(
     metadata: Any, field: str = "metadata", limit: int = MAX_METADATA_BYTES, *, nul: bool = False
 ) -> dict[str, Any] | None:
-    """Metadata: null or a JSON object of at most `limit` bytes as compact JSON, finite numbers, valid Unicode
-    and (unless `nul`) no NUL character."""
+    """Metadata: null or a JSON object nested at most MAX_METADATA_DEPTH levels deep, of at most `limit` bytes
+    as compact JSON, finite numbers, valid Unicode and (unless `nul`) no NUL character. Checked before anything
+    is written."""
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
         raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, f"{field} must be null or a JSON object", {"field": field})
+    if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+        raise DatasetError(
+            ErrorCode.INVALID_DATASET_CONFIG,
+            f"{field} must nest at most {MAX_METADATA_DEPTH} levels deep",
+            {"field": field, "max_depth": MAX_METADATA_DEPTH},
+        )
     try:
         text = json_text(metadata)
         size = len(text.encode())

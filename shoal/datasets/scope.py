@@ -33,6 +33,7 @@ class DatasetScope:
         self.cache = cache
         self.catalog = DatasetCatalog(shoal)
         self.tenant = shoal.tenant
+        self.tenant_id = shoal.catalog.tenant_id  # what cache keys and entries carry (a name may be reused)
 
     # -- lookups -----------------------------------------------------------------------------------------
 
@@ -51,18 +52,18 @@ class DatasetScope:
         """The dataset's catalog entry, from the cache when there; DATASET_NOT_FOUND if absent."""
         name = self._lookup_name(name)
         if self.cache is not None:
-            cached = self.cache.get_info(self.tenant, name)
+            cached = self.cache.get_info(self.tenant_id, name)
             if cached is not None:
                 return cached
         record = self.catalog.get(name)
         if self.cache is not None:
-            self.cache.set_info(self.tenant, record)
+            self.cache.set_info(self.tenant_id, record)
         return record
 
     def _forget(self, name: str) -> None:
         """Drop the cache's entries of the dataset (before and after a change, so no reader caches the old)."""
         if self.cache is not None:
-            self.cache.invalidate(self.tenant, name)
+            self.cache.invalidate(self.tenant_id, name)
 
     def _datasets(self, records: Sequence[DatasetRecord]) -> list[Dataset]:
         """The datasets of catalog entries, with their log totals (one catalog query)."""

@@ -13,7 +13,7 @@ from shoal.datasets.results import Match, MultiSearchResults, RankedMatch, Searc
 from shoal.datasets.scope import DatasetScope
 from shoal.datasets.stats import metadata_value
 from shoal.engines.metrics import higher_is_nearer
-from shoal.errors import NotFoundError, ValidationError
+from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 
@@ -69,7 +69,7 @@ class Search(DatasetScope):
             self._forget(record.name)
             raise not_found(record.name) from None
         except ValidationError as exc:
-            raise invalid(str(exc), problems=problems_of(exc)) from None
+            raise invalid(str(QueryError.of(exc)), problems=problems_of(exc)) from None  # a search writes nothing
 
     def search(
         self,

@@ -10,9 +10,6 @@ ConflictError: try again later, from the then active version.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +21,7 @@ from sqlalchemy import Engine
 from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
+from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
 from shoal.index.segment import build_segment, manifest_files, read_deletions, write_deletions
 from shoal.index.segment_cache import SegmentCache
@@ -60,11 +58,6 @@ def shard_dir(index: IndexRecord, shard: ShardRecord, generation: int) -> str:
     return layout.shard_dir(index.tenant, index.spec.name, index.spec.version, generation, shard.shard_no)
 
 
-def default_owner() -> str:
-    """A lease owner name unique to this process."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
 class ShardBuilder:
     """Materializes and merges index shards. One per worker process; caches segment keys across runs."""
 
@@ -75,14 +68,21 @@ class ShardBuilder:
         *,
         owner: str | None = None,
         lease_seconds: float = 600.0,
+        heartbeat_s: float | None = None,
         policy: MergePolicy | None = None,
         on_publish: Callable[[int, int], None] | None = None,
     ) -> None:
+        """`lease_seconds`: how long a build's lease lasts unrenewed. `heartbeat_s`: renew it that often while
+        a build runs (workers do, with a short lease, so a dead worker's lease ends soon); None: never, the
+        lease just lasts `lease_seconds` (builds run in-process, as tests and benches do)."""
         self.engine = engine
         self.storage = storage
         self.shards = ShardCatalog(engine)
         self.owner = owner or default_owner()
         self.lease_seconds = lease_seconds
+        self.heartbeat_s = heartbeat_s
+        # The heartbeat of each build running now, by shard (a worker's threads pool shares one builder).
+        self._heartbeats: dict[int, LeaseHeartbeat] = {}
         self.policy = policy or MergePolicy()
         self.on_publish = on_publish  # called with (shard id, version id) after a publish committed
         self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
@@ -90,12 +90,21 @@ class ShardBuilder:
     # -- shared steps ---------------------------------------------------------------------------------
 
     def _leased(self, shard_id: int, run: Callable[[], BuildResult]) -> BuildResult:
-        # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is.
-        if not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds):
-            raise LeaseBusyError(f"index shard {shard_id} is being built by another worker")
+        # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is. A lease
+        # whose owner is a dead process of this machine is taken over at once instead.
+        if not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds, owner_is_dead=owner_is_dead):
+            _, left = self.shards.lease_holder(shard_id)
+            raise LeaseBusyError(f"index shard {shard_id} is being built by another worker", retry_in=left)
+        heartbeat = None
+        if self.heartbeat_s is not None:
+            heartbeat = LeaseHeartbeat(self.shards, shard_id, self.owner, self.lease_seconds, self.heartbeat_s)
+            self._heartbeats[shard_id] = heartbeat.start()
         try:
             return run()
         finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+                self._heartbeats.pop(shard_id, None)
             self.shards.release_lease(shard_id, self.owner)
 
     def _publish(
@@ -108,16 +117,21 @@ class ShardBuilder:
     ) -> BuildResult:
         manifest = Manifest(generation, watermark, tuple(segments))
         expected = active.id if active else None
+        heartbeat = self._heartbeats.get(shard.id)
+        if heartbeat is not None and heartbeat.lost.is_set():
+            # Another worker took the lease over (ours lapsed): it builds the shard; ours is garbage for GC.
+            raise LeaseBusyError(f"index shard {shard.id}: the build lease was taken over; retry", expected=expected)
         files = manifest_files([manifest])
         new_files = sorted(files - (manifest_files([active.manifest]) if active else set()))
         version_id = self.shards.publish_version(
             shard.id, expected, generation, watermark, manifest.to_json(), files=files,
             # Under the publish's transaction: none of the files this build wrote was collected meanwhile.
             precondition=lambda conn: publishable(conn, new_files),
+            lease_owner=self.owner,  # and the lease is still ours: nobody took it over after it lapsed
         )
         if version_id is None:
-            # Someone published in between (only possible after our lease expired): our files are
-            # unreferenced garbage for GC; the next run starts from the new active version.
+            # Someone published in between or holds the lease now (only possible after ours lapsed): our files
+            # are unreferenced garbage for GC; the next run starts from the new active version.
             raise LeaseBusyError(f"index shard {shard.id} moved on while this build ran; retry", expected=expected)
         if self.on_publish is not None:
             self.on_publish(shard.id, version_id)

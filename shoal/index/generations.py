@@ -160,6 +160,10 @@ class Generations:
             if job is None or job.state != "building" or job.from_index_id is None or job.to_index_id is None:
                 raise ConflictError(f"reindex job {job_id} is no longer building", expected="building",
                                     actual=job.state if job is not None else None)
+            # The source row first, then the index rows: the order a soft delete and the drops take them in,
+            # so a swap racing one of them waits instead of deadlocking.
+            source_id = s.scalar(select(Index.data_source_id).where(Index.id == job.to_index_id))
+            locked = lock_source(s, source_id, missing_ok=True) if source_id is not None else None
             old = s.get(Index, job.from_index_id, with_for_update=True)
             new = s.get(Index, job.to_index_id, with_for_update=True)
             if old is None or new is None or old.version != job.index_version:
@@ -168,9 +172,9 @@ class Generations:
             _swap_rows(s, old, new)
             job.state, job.recall, job.progress = "swapped", recall, 1.0
             job.updated_at = job.finished_at = dt.datetime.now(dt.UTC)
-            if lock_source(s, new.data_source_id, missing_ok=True) is not None:
-                source = s.get(DataSource, new.data_source_id)
-                assert source is not None  # locked just now
+            if locked is not None:
+                source = s.get(DataSource, locked.id, populate_existing=True)
+                assert source is not None  # locked above
                 meta = dict(source.custom_metadata or {})
                 meta["last_reindex_at"] = dt.datetime.now(dt.UTC).isoformat()
                 source.custom_metadata = meta

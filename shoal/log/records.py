@@ -6,6 +6,7 @@ Plain data with the naming and consistency rules of Vektonn's data model; no I/O
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,12 @@ from shoal.errors import InvalidNameError, Problem, ValidationError
 
 MAX_VECTOR_DIMENSION = 10_000
 MAX_SHARDS = 1024
+MAX_SEQ = 2**63 - 1  # seqs (and so write tokens) are Postgres bigints
+# A data source's custom metadata, as JSON: bounded so every JSON encoder on the way out (orjson stops at 255
+# levels, FastAPI's encoder at Python's recursion limit) can answer with it, and so a list of definitions stays
+# small. A dataset's definition (its metadata nested two levels down) fits within both.
+MAX_CUSTOM_METADATA_DEPTH = 64
+MAX_CUSTOM_METADATA_BYTES = 256 * 1024
 
 # Data source names and versions as Vektonn writes them ("QuickStart.Source", "1.0"). The first character
 # must be a letter or digit, so "." and ".." (or a hidden file) can never be formed and no name can leave
@@ -143,8 +150,19 @@ class DataSourceSpec:
                 problems.append(Problem("permanent attribute has no attribute value type", attribute=name))
         if not isinstance(self.description, str):
             problems.append(Problem("description must be a string"))
+        elif not storable_text(self.description):
+            problems.append(Problem("description must be valid Unicode without NUL characters (Postgres stores "
+                                    "neither a lone surrogate nor NUL)"))
         if problems:
             raise ValidationError(problems)
+
+    def check_storable(self) -> None:
+        """Raise ValidationError when the custom metadata could not be stored and answered as JSON (too deep,
+        too large, not JSON, not valid Unicode). Checked before a definition is written, not when one is read:
+        a definition stored before these bounds must still load, so it can be listed and dropped."""
+        rule = json_problem(self.custom_metadata, MAX_CUSTOM_METADATA_DEPTH, MAX_CUSTOM_METADATA_BYTES)
+        if rule is not None:
+            raise ValidationError(Problem(f"customMetadata {rule}"))
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of this definition (the catalog stores it this way)."""
@@ -209,3 +227,54 @@ class IndexSpec:
     def stored_attributes(self) -> tuple[str, ...]:
         """Attributes an index segment stores per row: id, split and payload attributes, in that order."""
         return tuple(dict.fromkeys([*self.key_attributes, *(self.payload_attributes or ())]))
+
+
+def storable_text(text: str) -> bool:
+    """True when Postgres can store `text`: valid Unicode (no lone surrogate) without NUL characters."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deeply `value` nests JSON arrays and objects (a scalar: 0; `{}`: 1), counted no further than
+    `limit + 1`: enough to tell a value over the limit, whatever its real depth (no recursion either)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def json_problem(value: Any, max_depth: int, max_bytes: int) -> str | None:
+    """What keeps `value` from being stored and answered as JSON (None when nothing does): nesting deeper than
+    `max_depth`, more than `max_bytes` as compact UTF-8 JSON, a value JSON cannot hold (NaN, infinity, a
+    non-JSON type), a lone surrogate, or a NUL character (Postgres's JSONB refuses both)."""
+    if json_depth(value, max_depth) > max_depth:
+        return f"must nest at most {max_depth} levels deep"
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "must be valid Unicode (a lone surrogate cannot be stored)"
+    except (TypeError, ValueError, RecursionError) as exc:
+        return f"must be JSON (finite numbers, strings, booleans, null, arrays, objects): {exc}"
+    if "\\u0000" in text:
+        return "must not contain NUL characters"
+    if size > max_bytes:
+        return f"must be at most {max_bytes} bytes as JSON, got {size}"
+    return None

@@ -108,7 +108,10 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
         if not isinstance(value, dt.datetime):
             return None, f"expected datetime, got {_tname(value)}"
         # Naive datetimes are taken as UTC; everything is stored in UTC.
-        return (value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)), None
+        try:
+            return (value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)), None
+        except OverflowError:  # 9999-12-31T23:59:59-14:00 is in year 10000 in UTC, where it would be stored
+            return None, "date and time out of range in UTC (years 1..9999)"
     raise AssertionError(kind)
 
 
@@ -222,6 +225,9 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
     try:
         idx = np.asarray(vector.indices, dtype=np.int64)
         val = np.asarray(vector.values, dtype=np.float32)
+    except OverflowError:  # an index beyond 64 bits (2**70): out of range whatever the dimension
+        problems.add(f"sparse index out of range 0..{dim - 1}", pos, "vector")
+        return None
     except (TypeError, ValueError):
         problems.add("sparse indices and values must be numbers", pos, "vector")
         return None
@@ -320,6 +326,10 @@ def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) ->
     # Fast paths: typed NumPy or Arrow columns need no per-value checks beyond nulls and NaN.
     if isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
         arr = pa.array(values.astype(np.float64 if kind is AttributeType.FLOAT64 else values.dtype), target)
+    elif kind is AttributeType.DATETIME and isinstance(values, pa.ChunkedArray | pa.Array) and (
+        pa.types.is_timestamp(values.type)
+    ):
+        arr = _utc_micros(name, values, problems)
     elif isinstance(values, pa.ChunkedArray | pa.Array) and values.type == target and kind is not AttributeType.GUID:
         arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     else:
@@ -338,6 +348,35 @@ def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) ->
         for pos in np.flatnonzero(nan)[:MAX_PROBLEMS]:
             problems.add("float64 value must be finite", int(pos), name)
     return arr
+
+
+# The instants a datetime attribute may hold, in microseconds since the epoch: years 1..9999 in UTC, as Python
+# (and so every reader of the log) can represent them.
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICROSECOND = dt.timedelta(microseconds=1)
+_MIN_US = (dt.datetime.min.replace(tzinfo=dt.UTC) - _EPOCH) // _MICROSECOND
+_MAX_US = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // _MICROSECOND
+_PER_UNIT_US = {"s": 1_000_000, "ms": 1_000, "us": 1}
+
+
+def _utc_micros(name: str, values: pa.Array | pa.ChunkedArray, problems: _Problems) -> pa.Array:
+    """An Arrow timestamp column (any unit; naive taken as UTC, as naive datetimes are) as UTC microseconds,
+    noting every instant outside years 1..9999 in UTC: a reader of the log could not turn it into a datetime.
+    Column-wise: no Python object per value."""
+    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    # The stored integers are instants since the epoch in the column's unit; a timezone only labels them.
+    ticks = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    unit = arr.type.unit
+    if unit == "ns":
+        micros = ticks // 1_000  # nanoseconds span years 1677..2262 only: always in range
+    else:
+        per = _PER_UNIT_US[unit]
+        out = (ticks < -(-_MIN_US // per)) | (ticks > _MAX_US // per)
+        for pos in np.flatnonzero(out)[:MAX_PROBLEMS]:
+            problems.add("date and time out of range in UTC (years 1..9999)", int(pos), name)
+        micros = np.where(out, 0, ticks) * per
+    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+    return pa.array(micros.astype(np.int64), pa.int64(), mask=nulls).cast(ARROW_TYPES[AttributeType.DATETIME])
 
 
 def _finish(spec: DataSourceSpec, arrays: dict[str, pa.Array]) -> pa.Table:

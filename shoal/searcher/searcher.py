@@ -54,6 +54,7 @@ class SearchService:
         # Per index: the log tail last read for a search stronger than eventual, and the shard versions it was
         # read against. Log segments are immutable: a later search reuses it and reads only newer segments.
         self._tails: dict[int, tuple[tuple[int | None, ...], int, pa.Table | None, dict[int, Tail]]] = {}
+        self._stale: set[tuple[int, str, str]] = set()  # views whose last refresh failed (an outage, logged once)
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
@@ -184,8 +185,9 @@ class SearchService:
     def refresh(self) -> None:
         """Load, now, any newer active version of the indexes served; stop serving the ones that are gone.
 
-        Only "not found" unloads an index: any other failure (the catalog or storage briefly away) keeps the
-        view served as it is, to be retried at the next poll."""
+        Only NotFoundError (the catalog answered: the index or its data source is no more) unloads an index.
+        Any other failure, a catalog or storage outage above all, keeps the view served as it is: eventual
+        searches go on answering from it, and the next poll tries again (logged once per outage, not per poll)."""
         with self._lock:
             keys = list(self._views)
         for key in keys:
@@ -198,8 +200,16 @@ class SearchService:
             except NotFoundError:
                 log.info("index %s/%s of tenant %s is gone: no longer served", name, version, scope.tenant)
                 self._unload(key)
-            except Exception as exc:  # noqa: BLE001 - keep serving the old view; retry on the next poll
-                log.warning("could not refresh index %s/%s: %s", name, version, exc)
+                self._stale.discard(key)
+            except Exception as exc:  # noqa: BLE001 - unreachable is not deleted: keep serving, retry next poll
+                if key not in self._stale:
+                    self._stale.add(key)
+                    log.warning("could not refresh index %s/%s (%s: %s); serving the version it holds until the "
+                                "catalog and storage answer again", name, version, type(exc).__name__, exc)
+            else:
+                if key in self._stale:
+                    self._stale.discard(key)
+                    log.info("index %s/%s refreshed again", name, version)
 
     @property
     def loaded_bytes(self) -> int:
@@ -272,7 +282,10 @@ class SearchService:
             self._wake.clear()
             if self._stop.is_set():
                 return
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a failed poll must not end the following: the next one retries
+                log.exception("searcher poll failed; retrying at the next poll")
 
     def _listen_loop(self) -> None:
         while not self._stop.is_set():

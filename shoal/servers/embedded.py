@@ -2,12 +2,17 @@
 
 Both servers outlive the process that started them, so a CLI call, a worker and a test run on one data
 directory find and reuse them; `shoal server stop` (or `stop_embedded`) ends them.
+
+The Valkey requires a password, generated on first start and kept in `$SHOAL_DATA_DIR/valkey/password` (mode
+0600, never on a command line where `ps` would show it): every client the embedded default builds reads it
+through the URL `ensure_valkey` returns. A server started by an older Shoal without one is given it in place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -67,15 +72,86 @@ def _valkey_state(data_dir: Path) -> Path:
     return data_dir / "valkey" / "server.json"
 
 
-def _valkey_alive(port: int) -> bool:
+def _private_file(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable and writable by this user only (0600 from the first byte)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def valkey_password(data_dir: Path) -> str:
+    """The embedded Valkey's password, kept in `data_dir/valkey/password` (created on first use, mode 0600)."""
+    path = data_dir / "valkey" / "password"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _private_file(path, secrets.token_urlsafe(32) + "\n")
+    if path.stat().st_mode & 0o077:  # copied or restored with looser bits: nobody else may read it
+        path.chmod(0o600)
+    password = path.read_text().strip()
+    if not password:
+        raise ConfigurationError(f"the embedded Valkey's password file {path} is empty: delete it and stop the "
+                                 "embedded servers (shoal server stop); the next start makes a new one")
+    return password
+
+
+def valkey_url(data_dir: Path, port: int) -> str:
+    """The redis:// URL of the embedded Valkey of `data_dir` listening on `port`, with its password."""
+    # token_urlsafe's alphabet needs no quoting in a URL.
+    return f"redis://:{valkey_password(data_dir)}@127.0.0.1:{port}/0"
+
+
+def _valkey_ping(port: int, password: str | None) -> bool:
+    """True when the server on `port` answers PING with this password (None: without one)."""
     try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=0.5,
+                             socket_timeout=0.5)
         try:
             return bool(client.ping())
         finally:
             client.close()
     except redis.RedisError:
         return False
+
+
+def _valkey_alive(port: int, password: str, home: Path) -> bool:
+    """True when the embedded Valkey on `port` answers with `password`. Ours (its folder is `home`) answering
+    without any password (started by an older Shoal) is given it first, so it never serves unauthenticated
+    clients again; another server on that port is left alone."""
+    try:
+        # Asked without the password first: a server without one accepts any password, so only this tells.
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            if client.ping():
+                if Path(str(client.config_get("dir").get("dir", ""))).resolve() != home.resolve():
+                    return False
+                client.config_set("requirepass", password)
+        finally:
+            client.close()
+    except redis.AuthenticationError:
+        pass  # it requires a password, as it should: is it ours?
+    except redis.RedisError:
+        return False
+    return _valkey_ping(port, password)
+
+
+def _refuses_password(port: int) -> bool:
+    """True when something on `port` speaks Redis but refuses both our password and none (a stale password file)."""
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except redis.AuthenticationError:
+        return True
+    except redis.RedisError:
+        return False
+    return False
 
 
 def _port_free(port: int) -> bool:
@@ -104,19 +180,29 @@ def ensure_valkey(data_dir: Path) -> str:
     state = _valkey_state(data_dir)
     # File locks are per process: threads of one process also need a lock of their own.
     with _VALKEY_THREADS, fasteners.InterProcessLock(str(home / ".lock")):
+        password = valkey_password(data_dir)
         port = None
         if state.is_file():
             port = int(json.loads(state.read_text())["port"])
-            if _valkey_alive(port):
-                return f"redis://127.0.0.1:{port}/0"
+            if _valkey_alive(port, password, home):
+                return valkey_url(data_dir, port)
+            if _refuses_password(port):
+                raise ConfigurationError(
+                    f"the embedded Valkey on port {port} refuses the password in {home / 'password'}: stop it "
+                    "(shoal server stop) and run again"
+                )
             # Restart on the port it had, so clients holding the old URL reconnect to it by themselves.
             if not _port_free(port):
                 port = None
         port = port or _free_port()
+        # The password goes in a config file only this user reads: a command line is visible to everyone.
+        config = home / "valkey.conf"
+        _private_file(config, f"requirepass {password}\n")
         # appendonly: broker messages (the indexers' work queue) must survive a restart of the server.
         subprocess.run(
             [
                 str(get_binary_path()),
+                str(config),
                 "--port", str(port),
                 "--bind", "127.0.0.1",
                 "--dir", str(home),
@@ -128,9 +214,9 @@ def ensure_valkey(data_dir: Path) -> str:
             ],
             check=True,
         )
-        _wait_for(lambda: _valkey_alive(port), 15, f"embedded Valkey on port {port}")
+        _wait_for(lambda: _valkey_ping(port, password), 15, f"embedded Valkey on port {port}")
         state.write_text(json.dumps({"port": port}))
-        return f"redis://127.0.0.1:{port}/0"
+        return valkey_url(data_dir, port)
 
 
 def stop_embedded(data_dir: Path) -> list[str]:

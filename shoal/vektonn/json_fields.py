@@ -91,11 +91,68 @@ def load(body: bytes, error: type[ValidationError]) -> tuple[Any, bool]:
     # (a non-finite coordinate is a point's problem, not a parse error).
     try:
         parsed = _stdlib_loads(body)
-        # Lone surrogates cannot be stored as UTF-8 (the DTO path failed on them with a server error).
+    except (ValueError, TypeError, RecursionError):
+        raise error(f"the body is not JSON: {refusal}") from None
+    try:
         json.dumps(parsed, ensure_ascii=False).encode("utf-8")
-    except (ValueError, TypeError, RecursionError):  # UnicodeError is a ValueError
+    except UnicodeEncodeError:
+        # A lone surrogate ("\ud800" escaped) cannot be stored as UTF-8 (the DTO path failed on it with a
+        # server error): name the field that holds it.
+        position, attribute = _where(parsed, _unencodable(parsed) or [])
+        raise error(Problem(NOT_UNICODE, position, attribute)) from None
+    except (ValueError, TypeError, RecursionError):
         raise error(f"the body is not JSON: {refusal}") from None
     return parsed, True
+
+
+NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) cannot be stored"
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unencodable(parsed: Any) -> list[Any] | None:
+    """The path (object keys and array indices) to the first string or object key UTF-8 cannot encode; None
+    when every one encodes. Iterative: the body may nest as deep as Python's json parses."""
+    stack: list[tuple[Any, list[Any]]] = [(parsed, [])]
+    while stack:
+        value, path = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if not _encodes(value):
+                return path
+        elif kind is dict:
+            for key, item in value.items():
+                if not _encodes(key):
+                    return [*path, key]
+                stack.append((item, [*path, key]))
+        elif kind is list:
+            stack.extend((item, [*path, i]) for i, item in enumerate(value))
+    return None
+
+
+def _where(parsed: Any, path: list[Any]) -> tuple[int | None, str | None]:
+    """The (point or query vector position, attribute or field name) a path into a Vektonn body points at."""
+    position: int | None = None
+    node = parsed
+    if type(node) is list and path:  # an upload: the data point's position
+        position, node, path = path[0], node[path[0]], path[1:]
+    if type(node) is not dict or not path or not _encodes(path[0]):
+        return position, None
+    field = CANONICAL.get(path[0].lower(), path[0])
+    if field in ("attributes", "splitFilter") and len(path) >= 2 and type(node[path[0]]) is list:
+        entry = node[path[0]][path[1]]
+        key = entry.get("key") if type(entry) is dict else None
+        if type(key) is str and _encodes(key):
+            return position, key  # the attribute whose key or value holds it
+    if field == "queryVectors" and len(path) >= 2:
+        position = path[1]
+    return position, field
 
 
 def shape_body(

@@ -8,6 +8,7 @@ values as the former conversion checked them, with the same problems.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,16 +39,18 @@ class SearchQuery:
     retrieve_vectors: bool = False
 
 
-def decode_search(body: bytes) -> SearchQuery:
+def decode_search(body: bytes, max_vectors: int | None = None) -> SearchQuery:
     """Vektonn's SearchQueryDto (`k`, `queryVectors`, `splitFilter`, `retrieveVectors`; keys in any case) with
-    its JSON types checked; ValidationError naming the field otherwise. Values are checked against the data
-    source by query_vectors() and split_filter(); that k is positive is left to the caller, as before."""
-    query = shape_body(body, load(body, ValidationError), _search_shape)
+    its JSON types checked; ValidationError naming the field otherwise, and naming SHOAL_MAX_QUERY_VECTORS
+    when the query holds more than `max_vectors` vectors (refused before any of them is read). Values are
+    checked against the data source by query_vectors() and split_filter(); that k is positive is left to the
+    caller, as before."""
+    query = shape_body(body, load(body, ValidationError), partial(_search_shape, max_vectors=max_vectors))
     assert query is not None  # _search_shape gives None only with problems, which shape_body raises
     return query
 
 
-def _search_shape(raw: Any) -> tuple[SearchQuery | None, list[Problem]]:
+def _search_shape(raw: Any, max_vectors: int | None = None) -> tuple[SearchQuery | None, list[Problem]]:
     """The query with its fields' JSON types checked, or None and the problems found."""
     if type(raw) is not dict:
         return None, [Problem(f"a search query must be a JSON object, got {jtype(raw)}")]
@@ -60,6 +63,10 @@ def _search_shape(raw: Any) -> tuple[SearchQuery | None, list[Problem]]:
         problems.append(Problem(f"k must be a JSON integer, got {jtype(k)}", attribute="k"))
     vectors: list[dict[str, Any]] = []
     raw_vectors = query.get("queryVectors")
+    if type(raw_vectors) is list and max_vectors is not None and len(raw_vectors) > max_vectors:
+        # A search's cost grows with its query vectors: refuse a batch of them before reading one.
+        return None, [Problem(f"a search may carry at most {max_vectors} query vectors (SHOAL_MAX_QUERY_VECTORS), "
+                              f"got {len(raw_vectors)}", attribute="queryVectors")]
     if raw_vectors is None:
         problems.append(Problem("a search query needs queryVectors", attribute="queryVectors"))
     elif type(raw_vectors) is not list:

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pydantic
 
-from shoal.errors import Problem, ValidationError
+from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, Tombstone
 from shoal.log.validation import ARROW_TYPES, MAX_PROBLEMS, columns_to_table, points_to_table
 from shoal.vektonn.json_fields import (
@@ -70,7 +70,7 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
     Promises the table `points_to_table(spec, points_from_dtos(spec, dtos), max_points)` gives for the same
     body, or a ValidationError naming each problem's point position and attribute: UploadBodyError when the
     body is no JSON array of objects, EmptyUploadError ("batch is empty") for an empty array, BatchTooLargeError
-    beyond `max_points`. Nothing is written by this function either way.
+    beyond `max_points` (before any point is checked). Nothing is written by this function either way.
     """
     loaded = load(body, UploadBodyError)
     items = loaded[0]
@@ -82,6 +82,11 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
         raise UploadBodyError(not_objects[:MAX_PROBLEMS])
     if not items:
         raise EmptyUploadError("batch is empty")
+    if len(items) > max_points:
+        # Refused before any point is read: checking each one first cost seconds per 100,000 points.
+        raise BatchTooLargeError(
+            Problem(f"batch holds {len(items)} points, more than the configured maximum {max_points}")
+        )
     if not spec.vectors_are_sparse:
         table = _fast_batch(spec, items, max_points)
         if table is not None:

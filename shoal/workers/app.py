@@ -67,9 +67,25 @@ def _configure(sender: Celery, **_: Any) -> None:
         accept_content=["json"],
         task_ignore_result=True,
         task_default_queue=QUEUE,
+        # A broker restart must not end the worker: reconnect at start and after every loss, for as long as it
+        # takes (Celery gives up after 100 attempts by default), on channel errors too. `shoal up` restarts a
+        # worker that dies anyway (kombu's Redis transport can still fail while it tears a connection down).
+        broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
-        # A materialization of a big shard may take minutes: redeliver only after a long silence.
-        broker_transport_options={"visibility_timeout": settings.task_visibility_timeout_s},
+        broker_connection_max_retries=None,
+        broker_channel_error_retry=True,
+        # ... through kombu's Redis transport, whose use of a closed connection no longer ends the worker.
+        broker_transport="shoal.workers.transport:Transport",
+        # A task running when the connection drops is let finish (its work is kept: a build publishes); should
+        # its late ack be lost with the connection, the broker redelivers it later and the rerun finds nothing to do.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_transport_options={
+            # A materialization of a big shard may take minutes: redeliver only after a long silence.
+            "visibility_timeout": settings.task_visibility_timeout_s,
+            # Notice a dead broker connection (a restart, a half-open socket) instead of waiting on it.
+            "socket_connect_timeout": 5,
+            "socket_keepalive": True,
+        },
         beat_schedule=beat_schedule(settings),
         # Task events for Flower (and `celery events`): every worker sends them, and so does every sender.
         worker_send_task_events=True,

@@ -17,8 +17,13 @@ from celery import Task
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from shoal.errors import ConflictError
+from shoal.errors import ConflictError, LeaseBusyError
 from shoal.workers.context import WorkerContext
+
+# A retry of a task that found a shard's lease held waits at most until that lease ends, plus this margin: by
+# then the holder renewed it (alive: wait again) or it expired (dead: take it over), so a dead worker's shard
+# is built again within about one lease period, not after the retry's whole backoff.
+LEASE_RETRY_MARGIN_S = 0.5
 
 # The retry map: errors worth a retry, because the catalog, broker or storage was briefly away or the task lost a
 # race (a ConflictError: another worker holds the shard's lease, or moved a pointer first; a retry reloads).
@@ -50,6 +55,13 @@ class ShoalTask(Task):
     _context: ClassVar[WorkerContext | None] = None
     _context_pid: ClassVar[int | None] = None
     _context_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def retry(self, *args: Any, exc: BaseException | None = None, countdown: float | None = None,
+              **options: Any) -> Any:
+        """Celery's retry, waiting no longer than a busy shard lease has left (see LEASE_RETRY_MARGIN_S)."""
+        if isinstance(exc, LeaseBusyError) and exc.retry_in is not None and countdown is not None:
+            countdown = min(countdown, max(exc.retry_in, 0.0) + LEASE_RETRY_MARGIN_S)
+        return super().retry(*args, exc=exc, countdown=countdown, **options)
 
     @property
     def context(self) -> WorkerContext:

@@ -30,6 +30,8 @@ class WorkerContext:
             runtime.engine,
             runtime.storage,
             lease_seconds=settings.lease_seconds,
+            # Renewed while a build runs, at least three times per lease: one late beat never loses it.
+            heartbeat_s=min(settings.lease_heartbeat_s, settings.lease_seconds / 3),
             policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
             on_publish=lambda shard, version: announce_version(broker, shard, version),
         )

@@ -6,10 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shoal.vektonn.dto import AttributeDto, AttributeValueDto, FoundDataPointDto, InputDataPointOrTombstoneDto, VectorDto
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.searcher.execute import Hit
+from shoal.vektonn.dto import (
+    AttributeDto,
+    AttributeValueDto,
+    FoundDataPointDto,
+    InputDataPointOrTombstoneDto,
+    VectorDto,
+)
 
 # The DTO slot each attribute type travels in.
 SLOT = {
