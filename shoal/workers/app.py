@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import redis
 from celery import Celery
+from celery.signals import worker_ready
 
 from shoal.config.settings import Settings
 from shoal.servers.broker import broker_url
@@ -23,6 +26,8 @@ from shoal.workers.names import (
 # The task names are spelled in shoal.workers.names; those this module always exported stay importable here.
 __all__ = ["APPLY_RETENTION", "COLLECT_GARBAGE", "COMPACT_LOG", "PURGE_TRASH", "SWEEP", "SWEEP_COMPACTION",
            "SWEEP_GENERATIONS", "SWEEP_MERGES", "app", "beat_schedule", "broker_url"]
+
+log = logging.getLogger(__name__)
 
 app = Celery("shoal", include=["shoal.workers.tasks"])
 
@@ -94,3 +99,21 @@ def _configure(sender: Celery, **_: Any) -> None:
         # Beat's schedule state belongs with the rest of Shoal's files, not in whatever directory it ran from.
         beat_schedule_filename=str(settings.data_dir / "celerybeat-schedule"),
     )
+
+
+@worker_ready.connect
+def _forget_pending_marks(sender: Any = None, **_: Any) -> None:
+    """A starting worker forgets every "queued, not started" mark (workers/triggers.py): a worker that died
+    (killed, or ended by its broker connection) leaves the marks of the tasks it had taken, and until they
+    expire no commit or sweep would queue those shards again. A mark forgotten too early only lets a duplicate
+    task be queued, which the shard's lease makes harmless."""
+    try:
+        client = redis.Redis.from_url(app.conf.broker_url, socket_timeout=5)
+        try:
+            keys = list(client.scan_iter(match="shoal:pending:*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:  # the marks expire anyway; the worker must still start
+        log.warning("could not clear the pending marks at worker start: %s", exc)
