@@ -354,3 +354,22 @@ def test_booleans_must_be_booleans_and_search_errors_do_not_claim_a_write(serve:
     assert r.status_code == 400, r.text
     assert "nothing written" not in messages(r), r.text
     api.unchanged()
+
+    # ... and the same from the Python API.
+    from shoal.errors import ValidationError
+
+    with Shoal(api.settings, notify=False) as shoal:
+        searcher = shoal.searcher()
+        try:
+            for queries, k, options in (
+                ([[0.0, 1.0]], 0, {}),
+                ([[0.0, 1.0, 2.0]], 1, {}),
+                ([[0.0, 1.0]], 1, {"search_params": {"no_such_param": 3}}),
+            ):
+                with pytest.raises(ValidationError) as caught:
+                    searcher.search(DENSE_INDEX.name, DENSE_INDEX.version, queries, k, **options)
+                assert str(caught.value).startswith("invalid query"), str(caught.value)
+                assert "nothing written" not in str(caught.value)
+        finally:
+            searcher.close()
+    api.unchanged()

@@ -8,6 +8,7 @@ Postgres stopped and started again (a dedicated one, so the session's catalog is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -267,6 +268,63 @@ def test_indexing_goes_on_across_ten_broker_restarts_under_load(
         finally:
             stop.set()
             _stop_up(up)
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_recover_exits_promptly_with_a_task_in_hand(
+    make_settings: Callable[..., Settings], redis_url: str, tmp_path: Path
+) -> None:
+    """What CI once saw after a broker restart: the prefork worker's event loop failed (kombu's result reader
+    read half a message: UnpicklingError), and Celery's warm shutdown then waited on the pool forever, so the
+    worker neither worked nor exited and `shoal up` never restarted it. A worker whose loop fails with a task
+    running must exit, non-zero, within seconds, and take its pool process with it."""
+    from celery import Celery
+
+    from shoal.servers.broker import broker_url
+
+    settings = make_settings("local", redis_url=redis_url)
+    started, trigger, log_path = tmp_path / "started", tmp_path / "fail", tmp_path / "worker.log"
+    queue = f"test-fail-{uuid.uuid4().hex[:8]}"  # its own queue: the session's broker is shared
+    helpers = str(Path(__file__).parent / "helpers")
+    env = settings_env(settings) | {"SHOAL_TEST_FAIL_FILE": str(trigger),
+                                    "PYTHONPATH": os.pathsep.join(filter(None, [helpers, os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "failing_worker_app", "worker", "--pool", "prefork", "-c", "1",
+             "-Q", queue, "--without-gossip", "--without-mingle", "--loglevel", "INFO"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    client = Celery(broker=broker_url(settings))
+    try:
+        client.send_task("tests.hold", args=[str(started), 600], queue=queue)
+        wait_for(started.exists, 60, "the worker to start the task")
+        pool_pid = int(started.read_text())
+        trigger.touch()
+        began = time.monotonic()
+        try:
+            wait_for(lambda: worker.poll() is not None, 45, "the failed worker to exit")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log_path.read_text(errors='replace')[-3000:]}") from None
+        text = log_path.read_text(errors="replace")
+        print(f"the worker exited {time.monotonic() - began:.1f} s after its loop failed, code {worker.returncode}")
+        assert worker.returncode != 0, text[-3000:]
+        assert "Unrecoverable error" in text and "the test asked this worker's event loop to fail" in text
+        wait_for(lambda: not _alive(pool_pid), 15, "the worker's pool process to end")
+    finally:
+        client.close()
+        stop_process(worker)  # type: ignore[arg-type]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (ended, not yet reaped by a parent that is gone or busy) counts as ended
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.mark.slow

@@ -284,6 +284,10 @@ def _supervise(children: list[Child], *, restart: bool = True) -> Child:
 def _schedule_restart(child: Child, code: int, now: float) -> None:
     """Plan the restart of a child that died: after its backoff, which doubles with each death that came soon
     after a start and starts over after a long healthy run."""
+    # What the dead child left running in its session (a worker's pool processes and beat, should it have ended
+    # without stopping them) goes too: the restarted child starts its own.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, signal.SIGKILL)
     healthy = now - child.started_at >= RESTART_STABLE_S
     child.backoff = RESTART_FIRST_S if healthy or not child.backoff else min(child.backoff * 2, RESTART_MAX_S)
     child.restart_at = now + child.backoff

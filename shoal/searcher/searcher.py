@@ -17,7 +17,7 @@ import pyarrow as pa
 import redis
 
 from shoal.catalog.repo import head_of
-from shoal.errors import CapacityError, NotFoundError, ShoalError, ValidationError
+from shoal.errors import CapacityError, NotFoundError, QueryError, ShoalError, ValidationError
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
@@ -335,9 +335,13 @@ class Searcher:
         pinned (as they were); `as_of` answers exactly as of that seq (a write token's), from the newest kept
         version at or below it plus the log up to it. `search_params` overrides the index's query-time
         parameters for this search only, without a rebuild: `ef_search` for HNSW, `nprobe` for IVF (unknown
-        names and bad values raise ValidationError).
+        names and bad values raise ValidationError). A search writes nothing, and its errors say "invalid
+        query" (a QueryError), never "nothing written".
         """
-        return self.service.search(self.scope, index_name, index_version, queries, k, **options)
+        try:
+            return self.service.search(self.scope, index_name, index_version, queries, k, **options)
+        except ValidationError as exc:
+            raise QueryError.of(exc) from None
 
     def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
         """`search` on the index the alias names now: resolved once per call, so a search is answered wholly

@@ -109,7 +109,7 @@ def _valkey_ping(port: int, password: str | None) -> bool:
     """True when the server on `port` answers PING with this password (None: without one)."""
     try:
         client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=0.5,
-                             socket_timeout=0.5)
+                             socket_timeout=0.5, retry=None)
         try:
             return bool(client.ping())
         finally:
@@ -124,7 +124,9 @@ def _valkey_alive(port: int, password: str, home: Path) -> bool:
     clients again; another server on that port is left alone."""
     try:
         # Asked without the password first: a server without one accepts any password, so only this tells.
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        # No retries on these probes: redis-py retries a refused AUTH with backoff, seconds per probe.
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
+                             retry=None)
         try:
             if client.ping():
                 if Path(str(client.config_get("dir").get("dir", ""))).resolve() != home.resolve():
@@ -142,7 +144,8 @@ def _valkey_alive(port: int, password: str, home: Path) -> bool:
 def _refuses_password(port: int) -> bool:
     """True when something on `port` speaks Redis but refuses both our password and none (a stale password file)."""
     try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
+                             retry=None)
         try:
             client.ping()
         finally:

@@ -8,6 +8,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.signals import worker_ready
+from kombu.utils.objects import cached_property
 
 from shoal.config.settings import Settings
 from shoal.servers.broker import broker_url
@@ -29,7 +30,17 @@ __all__ = ["APPLY_RETENTION", "COLLECT_GARBAGE", "COMPACT_LOG", "PURGE_TRASH", "
 
 log = logging.getLogger(__name__)
 
-app = Celery("shoal", include=["shoal.workers.tasks"])
+
+class ShoalCelery(Celery):  # type: ignore[misc]
+    """Celery whose `celery worker` runs shoal.workers.process.Worker: one that exits after an error it
+    cannot recover from instead of hanging in a warm shutdown (see that module)."""
+
+    @cached_property
+    def Worker(self) -> Any:  # noqa: N802 - Celery's attribute name
+        return self.subclass_with_self("shoal.workers.process:Worker")
+
+
+app = ShoalCelery("shoal", include=["shoal.workers.tasks"])
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,54 @@
+"""The worker process of Shoal's Celery app: Celery's worker, made to exit promptly after an error it cannot
+recover from, so that a supervisor (`shoal up`, systemd, a container runtime) starts a fresh one.
+
+Celery answers an unrecoverable error with a warm shutdown: it waits for the pool to finish and hand back
+what its children hold. After a broker restart the prefork pool's result pipe can be left mid-message (the
+event loop was reset while a result was half read); the next read then fails to unpickle ("invalid load
+key"), Celery calls that unrecoverable, and the warm shutdown waits on that same broken pipe forever: the
+process neither works nor exits, and nothing restarts it. Here such a stop is cold (running tasks are
+abandoned; every task is idempotent, its message is unacknowledged and its lease names a dead process) and
+bounded: if it has not returned after EXIT_GRACE_S, the process ends anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery.apps.worker import Worker as CeleryWorker
+
+log = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 15.0  # the longest a failing worker may take to stop before it ends regardless
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    """End this process with `code` after `seconds`, whatever the main thread is waiting on."""
+
+    def _end() -> None:
+        log.critical("the worker did not stop within %.0f s of an unrecoverable error; exiting with code %d",
+                     seconds, code)
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, _end)
+    timer.daemon = True
+    timer.start()
+
+
+class Worker(CeleryWorker):  # type: ignore[misc]
+    """Celery's worker whose stop after a failure is cold and ends the process within EXIT_GRACE_S."""
+
+    def stop(self, in_sighandler: bool = False, exitcode: int | None = None) -> Any:
+        """Stop as Celery does, except that a stop with a failure exit code (an unrecoverable error) is cold
+        and bounded in time, so the process exits and can be restarted."""
+        if not exitcode or in_sighandler:
+            return super().stop(in_sighandler=in_sighandler, exitcode=exitcode)
+        self.exitcode = exitcode
+        log.critical("stopping the worker at once after an unrecoverable error (exit code %d); running tasks "
+                     "are left to be redelivered", exitcode)
+        _exit_after(EXIT_GRACE_S, exitcode)
+        self.terminate()
+        return None
