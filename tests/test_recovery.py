@@ -286,8 +286,8 @@ def test_a_worker_that_cannot_recover_exits_promptly_with_a_task_in_hand(
     started, trigger, log_path = tmp_path / "started", tmp_path / "fail", tmp_path / "worker.log"
     queue = f"test-fail-{uuid.uuid4().hex[:8]}"  # its own queue: the session's broker is shared
     helpers = str(Path(__file__).parent / "helpers")
-    env = settings_env(settings) | {"SHOAL_TEST_FAIL_FILE": str(trigger),
-                                    "PYTHONPATH": os.pathsep.join(filter(None, [helpers, os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [helpers, os.environ.get("PYTHONPATH")]))
+    env = settings_env(settings) | {"SHOAL_TEST_FAIL_FILE": str(trigger), "PYTHONPATH": path}
     with open(log_path, "wb") as log:
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "failing_worker_app", "worker", "--pool", "prefork", "-c", "1",
