@@ -255,8 +255,12 @@ class Shoal:
 
     def rollback(self, name: str, version: str) -> None:
         """Serve again the generation the last reindex replaced (while it is kept), atomically."""
+        from shoal.index.reindex import refresh_dataset_mirror
+
         self.generations.rollback(self.catalog.tenant_id, name, version)
-        self._announce_index(self.get_index(name, version))
+        index = self.get_index(name, version)
+        refresh_dataset_mirror(self.engine, self.storage, index.source_id)  # a dataset's mirror shows its index
+        self._announce_index(index)
 
     def _announce_index(self, index: IndexRecord) -> None:
         from shoal.searcher.announce import announce_index
@@ -301,7 +305,8 @@ class Shoal:
         self.aliases.drop(alias)
 
     def index_status(self, name: str, version: str) -> list[ShardStatus]:
-        """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds.
+        """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds, and the young
+        tier: the entries past the served watermark that following searchers search exactly.
 
         The served watermark is what a searcher last loaded (searchers report it when they swap a version in).
         """
@@ -328,6 +333,8 @@ class Shoal:
                     lag_seconds=lag_seconds,
                     segments=len(segments_of(active.manifest)) if active else 0,
                     version_id=shard.active_version_id,
+                    young_tier_seqs=min(head - shard.served_watermark, self.settings.young_tier_max_seqs),
+                    young_tier_age_s=lag_seconds if self.settings.young_tier_max_seqs > 0 else 0.0,
                 )
             )
         return out
@@ -386,6 +393,7 @@ class Shoal:
         result = apply_retention(
             self.engine, self.storage, record, now=now, max_batch_points=self.settings.max_batch_points,
             lock_timeout_ms=self.settings.lock_timeout_ms, commit_retries=self.settings.commit_retries,
+            announce_head=self.runtime.announce_head,
         )
         if result.expired:
             self._after_commit(record.id)
@@ -427,3 +435,7 @@ class ShardStatus:
     built_lag_seqs: int  # head minus the built watermark: what the workers have not indexed yet
     segments: int
     version_id: int | None
+    # Of the entries searchers do not serve from a built version, those following searchers search exactly
+    # (at most SHOAL_YOUNG_TIER_MAX_SEQS), and how long the oldest of them has been committed.
+    young_tier_seqs: int = 0
+    young_tier_age_s: float = 0.0

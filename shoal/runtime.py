@@ -24,6 +24,7 @@ from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError
 from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
+from shoal.log.heads import HeadAnnouncer
 from shoal.log.writer import LogWriter
 from shoal.servers.broker import broker_url
 from shoal.storage import Storage
@@ -83,6 +84,7 @@ class Runtime:
         self._broker_url: str | None = None
         self._redis: redis.Redis | None = None
         self._celery: Any = None
+        self.heads = HeadAnnouncer(self.redis)
 
     # -- tenants ------------------------------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class Runtime:
                     lock_timeout_ms=self.settings.lock_timeout_ms,
                 )
                 writer.after_commit = self.after_commit
+                writer.announce_head = self.announce_head
                 self._writers[source.id] = writer
             return writer
 
@@ -175,6 +178,11 @@ class Runtime:
         with self._lock:
             self._shards_of.pop(source_id, None)
 
+    def announce_head(self, source_id: int, head: int) -> None:
+        """Announce a data source's new head to searchers (every commit, whatever `notify` says: searchers
+        answer `strong` from it). Best effort: what fails is retried in the background."""
+        self.heads.announce(source_id, head)
+
     def after_commit(self, source_id: int) -> None:
         """After a commit (never before): queue materialization of every shard over the data source."""
         if not self.notify:
@@ -193,6 +201,7 @@ class Runtime:
 
     def close(self) -> None:
         """Release the catalog connections and the broker clients."""
+        self.heads.close()
         with self._lock:
             client, self._redis = self._redis, None
             self._celery = None

@@ -353,8 +353,11 @@ def test_error_codes_on_every_route(api: tuple[httpx.Client, Settings], monkeypa
 # -- vectors, search, stats ------------------------------------------------------------------------------------
 
 
-def test_vectors_search_and_stats(api: tuple[httpx.Client, Settings]) -> None:
-    http, settings = api
+def test_vectors_search_and_stats(serve: Serve, connect: Callable[..., httpx.Client],
+                                  make_settings: Callable[..., Settings]) -> None:
+    # No young tier: eventual shows only what workers built (none run here), at_least and strong the log.
+    settings = anonymous(make_settings("local", young_tier_max_seqs=0))
+    http = connect(serve(settings), admin_key(settings))
     create(http, "docs", 2, metric_type="euclidean", index_type="flat")
     first = upsert(
         http, "docs",

@@ -66,9 +66,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     def metrics(view: Annotated[MetricsView, Depends(metrics_view)]) -> PlainTextResponse:
-        """Prometheus metrics: upload rate, search latency, lag per shard. Per-tenant series only for the
+        """Prometheus metrics: upload rate, search latency, lag and young tier per shard. Per-tenant series only for the
         metrics token (every tenant) or an admin key (its own tenant); totals without names otherwise."""
-        body = app.state.metrics.exposition(app.state.runtime.engine, view, app.state.runtime.segment_cache)
+        body = app.state.metrics.exposition(app.state.runtime.engine, view, app.state.runtime.segment_cache,
+                                            app.state.tenants.search.young_tier())
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -78,6 +78,35 @@ class _CacheCollector(Collector):
                                 value=len(self.cache))
 
 
+class _YoungCollector(Collector):
+    """The young tier this process's searcher holds per shard (log entries searched exactly because no built
+    version reflects them yet): keys and age, per shard for the tenants the view shows, largest otherwise."""
+
+    def __init__(self, rows: list[tuple[str, str, str, int, int, float]], view: MetricsView) -> None:
+        self.rows = rows
+        self.view = view
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["tenant", "index", "version", "shard"]
+        size = GaugeMetricFamily("shoal_young_tier_keys", "Keys this process's searcher serves from the log, not "
+                                 "yet in a built version", labels=labels)
+        age = GaugeMetricFamily("shoal_young_tier_age_seconds", "Seconds since this process's searcher read the "
+                                "oldest entry of its young tier", labels=labels)
+        max_size, max_age = 0, 0.0
+        for tenant, index, version, shard, keys, seconds in self.rows:
+            max_size, max_age = max(max_size, keys), max(max_age, seconds)
+            if self.view.shows(tenant):
+                size.add_metric([tenant, index, version, str(shard)], keys)
+                age.add_metric([tenant, index, version, str(shard)], seconds)
+        if self.view.every_tenant or self.view.tenant is not None:
+            yield size
+            yield age
+        yield GaugeMetricFamily("shoal_young_tier_keys_max", "Largest young tier of any shard served here",
+                                value=max_size)
+        yield GaugeMetricFamily("shoal_young_tier_age_seconds_max", "Oldest young tier entry of any shard served "
+                                "here (seconds)", value=max_age)
+
+
 class _Viewed(Collector):
     """The per-tenant counters and histograms of a registry as a view allows: the series of the tenants it
     shows, or (when it names none) the totals over all tenants, without the tenant label."""
@@ -129,11 +158,15 @@ class Metrics:
             child = self._search_by_tenant.setdefault(tenant, self.search_seconds.labels(tenant))
         return child.time()
 
-    def exposition(self, engine: Engine, view: MetricsView, cache: SegmentCache) -> bytes:
-        """The metrics in Prometheus's text format as `view` allows, with the lag of shards read from the catalog
-        and the process's segment cache."""
+    def exposition(
+        self, engine: Engine, view: MetricsView, cache: SegmentCache,
+        young: list[tuple[str, str, str, int, int, float]] | None = None,
+    ) -> bytes:
+        """The metrics in Prometheus's text format as `view` allows, with the lag of shards read from the catalog,
+        the process's segment cache and its searcher's young tier (`young`: SearchService.young_tier rows)."""
         now = CollectorRegistry()
         now.register(_Viewed(self.registry.collect(), view))
         now.register(_LagCollector(engine, view))
         now.register(_CacheCollector(cache))
+        now.register(_YoungCollector(young or [], view))
         return generate_latest(now)

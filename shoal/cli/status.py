@@ -18,7 +18,8 @@ from shoal.workers.liveness import DEGRADED, health_report, lag_summary
 
 CAPTION = (
     "built: the watermark of the shard's active version; served: the newest watermark a searcher has loaded "
-    "(0 until one has); lag: log head minus served"
+    "(0 until one has); lag: log head minus served; young tier: the part of that lag following searchers "
+    "search exactly from the log (eventual searches show it), at most SHOAL_YOUNG_TIER_MAX_SEQS"
 )
 
 
@@ -65,8 +66,8 @@ def freshness_table(rows: list[ShardStatus], title: str) -> Table:
     """One row per index shard: head, built and served watermarks, lag in seqs and seconds, segments."""
     table = Table(title=title, title_justify="left", caption=CAPTION, caption_justify="left")
     table.add_column("index", overflow="fold")
-    for column in ("shard", "head", "built watermark", "served watermark", "lag seqs", "lag s", "segments",
-                   "version id"):
+    for column in ("shard", "head", "built watermark", "served watermark", "lag seqs", "lag s", "young tier",
+                   "young age s", "segments", "version id"):
         table.add_column(column, justify="right")
     for s in rows:
         lagging = s.lag_seqs > 0
@@ -78,6 +79,8 @@ def freshness_table(rows: list[ShardStatus], title: str) -> Table:
             count(s.served_watermark),
             f"[yellow]{count(s.lag_seqs)}[/]" if lagging else "0",
             f"{s.lag_seconds:.1f}",
+            count(s.young_tier_seqs),
+            f"{s.young_tier_age_s:.1f}",
             str(s.segments),
             str(s.version_id) if s.version_id is not None else "-",
         )

@@ -98,6 +98,12 @@ class Settings(BaseSettings):
     searcher_poll_s: float = Field(
         default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
     )
+    young_tier_max_seqs: int = Field(
+        default=20_000, ge=0,
+        description="Log entries past an index's built watermark that a searcher keeps decoded and searches "
+        "exactly for eventual queries (the young tier; 0: eventual serves built segments only). Entries "
+        "beyond it wait for the workers' builds.",
+    )
     max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
     # Checked before any body is parsed (413): parsing is what costs, so a limit checked after it protects nothing.
     max_body_bytes: int | None = Field(
@@ -126,6 +132,15 @@ class Settings(BaseSettings):
     )
     pending_ttl_s: float = Field(default=120.0, gt=0, description="How long a queued-task mark coalesces commits.")
     max_segments: int = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
+    quick_build_backlog_seqs: int = Field(
+        default=5_000, ge=0,
+        description="A materialization that finds at least this many log entries to build (ingest outruns the "
+        "builds) builds its HNSW segment quickly, at SHOAL_QUICK_EF_CONSTRUCTION; merges rebuild quick segments "
+        "at the index's own parameters once the shard has no such backlog (0: never build quickly).",
+    )
+    quick_ef_construction: int = Field(
+        default=40, ge=1, description="ef_construction of quickly built HNSW segments (see the setting above)."
+    )
     max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
     merge_interval_s: float = Field(
         default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."

@@ -10,8 +10,9 @@ ConflictError: try again later, from the then active version.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +54,9 @@ class BuildResult:
     segments: int
 
 
+LEASE_POLL_S = 0.2  # how often a merge waiting to publish asks for the lease again
+
+
 def shard_dir(index: IndexRecord, shard: ShardRecord, generation: int) -> str:
     """Layout-relative folder of a shard's segments (DESIGN.md's storage layout)."""
     return layout.shard_dir(index.tenant, index.spec.name, index.spec.version, generation, shard.shard_no)
@@ -71,10 +75,15 @@ class ShardBuilder:
         heartbeat_s: float | None = None,
         policy: MergePolicy | None = None,
         on_publish: Callable[[int, int], None] | None = None,
+        quick_backlog_seqs: int = 0,
+        quick_ef_construction: int = 40,
     ) -> None:
         """`lease_seconds`: how long a build's lease lasts unrenewed. `heartbeat_s`: renew it that often while
         a build runs (workers do, with a short lease, so a dead worker's lease ends soon); None: never, the
-        lease just lasts `lease_seconds` (builds run in-process, as tests and benches do)."""
+        lease just lasts `lease_seconds` (builds run in-process, as tests and benches do).
+        `quick_backlog_seqs`: a materialization with at least this many log entries to build makes a quick HNSW
+        segment (ef_construction `quick_ef_construction`), rebuilt by a merge once the backlog is gone (0:
+        never)."""
         self.engine = engine
         self.storage = storage
         self.shards = ShardCatalog(engine)
@@ -86,15 +95,22 @@ class ShardBuilder:
         self.policy = policy or MergePolicy()
         self.on_publish = on_publish  # called with (shard id, version id) after a publish committed
         self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
+        self.quick_backlog_seqs = quick_backlog_seqs
+        self.quick_ef_construction = quick_ef_construction
+        self.publish_wait_s = 120.0  # how long a merge waits for the lease to publish what it built
 
     # -- shared steps ---------------------------------------------------------------------------------
 
-    def _leased(self, shard_id: int, run: Callable[[], BuildResult]) -> BuildResult:
-        # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is. A lease
-        # whose owner is a dead process of this machine is taken over at once instead.
-        if not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds, owner_is_dead=owner_is_dead):
-            _, left = self.shards.lease_holder(shard_id)
-            raise LeaseBusyError(f"index shard {shard_id} is being built by another worker", retry_in=left)
+    def _leased(self, shard_id: int, run: Callable[[], BuildResult], wait_s: float = 0.0) -> BuildResult:
+        # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is (after
+        # waiting up to `wait_s` for it). A lease whose owner is a dead process of this machine is taken over at
+        # once instead.
+        deadline = time.monotonic() + wait_s
+        while not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds, owner_is_dead=owner_is_dead):
+            if time.monotonic() >= deadline:
+                _, left = self.shards.lease_holder(shard_id)
+                raise LeaseBusyError(f"index shard {shard_id} is being built by another worker", retry_in=left)
+            time.sleep(LEASE_POLL_S)
         heartbeat = None
         if self.heartbeat_s is not None:
             heartbeat = LeaseHeartbeat(self.shards, shard_id, self.owner, self.lease_seconds, self.heartbeat_s)
@@ -138,11 +154,28 @@ class ShardBuilder:
         return BuildResult(shard.id, version_id, watermark, True, len(segments))
 
     def _new_segment(
-        self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int, rows: pa.Table
+        self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int, rows: pa.Table,
+        quick: bool = False,
     ) -> SegmentEntry:
         folder = shard_dir(index, shard, generation)
         spec = source.spec
-        return build_segment(self.storage, folder, index.spec, spec.vectors_are_sparse, spec.vector_dimension, rows)
+        index_spec = index.spec
+        quick = quick and self._can_build_quickly(index)
+        if quick:
+            params = {**index_spec.params, "ef_construction": self.quick_ef_construction}
+            index_spec = replace(index_spec, params=params)
+        entry = build_segment(self.storage, folder, index_spec, spec.vectors_are_sparse, spec.vector_dimension, rows)
+        return replace(entry, quick=True) if quick else entry
+
+    def _can_build_quickly(self, index: IndexRecord) -> bool:
+        """True when a quick build of this index is cheaper than its own (HNSW above the quick ef_construction)."""
+        if self.quick_backlog_seqs <= 0 or index.spec.algorithm != "hnsw":
+            return False
+        return int(index.spec.params.get("ef_construction", 200)) > self.quick_ef_construction
+
+    def _busy(self, index: IndexRecord, watermark: int, head: int) -> bool:
+        """True when the shard has a backlog a quick build is for (ingest outruns the builds)."""
+        return self._can_build_quickly(index) and head - watermark >= self.quick_backlog_seqs
 
     # -- materialize --------------------------------------------------------------------------------
 
@@ -161,12 +194,13 @@ class ShardBuilder:
 
         entries = self._shard_entries(index, shard, source, watermark, head)
         generation = active.generation if active else index.generation
+        quick = self._busy(index, watermark, head)
         if entries.num_rows:
             touched = pc.unique(entries[KEY])
             segments = [self._delete_keys(index, entry, touched) for entry in segments]
             upserts = fold(entries.to_batches())
             if upserts.num_rows:
-                segments.append(self._new_segment(index, shard, source, generation, upserts))
+                segments.append(self._new_segment(index, shard, source, generation, upserts, quick))
         # A range with nothing for this shard still moves the watermark: the version is exact at `head`.
         return self._publish(shard, active, generation, head, segments)
 
@@ -198,18 +232,86 @@ class ShardBuilder:
 
     def merge(self, shard_id: int, *, force: bool = False) -> BuildResult:
         """Rewrite the shard's segments the policy picks (all of them with `force`) into one, dropping dead
-        rows; the watermark stays. Returns changed=False when the policy picks nothing."""
-        return self._leased(shard_id, lambda: self._merge(shard_id, force))
+        rows; the watermark stays. Returns changed=False when the policy picks nothing.
 
-    def pick_for_merge(self, segments: Sequence[SegmentEntry], force: bool = False) -> list[int]:
-        """Positions of the segments to merge: every segment with too many dead rows, plus the smallest
-        ones while there are too many segments (tiered: small segments merge first)."""
+        The new segment is built without the shard's lease, so materializations of new data go on meanwhile;
+        the lease is taken only to publish, and what they published in between (new segments, rows of the
+        merged segments deleted since) is carried over into the merged version."""
+        shard, index, source = self.shards.shard_context(shard_id)
+        active = self.shards.active_version(shard_id)
+        if active is None:
+            return BuildResult(shard_id, None, 0, False, 0)
+        segments = list(Manifest.of(active.manifest).segments)
+        head, _ = head_of(self.engine, source.id)
+        busy = self._busy(index, active.watermark, head)
+        chosen = self.pick_for_merge(segments, force, busy=busy)
+        if not chosen:
+            return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
+        picked = [segments[i] for i in chosen]
+        live: list[pa.Table] = []
+        for entry in picked:
+            seg = self.cache.load(self.storage, entry, index.spec)
+            keep = np.ones(seg.rows.num_rows, dtype=bool)
+            keep[read_deletions(self.storage, entry)] = False
+            live.append(seg.rows.filter(pa.array(keep)))
+        rows = pa.concat_tables(live)
+        # Quick while the shard is busy (the merge only bounds the segment count then), else at full quality.
+        merged = None
+        if rows.num_rows:
+            merged = self._new_segment(index, shard, source, active.generation, rows, quick=busy)
+        return self._leased(shard_id, lambda: self._publish_merge(shard, index, active, picked, merged),
+                            wait_s=self.publish_wait_s)
+
+    def _publish_merge(
+        self, shard: ShardRecord, index: IndexRecord, read: VersionRecord, picked: list[SegmentEntry],
+        merged: SegmentEntry | None,
+    ) -> BuildResult:
+        """Publish a merge over the version active now: `read`'s merge as it is if nothing was published since,
+        else rebased on what was (LeaseBusyError when a merged segment is gone: another merge won)."""
+        active = self.shards.active_version(shard.id)
+        if active is None:
+            raise LeaseBusyError(f"index shard {shard.id} has no active version any more; retry")
+        current = {s.id: s for s in Manifest.of(active.manifest).segments}
+        if active.id != read.id:
+            if any(p.id not in current for p in picked):
+                raise LeaseBusyError(f"index shard {shard.id}: its segments were merged meanwhile; retry")
+            if merged is not None:
+                merged = self._carry_deletions(index, picked, [current[p.id] for p in picked], merged)
+        ids = {p.id for p in picked}
+        rest = [s for s in Manifest.of(active.manifest).segments if s.id not in ids]
+        if merged is not None:
+            rest.append(merged)
+        return self._publish(shard, active, active.generation, active.watermark, rest)
+
+    def _carry_deletions(
+        self, index: IndexRecord, before: list[SegmentEntry], after: list[SegmentEntry], merged: SegmentEntry
+    ) -> SegmentEntry:
+        """`merged` with the rows deleted, since the merge read them, from the segments it was made of (a
+        materialization updated or deleted their keys meanwhile)."""
+        gone: list[str] = []
+        for old, new in zip(before, after, strict=True):
+            if new.deleted == old.deleted:
+                continue
+            fresh = np.setdiff1d(read_deletions(self.storage, new), read_deletions(self.storage, old))
+            if len(fresh):
+                keys = self.cache.load(self.storage, new, index.spec).keys
+                gone.extend(str(keys[int(i)]) for i in fresh)
+        if not gone:
+            return merged
+        return self._delete_keys(index, merged, pa.array(gone, pa.string()))
+
+    def pick_for_merge(
+        self, segments: Sequence[SegmentEntry], force: bool = False, *, busy: bool = False
+    ) -> list[int]:
+        """Positions of the segments to merge: every segment with too many dead rows, every quickly built one
+        once the shard is not `busy` (to rebuild it at the index's own parameters), plus the smallest ones
+        while there are too many segments (tiered: small segments merge first)."""
         if force:
             return list(range(len(segments))) if segments else []
         dead = {
             i
             for i, s in enumerate(segments)
-            if s.rows and s.deleted_count / s.rows > self.policy.max_deleted_ratio
+            if (s.rows and s.deleted_count / s.rows > self.policy.max_deleted_ratio) or (s.quick and not busy)
         }
         by_size = sorted(range(len(segments)), key=lambda i: segments[i].rows)
         chosen = set(dead)
@@ -221,28 +323,14 @@ class ShardBuilder:
             return []
         return sorted(chosen)
 
-    def _merge(self, shard_id: int, force: bool) -> BuildResult:
-        shard, index, source = self.shards.shard_context(shard_id)
-        active = self.shards.active_version(shard_id)
-        if active is None:
-            return BuildResult(shard_id, None, 0, False, 0)
-        segments = list(Manifest.of(active.manifest).segments)
-        chosen = self.pick_for_merge(segments, force)
-        if not chosen:
-            return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
-        live: list[pa.Table] = []
-        for i in chosen:
-            seg = self.cache.load(self.storage, segments[i], index.spec)
-            keep = np.ones(seg.rows.num_rows, dtype=bool)
-            keep[read_deletions(self.storage, segments[i])] = False
-            live.append(seg.rows.filter(pa.array(keep)))
-        rows = pa.concat_tables(live)
-        rest = [s for i, s in enumerate(segments) if i not in set(chosen)]
-        if rows.num_rows:
-            rest.append(self._new_segment(index, shard, source, active.generation, rows))
-        return self._publish(shard, active, active.generation, active.watermark, rest)
-
     def needs_merge(self, shard_id: int) -> bool:
         """True when the merge policy would pick segments in the shard's active version."""
         active = self.shards.active_version(shard_id)
-        return bool(active and self.pick_for_merge(Manifest.of(active.manifest).segments))
+        if not active:
+            return False
+        segments = Manifest.of(active.manifest).segments
+        busy = False
+        if any(s.quick for s in segments):
+            _, index, source = self.shards.shard_context(shard_id)
+            busy = self._busy(index, active.watermark, head_of(self.engine, source.id)[0])
+        return bool(self.pick_for_merge(segments, busy=busy))

@@ -85,6 +85,9 @@ class SegmentEntry:
     rows_checksum: str
     splits: tuple[SplitEntry, ...]
     deleted: DeletionEntry | None = None
+    # Built quickly (a low ef_construction) to keep up with ingest; merges rebuild it at the index's own
+    # parameters once the shard has no backlog. Stored only when true, so other entries keep their old form.
+    quick: bool = False
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SegmentEntry:
@@ -99,6 +102,7 @@ class SegmentEntry:
             rows_checksum=str(data["rows_checksum"]),
             splits=tuple(SplitEntry.from_json(s) for s in data["splits"]),
             deleted=DeletionEntry.from_json(deleted) if deleted else None,
+            quick=bool(data.get("quick", False)),
         )
 
     @classmethod
@@ -117,7 +121,7 @@ class SegmentEntry:
             "rows_checksum": self.rows_checksum,
             "splits": [s.to_json() for s in self.splits],
             "deleted": self.deleted.to_json() if self.deleted else None,
-        }
+        } | ({"quick": True} if self.quick else {})
 
     @property
     def deleted_count(self) -> int:

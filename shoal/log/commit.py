@@ -51,8 +51,12 @@ def commit_group(
     retries: int,
     lock_timeout_ms: int,
     expect_head: int | None = None,
+    on_commit: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Commit the batches as one segment; return each batch's last seq (its write token).
+
+    `on_commit(head)` runs after the commit landed and before this returns, so before any writer of the
+    group is acknowledged (the head announcement: shoal.log.heads); its failure does not fail the commit.
 
     A batch whose id already committed writes nothing and gets its original token back. With `expect_head`,
     the rest is written only if the head is still `expect_head` under the row lock; otherwise nothing is
@@ -79,8 +83,10 @@ def commit_group(
                             "commit outcome unknown (catalog unreachable); retry with the same batch id"
                         ) from exc
                     if landed:
+                        _committed(on_commit, tokens)
                         return tokens
                     raise
+                _committed(on_commit, tokens)
                 return tokens
         except ConflictError as exc:
             for m in made:
@@ -101,6 +107,15 @@ def commit_group(
                 discard(m.path)
             raise
     raise CommitError(f"commit failed after {retries} attempts: {last_error}") from last_error
+
+
+def _committed(on_commit: Callable[[int], None] | None, tokens: list[int]) -> None:
+    if on_commit is None or not tokens:
+        return
+    try:
+        on_commit(max(tokens))
+    except Exception:  # noqa: BLE001 - the commit is durable; an announcement is best effort (and retried)
+        log.exception("after-commit announcement failed")
 
 
 def _landed(engine: Engine, segment_id: uuid.UUID) -> bool | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,9 +92,11 @@ def apply_retention(
     max_batch_points: int = 100_000,
     lock_timeout_ms: int = 30_000,
     commit_retries: int = 3,
+    announce_head: Callable[[int, int], None] | None = None,
 ) -> RetentionResult:
     """Append a tombstone for every live point of the source whose latest upsert is older than its
     retention; return what was done. Idempotent: a second run at once finds nothing left to expire.
+    `announce_head(source id, head)` runs after each commit, before this returns (shoal.log.heads).
 
     Raises CommitError when commits kept landing between the decision and the lock ATTEMPTS times in a row.
     """
@@ -119,7 +121,7 @@ def apply_retention(
             for i in range(0, expired.num_rows, max_batch_points)
         ]
         try:
-            tokens = _commit(engine, storage, source, head, tables, lock_timeout_ms, commit_retries)
+            tokens = _commit(engine, storage, source, head, tables, lock_timeout_ms, commit_retries, announce_head)
         except ConflictError as moved:
             # The head the commit found under the lock (reloaded if the conflict did not say).
             new_head = moved.actual if isinstance(moved.actual, int) else head_of(engine, source.id)[0]
@@ -150,6 +152,7 @@ def _commit(
     tables: list[pa.Table],
     lock_timeout_ms: int,
     retries: int,
+    announce_head: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     spec = source.spec
 
@@ -162,5 +165,6 @@ def _commit(
     return commit_group(
         engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms,
         expect_head=head,
+        on_commit=(lambda new_head: announce_head(source.id, new_head)) if announce_head is not None else None,
     )
 

@@ -58,6 +58,9 @@ class LogWriter:
         self.commits = 0  # how many transactions this writer made (observable group-commit effect)
         # Called after each commit that wrote something (never before: DESIGN.md's flow, step 4).
         self.after_commit: Callable[[int], None] | None = None
+        # Called with (source id, new head) after each commit and before its writers are acknowledged: the
+        # head announcement searchers answer `strong` from (shoal.log.heads).
+        self.announce_head: Callable[[int, int], None] | None = None
 
     def submit(self, table: pa.Table, batch_id: str | None = None) -> int:
         """Append one validated batch; block until it is durable and committed; return its last seq."""
@@ -95,6 +98,10 @@ class LogWriter:
                     self._busy = False
                     self._cv.notify_all()
 
+    def _on_commit(self, head: int) -> None:
+        if self.announce_head is not None:
+            self.announce_head(self.source.id, head)
+
     def _take_group(self) -> list[_Request]:
         group = [self._queue.popleft()]
         points = group[0].table.num_rows
@@ -120,6 +127,7 @@ class LogWriter:
                 self.storage.delete_quietly,
                 retries=self.retries,
                 lock_timeout_ms=self.lock_timeout_ms,
+                on_commit=self._on_commit,
             )
         except BaseException as exc:  # every caller in the group learns the same failure
             for r in group:

@@ -18,6 +18,7 @@ import redis
 
 from shoal.catalog.repo import head_of
 from shoal.errors import CapacityError, NotFoundError, QueryError, ShoalError, ValidationError
+from shoal.log.heads import HEADS_CHANNEL, parse_announcement, read_head
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
@@ -31,8 +32,10 @@ from shoal.searcher.execute import (
     split_matcher,
 )
 from shoal.searcher.views import IndexView, load_shard
+from shoal.searcher.young import TailCache, extend
 
 log = logging.getLogger(__name__)
+
 
 
 class SearchService:
@@ -51,9 +54,19 @@ class SearchService:
         self._views: dict[tuple[int, str, str], IndexView] = {}
         self._scopes: dict[int, Scope] = {}
         self._used: dict[tuple[int, str, str], float] = {}  # when each view last answered (unloading order)
-        # Per index: the log tail last read for a search stronger than eventual, and the shard versions it was
-        # read against. Log segments are immutable: a later search reuses it and reads only newer segments.
-        self._tails: dict[int, tuple[tuple[int | None, ...], int, pa.Table | None, dict[int, Tail]]] = {}
+        # Per index: its young tier (shoal.searcher.young), the log entries its served versions do not reflect.
+        self._tails: dict[int, TailCache] = {}
+        self.young_max_seqs = runtime.settings.young_tier_max_seqs
+        self._heads: dict[int, int] = {}  # data source id -> the newest head announced or read
+        # Strong searches take the head announced on Redis only while this searcher is subscribed to the
+        # announcements (so it notices Redis going away) and only when it is at least the head the catalog gave
+        # since the subscription began: Redis may have come back holding the heads of before (its append-only
+        # file), while commits made meanwhile were not announced. One catalog read per data source and
+        # subscription settles that; after it, Redis answers alone.
+        self._subscription = 0  # which subscription is current (0: none)
+        self._subscriptions = 0  # how many there were
+        self._floors: dict[int, tuple[int, int]] = {}  # source id -> (subscription, catalog head read in it)
+        self._young_wake = threading.Event()
         self._stale: set[tuple[int, str, str]] = set()  # views whose last refresh failed (an outage, logged once)
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -63,6 +76,7 @@ class SearchService:
         if follow:
             self._threads.append(threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True))
             self._threads.append(threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True))
+            self._threads.append(threading.Thread(target=self._young_loop, name="shoal-searcher-young", daemon=True))
             for t in self._threads:
                 t.start()
 
@@ -102,9 +116,17 @@ class SearchService:
         elif consistency.level == "at_least":
             required = consistency.seq
         else:
-            required = head_of(self.engine, view.source.id)[0]
+            required = self._strong_head(view.source.id)
         params = view.engine_class.check_search_params(search_params) if search_params else None
-        if required <= view.min_watermark and not split_filter and (block := view.one_block) is not None:
+        # The young tier as far as it reaches (no I/O), or further when the consistency level needs more.
+        young = self._tails.get(view.index.id)
+        if young is None:
+            tails = self._tail(view, required) if required > view.min_watermark else {}
+        elif young.versions is view.versions and young.end >= required:
+            tails = young.tails
+        else:
+            tails = self._tail(view, required)
+        if not tails and not split_filter and (block := view.one_block) is not None:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
             engine, sources = block
@@ -117,8 +139,25 @@ class SearchService:
             return [Hits(r, d, sources, None, retrieve_vectors) for d, r in zip(d_rows, r_rows, strict=True)]
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
-        tails = self._tail(view, required) if required > view.min_watermark else {}
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
+
+    def _strong_head(self, source_id: int) -> int:
+        """The data source's head as of now: announced on Redis (no catalog round trip) once announcements
+        are trusted, else read from the catalog."""
+        subscription = self._subscription
+        if subscription:
+            floor = self._floors.get(source_id)
+            if floor is not None and floor[0] == subscription:
+                try:
+                    head = read_head(self.runtime.redis(), source_id)
+                except (redis.RedisError, OSError, ShoalError):
+                    head = None
+                if head is not None and head >= floor[1]:
+                    return head
+        head = head_of(self.engine, source_id)[0]
+        if subscription:
+            self._floors[source_id] = (subscription, head)
+        return head
 
     def _search_history(
         self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
@@ -159,23 +198,28 @@ class SearchService:
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
 
     def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
-        """The log tail (served watermark, required] per shard; reuses and extends the last one read."""
-        versions = tuple(s.version_id for s in view.shards)
+        """The log tail (served watermark, at least `required`] per shard: the young tier, extended (and
+        re-derived for newly served versions) as needed. A tail reaching past `required` still reflects every
+        write up to it."""
+        return self._extend(view, required).tails
+
+    def _extend(self, view: IndexView, required: int) -> TailCache:
         with self._lock:
             cached = self._tails.get(view.index.id)
-        start, entries = view.min_watermark, None
-        if cached is not None and cached[0] == versions:
-            if cached[1] >= required:  # a tail reaching past `required` still reflects every write up to it
-                return cached[3]
-            start, entries = cached[1], cached[2]
-        batches = list(read_log(self.engine, self.storage, view.source.id, start, required))
-        if batches:
-            new = pa.Table.from_batches(batches)
-            entries = new if entries is None else pa.concat_tables([entries, new])
-        tails = build_tails(view, entries) if entries is not None and entries.num_rows else {}
+        if cached is not None and cached.versions == view.versions and cached.end >= required:
+            return cached
+        made = extend(cached, view, required, lambda after, up_to: self._read_log(view, after, up_to),
+                      time.monotonic())
         with self._lock:
-            self._tails[view.index.id] = (versions, required, entries, tails)
-        return tails
+            current = self._tails.get(view.index.id)
+            # Keep the newer of two racing extensions (the views they were made for, then how far they reach).
+            if current is None or current.versions != view.versions or current.end <= made.end:
+                self._tails[view.index.id] = made
+        return made
+
+    def _read_log(self, view: IndexView, after: int, up_to: int) -> pa.Table | None:
+        batches = list(read_log(self.engine, self.storage, view.source.id, after, up_to))
+        return pa.Table.from_batches(batches) if batches else None
 
     def view(self, scope: Scope, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use."""
@@ -232,6 +276,7 @@ class SearchService:
                 record = self.shards.version(shard.active_version_id) if shard.active_version_id else None
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
+            self._saw_head(source.id, source.head_seq)
             with self._lock:
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
@@ -288,27 +333,100 @@ class SearchService:
                 log.exception("searcher poll failed; retrying at the next poll")
 
     def _listen_loop(self) -> None:
+        """Follow the announcements: new index versions (reload now rather than at the next poll) and new
+        heads (extend the young tier now)."""
         while not self._stop.is_set():
             try:
                 client = redis.Redis.from_url(self.runtime.broker_url(), socket_timeout=1.0)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(VERSIONS_CHANNEL)
+                pubsub.subscribe(VERSIONS_CHANNEL, HEADS_CHANNEL)
+                self._subscription = self._subscriptions = self._subscriptions + 1
+                heads = HEADS_CHANNEL.encode()
                 while not self._stop.is_set():
-                    if pubsub.get_message(timeout=1.0):
+                    message = pubsub.get_message(timeout=1.0)
+                    if not message or message.get("type") != "message":
+                        continue
+                    if message["channel"] == heads:
+                        announced = parse_announcement(message["data"])
+                        if announced is not None:
+                            self._saw_head(*announced)
+                    else:
                         self._wake.set()
                 pubsub.close()
                 client.close()
             except (redis.RedisError, OSError) as exc:
-                log.debug("version announcements unavailable (%s); polling only", exc)
-                self._stop.wait(self.poll_interval)
+                self._subscription = 0
+                log.debug("announcements unavailable (%s); polling only", exc)
+                self._stop.wait(min(self.poll_interval, 1.0))  # back soon: strong asks the catalog meanwhile
             except ShoalError as exc:  # no broker configured or startable: polling only
-                log.debug("version announcements unavailable (%s); polling only", exc)
+                self._subscription = 0
+                log.debug("announcements unavailable (%s); polling only", exc)
                 self._stop.wait(max(self.poll_interval, 5.0))
+        self._subscription = 0
+
+    @property
+    def heads_followed(self) -> bool:
+        """True while this searcher follows the announcements on Redis: strong searches then take the head
+        announced there (no catalog round trip) once the catalog confirmed it for the subscription."""
+        return self._subscription > 0
+
+    def _saw_head(self, source_id: int, head: int) -> None:
+        """Note a data source's head (announced, or read with its definition); wake the young tier's follower
+        when it moved."""
+        if head > self._heads.get(source_id, 0):
+            self._heads[source_id] = head
+            self._young_wake.set()
+
+    def _young_loop(self) -> None:
+        """Keep each served index's young tier up to the newest known head of its data source, up to
+        SHOAL_YOUNG_TIER_MAX_SEQS past its served watermark."""
+        while not self._stop.is_set():
+            self._young_wake.wait(self.poll_interval)
+            self._young_wake.clear()
+            if not self._stop.is_set():
+                self.follow_heads()
+
+    def follow_heads(self) -> None:
+        """Extend, now, each served index's young tier to the newest head known for its data source (announced,
+        or read at the last refresh), up to SHOAL_YOUNG_TIER_MAX_SEQS past its served watermark."""
+        if self.young_max_seqs <= 0:
+            return
+        with self._lock:
+            views = list(self._views.values())
+        for view in views:
+            head = self._heads.get(view.source.id, 0)
+            target = min(head, view.min_watermark + self.young_max_seqs)
+            cached = self._tails.get(view.index.id)
+            if target <= view.min_watermark and cached is None:
+                continue
+            if cached is not None and cached.versions == view.versions and cached.end >= target:
+                continue
+            try:
+                self._extend(view, target)
+            except Exception as exc:  # noqa: BLE001 - an outage or a dropped index: eventual serves what it has
+                log.debug("young tier of index %s not extended: %s", view.index.spec.name, exc)
+
+    def young_tier(self) -> list[tuple[str, str, str, int, int, float]]:
+        """Per served shard: (tenant, index, version, shard number, keys in its young tier, seconds since this
+        searcher read the oldest of them)."""
+        now = time.monotonic()
+        with self._lock:
+            views = list(self._views.values())
+        rows = []
+        for view in views:
+            cache = self._tails.get(view.index.id)
+            for shard in view.shards:
+                size = cache.size(shard.shard_no) if cache is not None and cache.versions == view.versions else 0
+                age = cache.age(shard.watermark, now) if size and cache is not None else 0.0
+                rows.append((view.index.tenant, view.index.spec.name, view.index.spec.version, shard.shard_no,
+                             size, age))
+        return rows
 
     def close(self) -> None:
         """Stop following new versions and release the segments this service holds."""
         self._stop.set()
         self._wake.set()
+        self._young_wake.set()
         for t in self._threads:
             t.join(timeout=5)
         with self._lock:
@@ -358,8 +476,15 @@ class Searcher:
         return (self.scope.tenant_id, index_name, index_version) in self.service._views
 
     def served_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
-        """Shard number -> the watermark this searcher serves."""
+        """Shard number -> the watermark of the version this searcher serves."""
         return {s.shard_no: s.watermark for s in self.view(index_name, index_version).shards}
+
+    def visible_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
+        """Shard number -> the seq an eventual search reflects now: the served version's watermark, or as far
+        as the young tier reaches past it (every write up to that seq, none after)."""
+        view = self.view(index_name, index_version)
+        end = self.service._extend(view, 0).end
+        return {s.shard_no: max(s.watermark, end) for s in view.shards}
 
     def refresh(self) -> None:
         """Load, now, any newer active version of the indexes served (every tenant's of the service)."""

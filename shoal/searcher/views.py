@@ -55,6 +55,11 @@ class IndexView:
         return min((s.watermark for s in self.shards), default=0)
 
     @cached_property
+    def versions(self) -> tuple[int | None, ...]:
+        """The served version id of each shard (None: nothing built yet), in shard order."""
+        return tuple(s.version_id for s in self.shards)
+
+    @cached_property
     def engine_class(self) -> type[Engine]:
         """The engine class of the index's algorithm (it checks per-search parameters)."""
         return get_engine(self.index.spec.algorithm)

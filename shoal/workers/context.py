@@ -33,6 +33,8 @@ class WorkerContext:
             # Renewed while a build runs, at least three times per lease: one late beat never loses it.
             heartbeat_s=min(settings.lease_heartbeat_s, settings.lease_seconds / 3),
             policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
+            quick_backlog_seqs=settings.quick_build_backlog_seqs,
+            quick_ef_construction=settings.quick_ef_construction,
             on_publish=lambda shard, version: announce_version(broker, shard, version),
         )
         return cls(runtime, builder)

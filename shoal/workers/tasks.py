@@ -164,6 +164,7 @@ def apply_retention(self: ShoalTask) -> dict[str, int]:
                 max_batch_points=rt.settings.max_batch_points,
                 lock_timeout_ms=rt.settings.lock_timeout_ms,
                 commit_retries=rt.settings.commit_retries,
+                announce_head=rt.announce_head,
             )
         except (NotFoundError, CommitError) as exc:  # dropped meanwhile, or too busy: the next run retries
             failed += 1

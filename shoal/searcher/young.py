@@ -1,0 +1,86 @@
+"""The young tier: the log entries an index's served versions do not reflect yet, decoded once and searched
+exactly beside the built segments.
+
+A searcher keeps one `TailCache` per index: the entries (start, end] of the data source's log, where start
+is the lowest watermark the shards served when it was read. Log segments are immutable, so a newer tail
+extends an older one by reading only what was committed since, and a newly served version (a higher
+watermark) only filters the entries it already holds. Strong and at_least searches extend it to the seq
+they need; for eventual searches the searcher extends it in the background as commits announce new heads,
+up to SHOAL_YOUNG_TIER_MAX_SEQS entries past the served watermark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shoal.log.validation import SEQ
+from shoal.searcher.execute import Tail, build_tails
+from shoal.searcher.views import IndexView
+
+# Reads the log entries (after, up_to] of the view's data source; None when there are none.
+LogRead = Callable[[int, int], pa.Table | None]
+
+
+@dataclass(frozen=True)
+class TailCache:
+    """The young tier of one index as read for one set of served versions. Immutable: replaced whole."""
+
+    versions: tuple[int | None, ...]  # the served version of each shard the tails were derived for
+    start: int  # the entries are those above this seq ...
+    end: int  # ... up to and including this one
+    entries: pa.Table | None
+    tails: dict[int, Tail]  # shard number -> what that shard's served version does not reflect
+    stamps: tuple[tuple[int, float], ...]  # (last seq of a read, when it was read), oldest first
+
+    def size(self, shard_no: int) -> int:
+        """Keys the shard's young tier touches (upserts and deletions not yet built)."""
+        tail = self.tails.get(shard_no)
+        return len(tail.touched) if tail is not None else 0
+
+    def age(self, watermark: int, now: float) -> float:
+        """Seconds since this searcher read the oldest entry above `watermark` (0 when it holds none)."""
+        for last_seq, read_at in self.stamps:
+            if last_seq > watermark:
+                return max(0.0, now - read_at)
+        return 0.0
+
+
+def extend(cache: TailCache | None, view: IndexView, required: int, read: LogRead | None, now: float) -> TailCache:
+    """The young tier of `view` up to at least `required` (as far as `cache` already reaches, if further),
+    reusing what `cache` holds. With `read` None nothing is read: the result reaches only as far as `cache`."""
+    versions = view.versions
+    start = view.min_watermark
+    entries: pa.Table | None = None
+    end = start
+    stamps: tuple[tuple[int, float], ...] = ()
+    if cache is not None and cache.start <= start <= cache.end:
+        end, stamps = cache.end, tuple(s for s in cache.stamps if s[0] > start)
+        entries = cache.entries
+        if entries is not None and cache.versions != versions and cache.start < start:
+            entries = entries.filter(pc.greater(entries[SEQ], start))  # what the new versions built is dropped
+    if required > end and read is not None:
+        new = read(end, required)
+        if new is not None and new.num_rows:
+            entries = new if entries is None or not entries.num_rows else pa.concat_tables([entries, new])
+        stamps = (*stamps, (required, now))
+        end = required
+    tails = build_tails(view, entries) if entries is not None and entries.num_rows else {}
+    warm(view, tails)
+    return TailCache(versions, start, end, entries, tails, stamps)
+
+
+def warm(view: IndexView, tails: dict[int, Tail]) -> None:
+    """Derive, now, what queries over these tails need (the rows each hides, exact engines over its upserts),
+    so the first query after a tail changes does not pay for it."""
+    spec, source = view.index.spec, view.source.spec
+    for shard in view.shards:
+        tail = tails.get(shard.shard_no)
+        if tail is None:
+            continue
+        for seg_view in shard.segments:
+            tail.hidden_rows(seg_view.segment)
+        tail.groups(spec, source)

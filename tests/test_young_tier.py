@@ -1,0 +1,208 @@
+"""The young tier and heads announced on Redis (issue 14): a following searcher answers eventual searches
+with writes no worker has built yet (up to SHOAL_YOUNG_TIER_MAX_SEQS past the served watermark), and strong
+searches from the head announced on Redis, never missing an acknowledged write: not while commits race the
+queries, and not after a Redis restart that lost announcements.
+
+No worker runs in these tests unless said: what eventual searches show beyond the served version comes from
+the young tier alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import wait_for
+
+from shoal import DataSourceSpec, Shoal
+from shoal.config.settings import Settings
+from shoal.index.builder import ShardBuilder
+from shoal.log.heads import read_head
+from shoal.log.records import IndexSpec
+from shoal.searcher.consistency import Consistency
+from shoal.servers.embedded import ensure_valkey, stop_embedded
+
+DIM = 16
+
+
+def _vectors(ids: np.ndarray) -> np.ndarray:
+    """A distinct unit vector per id (its own nearest neighbour by far)."""
+    v = np.stack([np.random.default_rng(int(n)).standard_normal(DIM) for n in ids]).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+class Setup:
+    """A data source with a flat index, 200 points built in-process, and a following searcher serving it."""
+
+    def __init__(self, settings: Settings, algorithm: str = "flat") -> None:
+        self.shoal = Shoal(settings, notify=False)  # no worker: nothing but the test builds
+        tag = f"{time.monotonic_ns() % 10**9}"
+        self.source = DataSourceSpec(f"young-{tag}", "1", DIM, {"id": "int64"}, ["id"])
+        self.shoal.create_data_source(self.source)
+        self.index = f"young-{tag}-idx"
+        self.shoal.create_index(IndexSpec(self.index, "1", self.source.name, "1", algorithm=algorithm,
+                                          metric="cosine"))
+        self.producer = self.shoal.producer(self.source.name, "1")
+        self.upload(np.arange(200))
+        ShardBuilder(self.shoal.engine, self.shoal.storage).materialize(
+            self.shoal.get_index(self.index, "1").shards[0].id)
+        self.searcher = self.shoal.searcher(follow=True, poll_interval=30.0)  # announcements, not polls
+        self.built = self.served()
+        assert self.built == 200
+
+    def upload(self, ids: np.ndarray) -> int:
+        return self.producer.upload_columns(_vectors(ids), {"id": ids.astype(np.int64)}).seq
+
+    def served(self) -> int:
+        return min(self.searcher.served_watermarks(self.index, "1").values())
+
+    def nearest(self, point_id: int, consistency: Consistency | None = None) -> int | None:
+        hits = self.searcher.search(self.index, "1", _vectors(np.array([point_id])), 1, consistency=consistency)[0]
+        return next((h.attributes["id"] for h in hits), None)
+
+    def close(self) -> None:
+        self.searcher.close()
+        self.shoal.close()
+
+
+@pytest.fixture
+def setup(make_settings: Callable[..., Settings], redis_url: str) -> Iterator[Callable[..., Setup]]:
+    made: list[Setup] = []
+
+    def make(**overrides: object) -> Setup:
+        made.append(Setup(make_settings("local", redis_url=redis_url, **overrides)))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_eventual_shows_a_write_no_worker_built_within_a_second(setup: Callable[..., Setup]) -> None:
+    s = setup()
+    latencies = []
+    for n in range(20):
+        point = 1_000 + n
+        s.upload(np.array([point]))
+        acked = time.monotonic()
+        wait_for(lambda point=point: s.nearest(point) == point, 10,  # type: ignore[misc]
+                 f"an eventual search to return point {point} (written, not built)")
+        latencies.append(time.monotonic() - acked)
+    print(f"write -> visible to eventual (no worker): p50 {np.median(latencies) * 1000:.1f} ms, "
+          f"max {max(latencies) * 1000:.1f} ms")
+    assert s.served() == s.built  # nothing was built: the young tier answered
+    assert max(latencies) < 10
+    # The status says so: 20 entries past the served watermark, all in the young tier.
+    status = s.shoal.index_status(s.index, "1")[0]
+    assert (status.lag_seqs, status.young_tier_seqs) == (20, 20)
+    rows = {(r[1], r[3]): r for r in s.searcher.service.young_tier()}
+    assert rows[(s.index, 0)][4] == 20
+
+
+def test_the_young_tier_is_bounded_and_strong_still_sees_everything(setup: Callable[..., Setup]) -> None:
+    s = setup(young_tier_max_seqs=50)
+    token = s.upload(np.arange(1_000, 1_120))  # 120 entries past the served watermark, one commit
+    assert token == s.built + 120
+    wait_for(lambda: s.searcher.visible_watermarks(s.index, "1")[0] == s.built + 50, 10,
+             "the young tier to reach 50 entries past the served watermark")
+    # Eventual shows the first 50 entries exactly, none after them.
+    assert all(s.nearest(p) == p for p in range(1_000, 1_050))
+    assert all(s.nearest(p) != p for p in range(1_050, 1_120, 7))
+    # Strong shows every acknowledged write.
+    assert all(s.nearest(p, Consistency.strong()) == p for p in range(1_000, 1_120, 7))
+    status = s.shoal.index_status(s.index, "1")[0]
+    assert (status.lag_seqs, status.young_tier_seqs) == (120, 50)
+
+
+def test_strong_never_misses_a_write_acknowledged_before_it_began(setup: Callable[..., Setup]) -> None:
+    """Commits race strong queries: every query must show the last write acknowledged before it started,
+    answered from the head announced on Redis (no catalog round trip for the head)."""
+    s = setup()
+    wait_for(lambda: s.searcher.service.heads_followed, 15, "the searcher to follow announced heads")
+    acked = [0]  # the last point whose upload returned
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        point = 10_000
+        try:
+            while not stop.is_set():
+                s.upload(np.array([point]))
+                acked[0] = point
+                point += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    checked = 0
+    try:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and checked < 300:
+            point = acked[0]
+            if not point:
+                continue
+            assert s.nearest(point, Consistency.strong()) == point, f"strong missed acknowledged point {point}"
+            checked += 1
+    finally:
+        stop.set()
+        writer.join(10)
+    assert not errors, errors
+    assert checked > 20
+    head = s.shoal.get_data_source(s.source.name, "1").head_seq
+    assert read_head(s.shoal.runtime.redis(), s.shoal.get_data_source(s.source.name, "1").id) == head
+    print(f"{checked} strong queries raced commits; none missed an acknowledged write")
+
+
+@pytest.fixture
+def own_valkey(tmp_path: Path) -> Iterator[str]:
+    """A Valkey of this test alone (it is stopped and started; the session's stays up)."""
+    home = tmp_path / "own-valkey"
+    url = ensure_valkey(home)
+    try:
+        yield url
+    finally:
+        stop_embedded(home)
+
+
+def test_strong_sees_writes_committed_while_redis_was_down(
+    make_settings: Callable[..., Settings], own_valkey: str, tmp_path: Path
+) -> None:
+    """A writer commits while Redis is away, so its announcement is owed, and ends before it could send it;
+    Redis comes back holding the heads of before (its append-only file). Strong searches must still show that
+    write, from the moment Redis answers again, and go back to taking heads from Redis once it is announced."""
+    home = tmp_path / "own-valkey"
+    settings = make_settings("local", redis_url=own_valkey)
+    s = Setup(settings)
+    try:
+        wait_for(lambda: s.searcher.service.heads_followed, 15, "the searcher to follow announced heads")
+        s.upload(np.array([500]))  # announced: Redis holds this head
+        assert s.nearest(500, Consistency.strong()) == 500
+        source_id = s.shoal.get_data_source(s.source.name, "1").id
+        announced = read_head(s.shoal.runtime.redis(), source_id)
+        stop_embedded(home)
+        wait_for(lambda: not s.searcher.service.heads_followed, 15, "the searcher to notice Redis is gone")
+        with Shoal(settings, notify=False) as writer:  # another process's writer, say
+            writer.producer(s.source.name, "1").upload_columns(_vectors(np.array([501])), {"id": np.array([501])})
+            assert writer.runtime.heads.owed  # not announced; and this writer ends without retrying
+        head = s.shoal.get_data_source(s.source.name, "1").head_seq
+        assert ensure_valkey(home) == own_valkey
+        assert read_head(s.shoal.runtime.redis(), source_id) == announced < head  # Redis came back stale
+        # No search until the searcher follows again (one made meanwhile would read the catalog's head and
+        # keep the tail it read, hiding what this test is about).
+        wait_for(lambda: s.searcher.service.heads_followed, 15, "the searcher to follow announced heads again")
+        checks = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert s.nearest(501, Consistency.strong()) == 501
+            checks += 1
+        s.upload(np.array([502]))  # announced again: Redis is current, and strong takes its head from it
+        assert read_head(s.shoal.runtime.redis(), source_id) == head + 1
+        assert s.nearest(502, Consistency.strong()) == 502
+        print(f"{checks} strong queries after the restart, none missed the write made while Redis was away")
+    finally:
+        s.close()
