@@ -221,7 +221,15 @@ class ErrorOut(BaseModel):
 
 
 # A rebuild of a dataset's index, optionally with another index type or params (no docstring: it would
-# become the schema's description in the OpenAPI document, which has none for it).
-class ReindexRequest(BaseModel):
+# become the schema's description in the OpenAPI document, which has none for it). `index_config` is the
+# specified form (the params, optionally with `index_type`), `index_type` and `index_params` the older one;
+# `async` may come here or as the query parameter. `index_config` is typed loosely so that the service
+# refuses a bad one with INVALID_DATASET_CONFIG naming the field. Unknown fields are refused: a field
+# ignored silently is how a reindex with the old params once answered 202.
+class ReindexRequest(_Body):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     index_type: str | None = None
     index_params: dict[str, Any] | None = None
+    index_config: Any = None
+    run_async: StrictBool | None = Field(default=None, alias="async")

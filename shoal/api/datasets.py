@@ -52,6 +52,7 @@ from shoal.api.security import (
 )
 from shoal.client import ShardStatus
 from shoal.datasets.cache import DatasetCache
+from shoal.datasets.errors import DatasetError, ErrorCode
 from shoal.datasets.files import iso_utc
 from shoal.datasets.results import (
     Dataset,
@@ -324,13 +325,20 @@ def dataset_stats(dataset_id: str, svc: Reader) -> dict[str, Any]:
 @router.post("/datasets/{dataset_id}/reindex", status_code=202)
 def reindex_dataset(
     dataset_id: str, svc: Writer, body: Annotated[ReindexRequest | None, Body()] = None, run_async: Annotated[
-        bool, Query(alias="async", description="true (default): a worker runs it, answer at once with the job")
-    ] = True,
+        bool | None,
+        Query(alias="async", description="true (default): a worker runs it, answer at once with the job"),
+    ] = None,
 ) -> dict[str, Any]:
-    """Rebuild the dataset's index aside and swap it in (optionally with another index_type or params);
-    the job's progress shows in `GET /api/v1/indexes/{dataset_id}/1/reindex`."""
+    """Rebuild the dataset's index aside and swap it in (optionally with another index type or params: the
+    body's `index_config`, or `index_type` and `index_params`); `async` in the body or the query (true by
+    default; both given must agree). The job's progress shows in `GET /api/v1/indexes/{dataset_id}/1/reindex`."""
     body = body or ReindexRequest()
-    return _reindex_json(svc.reindex(dataset_id, body.index_type, body.index_params, wait=not run_async))
+    if body.run_async is not None and run_async is not None and body.run_async != run_async:
+        raise DatasetError(ErrorCode.VALIDATION_ERROR, "async is given in the body and the query, differently",
+                           {"field": "async"})
+    wait = not next((a for a in (body.run_async, run_async) if a is not None), True)
+    return _reindex_json(svc.reindex(dataset_id, body.index_type, body.index_params,
+                                     index_config=body.index_config, wait=wait))
 
 
 @router.post("/datasets/{dataset_id}/vectors", response_model=UpsertOut)

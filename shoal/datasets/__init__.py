@@ -33,7 +33,11 @@ A dataset is the tenant-facing convenience of one data source plus its default i
   (SHOAL_TRASH_RETENTION_DAYS), then purged by beat. `hard=True` (and `overwrite` on create) deletes at once
   the index, the data source, their files and the mirror.
 - **reindex** rebuilds the default index as a new generation, swapped in once its recall meets the gate
-  (REINDEX_CONFLICT while another runs).
+  (REINDEX_CONFLICT while another runs), with the type and params of `index_config` (or `index_type` and
+  `index_params`). From the swap on, the dataset shows the generation serving: its `index_type` and
+  `index_params` are read from the serving index row (`catalog`), cached entries are corrected on read, and
+  the mirror is written again right after the swap's commit (`shoal.index.reindex.refresh_dataset_mirror`,
+  also after a rollback).
 - **search**: `score` is the metric's distance as Shoal defines it (smaller is nearer, except dot_product
   where larger is nearer). Consistency: `strong` sees every write committed before the query; otherwise a
   `min_write_token` asks for at least that write; otherwise `eventual`.

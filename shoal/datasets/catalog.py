@@ -3,22 +3,31 @@
 The data source `N` version `1` holds, under the key `MARKER` of its JSONB `custom_metadata`, the dataset's
 description, metadata, metric and index type, index parameters and last update time; its `description` column
 mirrors the description for the data source listings. Every query is scoped by the tenant.
+
+The index type, parameters and metric a record carries are those of the index `N` version `1` serving now:
+a reindex (or a rollback) swaps another generation in under that name in one catalog transaction, so reading
+them from the serving index row is right from the moment of the swap, whichever process made it. The values
+stored in the definition are the ones the dataset was created with, used only when no serving row is found.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
-from shoal.catalog.models import DataSource, LogSegment
-from shoal.client import Shoal
+from shoal.catalog.models import DataSource, Index, LogSegment, Tenant
 from shoal.datasets.errors import not_found
 from shoal.datasets.rules import VERSION
+
+if TYPE_CHECKING:  # only a type here: shoal.client reaches this module through the reindex's mirror refresh
+    from shoal.client import Shoal
 
 MARKER = "shoal.dataset"  # key of the dataset definition inside the data source's custom metadata
 FORMAT = 1  # version of the definition's layout
@@ -70,6 +79,37 @@ class DatasetRecord:
             updated_at=dt.datetime.fromisoformat(data["updated_at"]),
         )
 
+    def serving(self, index: ServingIndex | None) -> DatasetRecord:
+        """The record with the definition of the index serving it (itself when there is none)."""
+        if index is None:
+            return self
+        return dataclasses.replace(self, index_type=index.algorithm, metric_type=index.metric,
+                                   index_params=dict(index.params))
+
+
+@dataclass(frozen=True)
+class ServingIndex:
+    """The definition of the generation a dataset's index serves now."""
+
+    algorithm: str
+    metric: str
+    params: dict[str, Any]
+
+
+def serving_indexes(session: Session, source_ids: Iterable[int]) -> dict[int, ServingIndex]:
+    """The serving definition of each dataset's default index (`N` version `1` of the source named N), by data
+    source id; sources without one are left out. One query."""
+    ids = sorted(set(source_ids))
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(Index.data_source_id, Index.algorithm, Index.metric, Index.params)
+        .join(DataSource, DataSource.id == Index.data_source_id)
+        .where(Index.data_source_id.in_(ids), Index.version == VERSION, Index.name == DataSource.name,
+               Index.tenant_id == DataSource.tenant_id)
+    )
+    return {r[0]: ServingIndex(r[1], r[2], dict(r[3] or {})) for r in rows}
+
 
 @dataclass(frozen=True)
 class LogTotals:
@@ -107,6 +147,12 @@ def definition(
     }
 
 
+def _records(session: Session, rows: Sequence[DataSource]) -> list[DatasetRecord]:
+    """The records of dataset rows, each with the definition its index serves now (one more query)."""
+    serving = serving_indexes(session, [r.id for r in rows])
+    return [_record(r).serving(serving.get(r.id)) for r in rows]
+
+
 def _record(row: DataSource) -> DatasetRecord:
     d = row.custom_metadata[MARKER]
     updated = d.get("updated_at")
@@ -133,9 +179,28 @@ class TrashedDataset:
     purge_after: dt.datetime
 
 
-def _trashed(row: DataSource) -> TrashedDataset:
-    assert row.deleted_at is not None and row.purge_after is not None
-    return TrashedDataset(_record(row), row.deleted_at.astimezone(dt.UTC), row.purge_after.astimezone(dt.UTC))
+def _trashed(session: Session, rows: Sequence[DataSource]) -> list[TrashedDataset]:
+    out = []
+    for row, record in zip(rows, _records(session, rows), strict=True):
+        assert row.deleted_at is not None and row.purge_after is not None
+        out.append(TrashedDataset(record, row.deleted_at.astimezone(dt.UTC), row.purge_after.astimezone(dt.UTC)))
+    return out
+
+
+def live_dataset(engine: Engine, source_id: int) -> tuple[str, DatasetRecord] | None:
+    """(tenant name, record) of the live (not trashed) dataset whose data source is `source_id`; None when that
+    source is no dataset, is in the trash or is gone. For callers outside a tenant's scope (a reindex's swap)."""
+    with Session(engine) as s:
+        found = s.execute(
+            select(DataSource, Tenant.name)
+            .join(Tenant, Tenant.id == DataSource.tenant_id)
+            .where(DataSource.id == source_id, DataSource.version == VERSION, DataSource.deleted_at.is_(None),
+                   DataSource.custom_metadata.has_key(MARKER))
+        ).one_or_none()
+        if found is None:
+            return None
+        row, tenant = found
+        return tenant, _records(s, [row])[0]
 
 
 class DatasetCatalog:
@@ -157,7 +222,7 @@ class DatasetCatalog:
         """The dataset, or None."""
         with Session(self.engine) as s:
             row = s.scalars(self._datasets().where(DataSource.name == name)).one_or_none()
-            return _record(row) if row is not None else None
+            return _records(s, [row])[0] if row is not None else None
 
     def get(self, name: str) -> DatasetRecord:
         """The dataset, or DATASET_NOT_FOUND."""
@@ -173,7 +238,7 @@ class DatasetCatalog:
             if offset >= total:  # also keeps offsets beyond Postgres' bigint out of the query
                 return [], int(total)
             rows = s.scalars(self._datasets().order_by(DataSource.name).limit(limit).offset(offset)).all()
-            return [_record(r) for r in rows], int(total)
+            return _records(s, rows), int(total)
 
     def trash_page(self, limit: int, offset: int) -> tuple[list[TrashedDataset], int]:
         """Datasets in the trash, most recently deleted first, `limit` of them from `offset`, and the total."""
@@ -185,7 +250,7 @@ class DatasetCatalog:
             rows = s.scalars(
                 q.order_by(DataSource.deleted_at.desc(), DataSource.id.desc()).limit(limit).offset(offset)
             ).all()
-            return [_trashed(r) for r in rows], int(total)
+            return _trashed(s, rows), int(total)
 
     def trashed(self, name: str) -> list[TrashedDataset]:
         """The datasets named `name` in the trash, most recently deleted first."""
@@ -195,7 +260,7 @@ class DatasetCatalog:
                 .where(DataSource.name == name)
                 .order_by(DataSource.deleted_at.desc(), DataSource.id.desc())
             ).all()
-            return [_trashed(r) for r in rows]
+            return _trashed(s, rows)
 
     def update(self, name: str, changes: dict[str, Any]) -> DatasetRecord:
         """Set the description and/or metadata given in `changes` (row-locked read, modify, write)."""
@@ -213,7 +278,12 @@ class DatasetCatalog:
             if "description" in changes:
                 row.description = changes["description"] or ""
             s.flush()
-            return _record(row)
+            return _records(s, [row])[0]
+
+    def serving(self, source_ids: list[int]) -> dict[int, ServingIndex]:
+        """The definition each dataset's index serves now, by data source id (one query)."""
+        with Session(self.engine) as s:
+            return serving_indexes(s, source_ids)
 
     def log_totals(self, source_ids: list[int]) -> dict[int, LogTotals]:
         """Segment count, upserts, tombstones and bytes per data source, in one query."""

@@ -17,7 +17,7 @@ import pyarrow as pa
 from sqlalchemy import Engine
 
 from shoal.datasets import rules
-from shoal.datasets.catalog import DatasetRecord
+from shoal.datasets.catalog import DatasetRecord, live_dataset
 from shoal.storage import Storage
 from shoal.storage.layout import dataset_metadata_path, trash_dir
 from shoal.upkeep.drops import release_files
@@ -71,6 +71,23 @@ def _write_json(storage: Storage, path: str, doc: dict[str, Any]) -> None:
 def write_mirror(storage: Storage, tenant: str, record: DatasetRecord) -> None:
     """Write (atomically) the dataset's mirror from its catalog entry."""
     _write_json(storage, dataset_metadata_path(tenant, record.name), mirror_doc(tenant, record))
+
+
+def refresh_mirror(engine: Engine, storage: Storage, source_id: int) -> bool:
+    """Write again the mirror of the live dataset whose data source is `source_id`, from its catalog entry
+    (which shows the index generation serving now); False when the source is no live dataset. Called after a
+    reindex swap or a rollback, which change what the mirror shows. Never raises: the swap is done and the
+    catalog is the source of truth, so a failure is logged and the mirror stays as it was."""
+    try:
+        found = live_dataset(engine, source_id)
+        if found is None:
+            return False
+        tenant, record = found
+        write_mirror(storage, tenant, record)
+        return True
+    except Exception as exc:  # noqa: BLE001 - best effort, see above
+        log.warning("could not refresh the metadata mirror of data source %s: %s", source_id, exc)
+        return False
 
 
 def move_mirror_to_trash(

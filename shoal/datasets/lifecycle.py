@@ -141,18 +141,55 @@ class Lifecycle(DatasetScope):
 
     def reindex(
         self, name: Any, index_type: str | None = None, index_params: Mapping[str, Any] | None = None,
-        *, wait: bool = False,
+        *, index_config: Any = None, wait: bool = False,
     ) -> ReindexStarted:
         """Rebuild the dataset's index (optionally with another type or params) as a new generation swapped in
-        once its recall meets the gate; `wait` runs it here, else a worker does. REINDEX_CONFLICT if one runs."""
+        once its recall meets the gate; `wait` runs it here, else a worker does. REINDEX_CONFLICT if one runs.
+
+        The type and params come from `index_type` and `index_params`, or from `index_config` (the params,
+        optionally with `index_type`; `index_type` may also be given beside it if the two agree). Without
+        params the current ones are kept, unless a type is named (then that type's defaults). A refused
+        `index_config` is INVALID_DATASET_CONFIG naming the field, and nothing is started. Once the new
+        generation serves, the dataset (its catalog entry, stats and `dataset_metadata.json`) shows it."""
         record = self.record(name)
-        if index_type is not None and index_type not in rules.INDEX_TYPES:
+        if index_config is not None:
+            index_type, index_params = self._from_index_config(index_config, index_type, index_params)
+        elif index_type is not None and index_type not in rules.INDEX_TYPES:
             raise invalid(f"index_type must be one of {', '.join(rules.INDEX_TYPES)}", index_type=index_type)
         try:
             job = self.shoal.reindex(record.name, rules.VERSION, algorithm=index_type,
                                      params=dict(index_params) if index_params is not None else None, wait=wait)
         except ValidationError as exc:
+            if index_config is not None:
+                raise DatasetError(
+                    ErrorCode.INVALID_DATASET_CONFIG, "index_config refused: " + "; ".join(problems_of(exc)),
+                    {"field": "index_config", "problems": problems_of(exc)[:100], "index_type": index_type},
+                ) from None
             raise invalid(str(exc), problems=problems_of(exc)[:100]) from None
         except ReindexConflictError as exc:
             raise DatasetError(ErrorCode.REINDEX_CONFLICT, str(exc), {"dataset_id": record.name}) from None
+        finally:
+            # A reindex run here (`wait`) swapped a generation in: the next reads cache the new definition.
+            if wait:
+                self._forget(record.name)
         return ReindexStarted(record.name, job)
+
+    @staticmethod
+    def _from_index_config(
+        config: Any, index_type: str | None, index_params: Mapping[str, Any] | None
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """The index type and params an `index_config` asks for, checked against the other fields given."""
+        if index_params is not None:
+            raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG,
+                               "give the parameters in index_config or in index_params, not both",
+                               {"field": "index_params"})
+        config_type, params = rules.check_index_config(config)
+        if index_type is not None:
+            index_type = rules.check_choice("index_type", index_type, rules.INDEX_TYPES)
+            if config_type is not None and config_type != index_type:
+                raise DatasetError(
+                    ErrorCode.INVALID_DATASET_CONFIG,
+                    f"index_type {index_type!r} and index_config.index_type {config_type!r} disagree",
+                    {"field": "index_config.index_type"},
+                )
+        return config_type or index_type, params

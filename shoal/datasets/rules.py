@@ -105,6 +105,21 @@ def check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def check_index_config(config: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """A reindex's `index_config`: a JSON object of index parameters, optionally with the `index_type` to
+    switch to. Returns (the index type or None, the parameters or None when it gives none);
+    INVALID_DATASET_CONFIG naming the field when it is no object or names an unknown index type. The
+    parameters' names and values are the engine's to check."""
+    if not isinstance(config, dict):
+        raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, "index_config must be a JSON object",
+                           {"field": "index_config"})
+    params = dict(config)
+    index_type = params.pop("index_type", None)
+    if index_type is not None:
+        index_type = check_choice("index_config.index_type", index_type, INDEX_TYPES)
+    return index_type, params or None
+
+
 def is_text(value: Any, *, nul: bool = True) -> bool:
     """True for a string that UTF-8 can encode (no lone surrogates) and, unless `nul`, holds no NUL
     character (Postgres text and JSONB cannot store one)."""

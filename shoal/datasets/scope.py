@@ -65,8 +65,20 @@ class DatasetScope:
         if self.cache is not None:
             self.cache.invalidate(self.tenant_id, name)
 
+    def _current(self, records: Sequence[DatasetRecord]) -> list[DatasetRecord]:
+        """The entries with the index definition serving now (one catalog query). A cached entry may predate a
+        reindex or rollback, which another process (a worker) swapped in without touching the cache: such an
+        entry is dropped from the cache, so the next read caches the catalog's."""
+        serving = self.catalog.serving([r.source_id for r in records])
+        current = [r.serving(serving.get(r.source_id)) for r in records]
+        for old, new in zip(records, current, strict=True):
+            if new != old:
+                self._forget(old.name)
+        return current
+
     def _datasets(self, records: Sequence[DatasetRecord]) -> list[Dataset]:
-        """The datasets of catalog entries, with their log totals (one catalog query)."""
+        """The datasets of catalog entries, with the index definition serving now and their log totals."""
+        records = self._current(records)
         totals = self.catalog.log_totals([r.source_id for r in records])
         return [Dataset.of(r, totals.get(r.source_id, LogTotals())) for r in records]
 

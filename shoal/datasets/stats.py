@@ -45,7 +45,7 @@ class Stats(DatasetScope):
 
     def stats(self, name: Any) -> DatasetStats:
         """Exact live vector count, storage bytes, metadata stats and per-shard freshness."""
-        record = self.record(name)
+        record = self._current([self.record(name)])[0]
         segments = list_segments(self.shoal.engine, record.source_id)
         live = self._live_state(record.source_id, segments)
         log_bytes = sum(s.bytes for s in segments)

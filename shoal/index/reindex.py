@@ -166,9 +166,20 @@ def reindex_step(
                         "the index changed while the new generation was built (dropped or reindexed)")
     log.info("reindex %s of %s/%s swapped in generation %s (recall %s)", job_id, job.index_name,
              job.index_version, job.definition.get("generation"), recall)
+    refresh_dataset_mirror(engine, storage, source.id)
     if on_swap is not None:
         on_swap(new)
     return ReindexOutcome(job_id, "swapped", recall)
+
+
+def refresh_dataset_mirror(engine: Engine, storage: Storage, source_id: int) -> None:
+    """After a swap (or a rollback) of a dataset's index: write its `dataset_metadata.json` again, so the file
+    shows the index type and params serving now. Every swap passes through `reindex_step`, whichever process
+    runs it (a worker or `Shoal.reindex(wait=True)`), so this is the one place that sees them all. Best effort
+    (never raises); nothing happens for a data source that is no dataset."""
+    from shoal.datasets.files import refresh_mirror  # the dataset API's own file: loaded only when needed
+
+    refresh_mirror(engine, storage, source_id)
 
 
 def run_reindex(

@@ -83,7 +83,8 @@ class DataPoint:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """A deletion: the values of the data source's permanent attributes, nothing else."""
+    """A deletion of the data point with this key: the values of the data source's permanent attributes, or
+    of every attribute (Vektonn's form; the other values are checked for their type and not stored)."""
 
     key: Mapping[str, AttributeValue]
 

@@ -119,6 +119,22 @@ def _tname(value: Any) -> str:
     return type(value).__name__
 
 
+TOMBSTONE_FORMS = (
+    "a tombstone carries only the permanent (key) attributes, or every attribute of the data source "
+    "(as Vektonn clients send it)"
+)
+
+
+def _tombstone_attributes(spec: DataSourceSpec, values: Any) -> Sequence[str]:
+    """The attributes a tombstone may carry: every attribute of the data source when it names them all
+    (Vektonn's form: its server wants every attribute on every input point, tombstones included), else its
+    key alone (Shoal's form; any other attribute is then refused naming both forms). Either way only the key
+    decides what is deleted."""
+    if isinstance(values, Mapping) and all(name in values for name in spec.attribute_types):
+        return list(spec.attribute_types)
+    return list(spec.permanent_attributes)
+
+
 def _check_points(spec: DataSourceSpec, items: Sequence[DataPoint | Tombstone], max_points: int) -> None:
     if len(items) == 0:
         raise ValidationError("batch is empty")
@@ -148,7 +164,8 @@ def points_to_table(
         if isinstance(item, DataPoint):
             values, expected = item.attributes, attrs.keys()
         elif isinstance(item, Tombstone):
-            values, expected = item.key, permanent
+            values = item.key
+            expected = _tombstone_attributes(spec, values)
             ops[pos] = DELETE
             present[pos] = False
         else:
@@ -162,17 +179,14 @@ def points_to_table(
                 problems.add("missing attribute" if ops[pos] == UPSERT else "missing key attribute", pos, name)
         for name, raw in values.items():
             if name not in expected:
-                rule = (
-                    "unknown attribute (not in the data source)"
-                    if name not in attrs
-                    else "a tombstone carries only the permanent (key) attributes"
-                )
+                rule = "unknown attribute (not in the data source)" if name not in attrs else TOMBSTONE_FORMS
                 problems.add(rule, pos, str(name))
                 continue
             value, err = check_value(attrs[name], raw)
             if err:
                 problems.add(err, pos, name)
-            else:
+            elif ops[pos] == UPSERT or name in permanent:
+                # A tombstone's other attributes are checked, never stored: its key alone says what goes.
                 columns[name][pos] = value
         if isinstance(item, DataPoint):
             if spec.vectors_are_sparse:
@@ -260,14 +274,15 @@ def columns_to_table(
     The fast path for large batches: vectors are checked as one NumPy array, not point by point.
     """
     problems = _Problems()
-    expected = list(spec.permanent_attributes) if delete else list(spec.attribute_types)
+    expected = _tombstone_attributes(spec, attributes) if delete else list(spec.attribute_types)
+    permanent = set(spec.permanent_attributes)
     for name in expected:
         if name not in attributes:
             problems.add("missing attribute column" if not delete else "missing key attribute column", None, name)
     for name in attributes:
         if name not in expected:
             rule = "unknown attribute (not in the data source)" if name not in spec.attribute_types else (
-                "tombstones carry only the permanent (key) attributes"
+                TOMBSTONE_FORMS
             )
             problems.add(rule, None, str(name))
     problems.raise_if_any()
@@ -310,12 +325,38 @@ def columns_to_table(
                 problems.add("coordinates must be finite (NaN or infinity found)", int(pos), "vector")
         arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), spec.vector_dimension)
     for name, kind in spec.attribute_types.items():
-        if name in expected:
+        if name in expected and (not delete or name in permanent):
             arrays[name] = _column(name, kind, attributes[name], problems)
         else:
+            if name in expected:  # a tombstone's other attribute: checked for its type, never stored
+                _check_ignored(name, kind, attributes[name], problems)
             arrays[name] = pa.nulls(n, ARROW_TYPES[kind])
     problems.raise_if_any()
     return _finish(spec, arrays)
+
+
+def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Problems) -> None:
+    """Note every value of a tombstone's non-key column that is not of the attribute's type. Nulls pass: in a
+    columnar batch a tombstone row may leave its other attributes empty, its key alone deciding."""
+    if isinstance(values, pa.ChunkedArray | pa.Array):
+        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+        if kind is AttributeType.DATETIME and pa.types.is_timestamp(arr.type):
+            _utc_micros(name, arr, problems)  # notes instants out of range; nulls stay nulls
+            return
+        if arr.type == ARROW_TYPES[kind] and kind not in (AttributeType.GUID, AttributeType.FLOAT64):
+            return  # typed as the attribute: every value present is of its type
+        values = arr.to_pylist()
+    elif isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
+        if kind is not AttributeType.FLOAT64:
+            return
+        for pos in np.flatnonzero(~np.isfinite(values.astype(np.float64)))[:MAX_PROBLEMS]:
+            problems.add("float64 value must be finite", int(pos), name)
+        return
+    for pos, raw in enumerate(values):
+        if raw is not None:
+            _, err = check_value(kind, raw)
+            if err:
+                problems.add(err, pos, name)
 
 
 _FAST_NUMPY_KINDS = {AttributeType.BOOL: "b", AttributeType.INT64: "iu", AttributeType.FLOAT64: "fiu"}

@@ -14,7 +14,7 @@ from shoal.vektonn.runs import runs
 
 ARROW = "application/vnd.apache.arrow.stream"
 VECTOR_COLUMN = "vector"  # fixed-size (or equal-length) list of float per row
-DELETED_COLUMN = "is_deleted"  # optional: true rows are tombstones (key columns only matter)
+DELETED_COLUMN = "is_deleted"  # optional: true rows are tombstones (the key decides)
 
 
 def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
@@ -41,7 +41,12 @@ def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> p
         part = table.slice(start, end - start)
         attrs = {name: part[name].combine_chunks() for name in part.column_names if name != VECTOR_COLUMN}
         if deleted[start]:
-            keys = {name: attrs[name] for name in spec.permanent_attributes if name in attrs}
+            # Every attribute column present (Vektonn's form, or a message that also upserts): all go to the
+            # validation, which checks the non-key values' types (nulls allowed) and keeps only the key.
+            # Otherwise the key columns alone, as ever.
+            full = all(name in attrs for name in spec.attribute_types)
+            names = spec.attribute_types if full else spec.permanent_attributes
+            keys = {name: attrs[name] for name in names if name in attrs}
             parts.append(columns_to_table(spec, None, keys, max_points, delete=True))
         else:
             parts.append(columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension), attrs, max_points))

@@ -119,7 +119,10 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
             if vector is not None:
                 return None
             deleted[pos] = True
-            expected: Any = permanent
+            # The key alone (Shoal's form) or every attribute (Vektonn's): the count tells which, since the
+            # checks below take each attribute of `expected` once.
+            given = item.get("attributes")
+            expected: Any = types if type(given) is list and len(given) == len(types) else permanent
         elif tombstone is not False:
             return None
         elif type(vector) is not dict or vector.get("isSparse", False) is not False or not vector.keys() <= _DENSE_KEYS:
@@ -153,6 +156,12 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
             if array is None:
                 return None
             arrays[name] = array
+        if deleted[start]:
+            # The other attributes of tombstones in Vektonn's form: checked for their type, then dropped.
+            for name in types.keys() - permanent:
+                given = [v for v in columns[name][1][start:end] if v is not _UNSET]
+                if given and _fast_column(types[name], given) is None:
+                    return None
         vectors = None if deleted[start] else _dense_matrix(rows[start:end], end - start, spec.vector_dimension)
         if vectors is None and not deleted[start]:
             return None
