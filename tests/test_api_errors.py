@@ -90,7 +90,7 @@ def test_each_core_error_in_both_shapes(
 
     monkeypatch.setattr(Shoal, "get_data_source", fail)  # GET /api/v1/data-sources/{name}/{version}
     monkeypatch.setattr(DatasetService, "get", fail)  # GET /api/v1/datasets/{id}
-    url, _ = served
+    url, settings = served
     with httpx.Client(base_url=f"{url}/api/v1", timeout=30) as http:
         r = http.get("/data-sources/docs/1")
         status, messages, headers = vektonn
@@ -104,7 +104,11 @@ def test_each_core_error_in_both_shapes(
         r = http.get("/datasets/docs")
         status, code, message, details, headers = dataset
         body = {"success": False, "error_code": code, "message": message, "details": details}
-        assert (r.status_code, r.json()) == (status, body)
+        got = r.json()
+        # Every dataset error's details also name the caller's tenant and what to do (issue 15).
+        assert got["details"].pop("tenant_id") == settings.tenant
+        assert isinstance(got["details"].pop("action"), str)
+        assert (r.status_code, got) == (status, body)
         assert r.headers["content-type"] == "application/json"
         for name, value in headers.items():
             assert r.headers[name] == value
@@ -130,4 +134,7 @@ def test_stats_read_the_log_through_the_checked_reader(served: tuple[str, Settin
         pq.write_table(pq.read_table(segment).slice(0, 1), segment)
         r = http.get("/datasets/docs/stats")
         assert (r.status_code, r.json()) == (500, {"success": False, "error_code": "INTERNAL_ERROR",
-                                                   "message": "internal error", "details": {}})
+                                                   "message": "internal error",
+                                                   "details": {"tenant_id": settings.tenant,
+                                                               "action": "retry later; report the error if it "
+                                                                         "persists"}})

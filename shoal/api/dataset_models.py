@@ -19,19 +19,24 @@ class _Body(BaseModel):
 
 
 MetricType = Literal["cosine", "euclidean", "manhattan", "dot_product"]
-IndexType = Literal["flat", "hnsw", "ivf"]
+IndexType = Literal["flat", "hnsw", "ivf", "default"]
+MergeStrategy = Literal["interleave", "score", "round_robin"]
 
 
 class CreateDatasetRequest(_Body):
-    """A new dataset. Unknown fields are refused."""
+    """A new dataset. Unknown fields are refused. `index_type` left out or "default" is hnsw (flat for
+    manhattan); the index parameters come in `index_config` (the specified form; it may name the type too) or
+    `index_params` (the older one), those left out from the defaults. `index_config` is typed loosely so that
+    the service refuses a bad one with INVALID_DATASET_CONFIG naming the field."""
 
     name: str = Field(json_schema_extra={"pattern": rules.NAME_RE.pattern, "maxLength": 100})
     dimensions: StrictInt = Field(json_schema_extra={"minimum": rules.MIN_DIMENSIONS, "maximum": rules.MAX_DIMENSIONS})
     metric_type: MetricType = "cosine"
-    index_type: IndexType = "hnsw"
+    index_type: IndexType | None = None
     description: str | None = None
     metadata: dict[str, Any] | None = None
     index_params: dict[str, Any] | None = None
+    index_config: Any = None
     overwrite: StrictBool = False
 
 
@@ -59,24 +64,30 @@ class DatasetOut(BaseModel):
     updated_at: str
     vector_count: int
     storage_size: int
+    tenant_id: str
+    storage_location: str
 
 
 class DatasetListOut(BaseModel):
-    """A page of datasets by name."""
+    """A page of datasets by name: `total` in all, `has_more` when a later page holds more."""
 
     datasets: list[DatasetOut]
     total: int
     limit: int
     offset: int
+    has_more: bool
+    tenant_id: str
 
 
 class DeleteOut(BaseModel):
     """What a delete did: `soft` (moved to the trash, restorable until `purge_after`, `trash_id` names it
-    there) or hard (`files_deleted` files deleted at once)."""
+    there) or hard (`files_deleted` files deleted at once); `message` says so, `deleted_at` when."""
 
     success: bool
+    message: str
     dataset_id: str
     deleted: bool
+    deleted_at: str
     soft: bool
     files_deleted: int
     trash_id: int | None
@@ -98,6 +109,8 @@ class TrashListOut(BaseModel):
     total: int
     limit: int
     offset: int
+    has_more: bool
+    tenant_id: str
 
 
 class PurgeOut(BaseModel):
@@ -120,14 +133,22 @@ class IndexStatsOut(BaseModel):
 
 
 class StatsOut(BaseModel):
-    """Exact live vector count, bytes in storage, metadata stats, index stats."""
+    """Exact live vector count, bytes in storage, distinct documents, the serving index's parameters, memory
+    and last rebuild (null: never rebuilt), metadata stats, index stats, and the dataset itself."""
 
     dataset_id: str
+    tenant_id: str
     vector_count: int
     storage_size: int
+    unique_documents: int
+    parameters: dict[str, Any]
+    memory_usage_bytes: int
+    build_time_seconds: float | None
+    last_rebuild_at: str | None
     storage: dict[str, int]
     metadata_stats: dict[str, Any]
     index_stats: IndexStatsOut
+    dataset: DatasetOut
 
 
 class VectorIn(_Body):
@@ -184,13 +205,28 @@ class SearchOut(BaseModel):
     results: list[ResultOut]
 
 
-class MultiSearchRequest(_Body):
-    """One query over several datasets, merged (see `shoal.datasets.merge` for the strategies)."""
+class MultiSearchOptions(_Body):
+    """How a multi-dataset search runs. `filters` is refused while non-empty (filtered search is not there
+    yet); unknown options are refused, never ignored."""
 
-    dataset_ids: list[str]
-    vector: list[StrictFloat]
-    top_k: StrictInt = 10
-    merge_strategy: Literal["interleave", "score", "round_robin"] = "interleave"
+    top_k: StrictInt | None = None
+    merge_strategy: MergeStrategy | None = None
+    consistency: Literal["eventual", "strong"] | None = None
+    filters: Any = None
+
+
+class MultiSearchRequest(_Body):
+    """One query over several datasets, merged (see `shoal.datasets.merge` for the strategies): the specified
+    form `{query_vector, datasets: [names], options: {top_k, merge_strategy, ...}}`, or the older one
+    `{vector, dataset_ids, top_k, merge_strategy, consistency}`; a value given in both forms is refused."""
+
+    query_vector: list[StrictFloat] | None = None
+    datasets: list[str] | None = None
+    options: MultiSearchOptions | None = None
+    vector: list[StrictFloat] | None = None
+    dataset_ids: list[str] | None = None
+    top_k: StrictInt | None = None
+    merge_strategy: MergeStrategy | None = None
     consistency: Literal["eventual", "strong"] | None = None
 
 

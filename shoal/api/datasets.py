@@ -29,6 +29,7 @@ from shoal.api.dataset_models import (
     DatasetOut,
     DeleteOut,
     ErrorOut,
+    MultiSearchOptions,
     MultiSearchOut,
     MultiSearchRequest,
     PurgeOut,
@@ -59,6 +60,7 @@ from shoal.datasets.results import (
     DatasetStats,
     Deletion,
     Match,
+    MetadataStats,
     MultiSearchResults,
     Page,
     Purge,
@@ -104,12 +106,14 @@ def dataset_json(d: Dataset) -> dict[str, Any]:
         "updated_at": d.updated_at.isoformat(timespec="microseconds"),
         "vector_count": d.vector_count,
         "storage_size": d.storage_size,
+        "tenant_id": d.tenant_id,
+        "storage_location": d.storage_location,
     }
 
 
-def _page_json(page: Page[Any], render: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+def _page_json(page: Page[Any], render: Callable[[Any], dict[str, Any]], tenant_id: str) -> dict[str, Any]:
     return {"datasets": [render(item) for item in page.items], "total": page.total, "limit": page.limit,
-            "offset": page.offset}
+            "offset": page.offset, "has_more": page.offset + len(page.items) < page.total, "tenant_id": tenant_id}
 
 
 def _trash_entry_json(e: TrashEntry) -> dict[str, Any]:
@@ -118,9 +122,9 @@ def _trash_entry_json(e: TrashEntry) -> dict[str, Any]:
 
 
 def _deletion_json(d: Deletion) -> dict[str, Any]:
-    return {"success": True, "dataset_id": d.dataset_id, "deleted": True, "soft": d.soft,
-            "files_deleted": d.files_deleted, "trash_id": d.trash_id,
-            "purge_after": iso_utc(d.purge_after) if d.purge_after is not None else None}
+    return {"success": True, "message": d.message, "dataset_id": d.dataset_id, "deleted": True,
+            "deleted_at": iso_utc(d.deleted_at), "soft": d.soft, "files_deleted": d.files_deleted,
+            "trash_id": d.trash_id, "purge_after": iso_utc(d.purge_after) if d.purge_after is not None else None}
 
 
 def _purge_json(p: Purge) -> dict[str, Any]:
@@ -142,19 +146,35 @@ def _shard_json(s: ShardStatus) -> dict[str, Any]:
     }
 
 
+def _metadata_stats_json(m: MetadataStats) -> dict[str, Any]:
+    out = asdict(m)
+    # Counts by language and content type appear when some vector's metadata has the key.
+    for key in ("languages", "content_types"):
+        if not out[key]:
+            del out[key]
+    return out
+
+
 def _stats_json(s: DatasetStats) -> dict[str, Any]:
     return {
         "dataset_id": s.dataset_id,
+        "tenant_id": s.dataset.tenant_id,
         "vector_count": s.vector_count,
         "storage_size": s.storage_size,
+        "unique_documents": s.metadata.distinct_document_ids,
+        "parameters": s.index.index_params,
+        "memory_usage_bytes": s.build.memory_usage_bytes,
+        "build_time_seconds": s.build.build_time_seconds,
+        "last_rebuild_at": iso_utc(s.build.last_rebuild_at) if s.build.last_rebuild_at is not None else None,
         "storage": asdict(s.storage),
-        "metadata_stats": asdict(s.metadata),
+        "metadata_stats": _metadata_stats_json(s.metadata),
         "index_stats": {
             "index_type": s.index.index_type,
             "metric_type": s.index.metric_type,
             "index_params": s.index.index_params,
             "shards": [_shard_json(x) for x in s.index.shards],
         },
+        "dataset": dataset_json(s.dataset),
     }
 
 
@@ -203,24 +223,30 @@ def _cache(request: Request, ctx: TenantContext) -> DatasetCache:
         return cache
 
 
+def _service(request: Request, ctx: TenantContext) -> DatasetService:
+    # The caller's tenant, for the `tenant_id` every error of these routes carries (shoal.api.errors).
+    request.state.dataset_tenant = ctx.tenant
+    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+
+
 def read_service(request: Request, ctx: Annotated[TenantContext, Depends(reader_tenant)]) -> DatasetService:
     """The service for a caller allowed to read."""
-    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+    return _service(request, ctx)
 
 
 def write_service(request: Request, ctx: Annotated[TenantContext, Depends(writer_tenant)]) -> DatasetService:
     """The service for a caller allowed to write."""
-    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+    return _service(request, ctx)
 
 
 def delete_service(request: Request, ctx: Annotated[TenantContext, Depends(deleter_tenant)]) -> DatasetService:
     """The service for a caller allowed to delete (a write key; never a keyless caller)."""
-    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+    return _service(request, ctx)
 
 
 def admin_service(request: Request, ctx: Annotated[TenantContext, Depends(admin_tenant)]) -> DatasetService:
     """The service for a caller allowed to delete for good (an admin key)."""
-    return DatasetService(ctx.handle.shoal, ctx.handle.searcher, _cache(request, ctx))
+    return _service(request, ctx)
 
 
 Reader = Annotated[DatasetService, Depends(read_service)]
@@ -249,7 +275,7 @@ def create_dataset(body: Annotated[CreateDatasetRequest, Body()], svc: Writer, c
     return dataset_json(svc.create(
         body.name, body.dimensions, metric_type=body.metric_type, index_type=body.index_type,
         description=body.description, metadata=body.metadata, index_params=body.index_params,
-        overwrite=body.overwrite,
+        index_config=body.index_config, overwrite=body.overwrite,
     ))
 
 
@@ -260,7 +286,7 @@ def list_datasets(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
     """A page of the tenant's datasets, by name."""
-    return _page_json(svc.list(limit, offset), dataset_json)
+    return _page_json(svc.list(limit, offset), dataset_json, svc.tenant)
 
 
 @router.get("/datasets/{dataset_id}", response_model=DatasetOut)
@@ -295,7 +321,7 @@ def list_trash(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> dict[str, Any]:
     """The tenant's datasets in the trash, most recently deleted first, each with its `purge_after`."""
-    return _page_json(svc.trash(limit, offset), _trash_entry_json)
+    return _page_json(svc.trash(limit, offset), _trash_entry_json, svc.tenant)
 
 
 @router.post("/trash/{dataset_id}/restore", response_model=DatasetOut)
@@ -354,8 +380,30 @@ def search_dataset(dataset_id: str, body: Annotated[SearchRequest, Body()], svc:
                                    min_write_token=body.min_write_token))
 
 
+def _one_of(field: str, specified: Any, older: str, older_value: Any, default: Any = None) -> Any:
+    """The value given in the specified form or in the older one (refused when both are given)."""
+    if specified is not None and older_value is not None:
+        raise DatasetError(ErrorCode.VALIDATION_ERROR, f"give {field} or {older}, not both", {"field": field})
+    value = specified if specified is not None else older_value
+    return default if value is None else value
+
+
 @router.post("/search/multi-dataset", response_model=MultiSearchOut)
 def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader) -> dict[str, Any]:
-    """One query over several datasets, merged by `interleave`, `score` or `round_robin`."""
-    return _multi_search_json(svc.multi_search(body.dataset_ids, body.vector, body.top_k,
-                                               merge_strategy=body.merge_strategy, consistency=body.consistency))
+    """One query over several datasets (by name), merged by `interleave`, `score` or `round_robin`: the
+    specified body `{query_vector, datasets, options: {top_k, merge_strategy, consistency}}` or the older
+    `{vector, dataset_ids, top_k, merge_strategy, consistency}`. A non-empty `options.filters` is refused (400):
+    filtered search is not supported yet."""
+    options = body.options or MultiSearchOptions()
+    vector = _one_of("query_vector", body.query_vector, "vector", body.vector)
+    names = _one_of("datasets", body.datasets, "dataset_ids", body.dataset_ids)
+    if vector is None or names is None:
+        missing = "query_vector" if vector is None else "datasets"
+        raise DatasetError(ErrorCode.VALIDATION_ERROR, f"{missing} is required", {"field": missing})
+    return _multi_search_json(svc.multi_search(
+        names, vector, _one_of("options.top_k", options.top_k, "top_k", body.top_k, 10),
+        merge_strategy=_one_of("options.merge_strategy", options.merge_strategy, "merge_strategy",
+                               body.merge_strategy, "interleave"),
+        consistency=_one_of("options.consistency", options.consistency, "consistency", body.consistency),
+        filters=options.filters,
+    ))

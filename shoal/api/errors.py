@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shoal.datasets.errors import ErrorCode
+from shoal.datasets.errors import ErrorCode, action_of
 from shoal.errors import (
     AlreadyExistsError,
     AuthenticationError,
@@ -83,6 +83,7 @@ DATASET_STATUS: dict[ErrorCode, int] = {
     ErrorCode.VALIDATION_ERROR: 400,
     ErrorCode.NOT_IMPLEMENTED: 501,
     ErrorCode.REINDEX_CONFLICT: 409,
+    ErrorCode.QUOTA_EXCEEDED: 403,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.TOO_MANY_REQUESTS: 429,
@@ -97,6 +98,7 @@ FIELD_CODES = {
     "metric_type": ErrorCode.INVALID_DATASET_CONFIG,
     "index_type": ErrorCode.INVALID_DATASET_CONFIG,
     "index_params": ErrorCode.INVALID_DATASET_CONFIG,
+    "index_config": ErrorCode.INVALID_DATASET_CONFIG,
     "description": ErrorCode.INVALID_DATASET_CONFIG,
     "metadata": ErrorCode.INVALID_DATASET_CONFIG,
 }
@@ -226,13 +228,17 @@ def install(app: FastAPI) -> None:
 
 
 def dataset_error(status: int, code: str, message: str, details: dict[str, Any] | None = None,
-                  headers: dict[str, str] | None = None) -> JSONResponse:
-    """One error in the dataset API's shape."""
-    body = {"success": False, "error_code": code, "message": message, "details": details or {}}
+                  headers: dict[str, str] | None = None, *, tenant_id: str | None = None) -> JSONResponse:
+    """One error in the dataset API's shape; its details always carry `tenant_id` (the caller's tenant, null
+    before it is known) and an `action` hint (the error's own, else its code's)."""
+    details = dict(details or {})
+    details.setdefault("tenant_id", tenant_id)
+    details.setdefault("action", action_of(code))
+    body = {"success": False, "error_code": code, "message": message, "details": details}
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
-def _dataset_request_error(exc: RequestValidationError) -> JSONResponse:
+def _dataset_request_error(exc: RequestValidationError, tenant_id: str | None) -> JSONResponse:
     errors = []
     codes = set()
     for err in exc.errors():
@@ -243,7 +249,7 @@ def _dataset_request_error(exc: RequestValidationError) -> JSONResponse:
     code = codes.pop() if len(codes) == 1 else ErrorCode.VALIDATION_ERROR
     shown = "; ".join(f"{e['loc']}: {e['msg']}" if e["loc"] else e["msg"] for e in errors[:10])
     return dataset_error(DATASET_STATUS[code], code.value, f"invalid request: {shown or 'malformed body'}",
-                         {"errors": errors[:100]})
+                         {"errors": errors[:100]}, tenant_id=tenant_id)
 
 
 def _details(exc: ShoalError) -> dict[str, Any]:
@@ -263,17 +269,20 @@ def dataset_response(request: Request, exc: Exception) -> JSONResponse | None:
     """The dataset API's answer to an exception raised on one of its routes, or None when the app's own
     handler should answer it (an exception that is not Shoal's and that the app has a handler for)."""
     exc = core_error(exc)
+    # The dataset routes' tenant dependencies record the caller's tenant; unset when authentication failed.
+    tenant_id = getattr(request.state, "dataset_tenant", None)
     if isinstance(exc, RequestValidationError):
-        return _dataset_request_error(exc)
+        return _dataset_request_error(exc, tenant_id)
     if isinstance(exc, StarletteHTTPException):
         code = HTTP_CODES.get(exc.status_code, "HTTP_ERROR")
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return dataset_error(exc.status_code, code, detail, {}, dict(exc.headers or {}))
+        return dataset_error(exc.status_code, code, detail, {}, dict(exc.headers or {}), tenant_id=tenant_id)
     if isinstance(exc, ShoalError):
         known = answer(exc)
         if known.code is not None:
-            return dataset_error(known.status, known.code.value, str(exc), _details(exc), extra_headers(exc) or None)
+            return dataset_error(known.status, known.code.value, str(exc), _details(exc), extra_headers(exc) or None,
+                                 tenant_id=tenant_id)
     elif _app_handles(request, exc) and not isinstance(exc, DBAPIError):  # the driver's: answered here, as a bug
         return None
     log.exception("dataset API: unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return dataset_error(500, ErrorCode.INTERNAL_ERROR.value, "internal error", {})
+    return dataset_error(500, ErrorCode.INTERNAL_ERROR.value, "internal error", {}, tenant_id=tenant_id)

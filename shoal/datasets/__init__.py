@@ -10,9 +10,10 @@ A dataset is the tenant-facing convenience of one data source plus its default i
   `id` (string, permanent), `document_id` (string, "" for none), `content` (string, "" for none) and
   `metadata` (string: the vector's metadata as JSON text, "null" for none). An upsert of a known `id`
   replaces that vector (last write wins).
-- **default index** `N` version `1`: algorithm = `index_type` (flat, hnsw, ivf), metric = `metric_type`
-  (cosine, euclidean, manhattan, dot_product), `index_params` checked and completed by the engine
-  (hnsw: M, ef_construction, ef_search all or none; ivf: nlist, nprobe), id attribute `id`, one shard, every
+- **default index** `N` version `1`: algorithm = `index_type` (flat, hnsw, ivf; none or "default" is hnsw, or
+  flat for manhattan), metric = `metric_type` (cosine, euclidean, manhattan, dot_product), parameters from
+  `index_config` (or `index_params`) completed with the dataset API's defaults and checked against its ranges
+  (`rules.INDEX_DEFAULTS`, `rules.PARAM_RANGES`), then by the engine; id attribute `id`, one shard, every
   attribute as payload. hnsw and ivf do not support manhattan (INVALID_DATASET_CONFIG); flat supports all.
 - **catalog**: the dataset's definition (description, metadata, metric and index type, index params, last
   update) lives in the data source row's `custom_metadata` under `shoal.dataset` (`catalog.MARKER`); that key
@@ -23,11 +24,11 @@ A dataset is the tenant-facing convenience of one data source plus its default i
 - **names**: `^[a-z0-9_-]{1,100}$` starting with a letter or digit (data source names must); the reserved
   names `rules.RESERVED_NAMES` are refused on create (RESERVED_DATASET_NAME) and never found otherwise.
 - **dimensions**: 1..10000 (the engines' and the catalog's cap).
-- **vector_count / storage_size** of a dataset object are O(1) figures from the catalog's segment rows:
-  upserts minus tombstones (exact while ids are written once; a re-upserted id counts once per write) and the
-  log's bytes. `/stats` gives the exact count of live vectors (the log folded by id, reading only its small
-  columns: O(log entries), not O(vectors x dimensions)) and bytes of the log, index artifacts (every file
-  under the index's folder, including versions awaiting garbage collection) and the metadata mirror.
+- **vector_count / storage_size** of a dataset object: the live vectors (the log's id and operation columns
+  folded: O(log entries), remembered per process until the log changes, `live`) and the log's bytes; in the
+  trash the O(1) estimate (upserts minus tombstones). `/stats` gives the same count and bytes of the log,
+  index artifacts (every file under the index's folder, including versions awaiting garbage collection) and
+  the metadata mirror.
 - **delete** moves the dataset to the tenant's trash (`shoal.upkeep.trash`): hidden everywhere, its name free,
   its files in place, its mirror moved to `tenants/T/trash/{trash_id}/`; restorable until `purge_after`
   (SHOAL_TRASH_RETENTION_DAYS), then purged by beat. `hard=True` (and `overwrite` on create) deletes at once

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
-from shoal.catalog.models import DataSource, Index, LogSegment, Tenant
+from shoal.catalog.models import DataSource, Index, IndexFile, IndexShard, LogSegment, ReindexJob, Tenant
 from shoal.datasets.errors import not_found
 from shoal.datasets.rules import VERSION
 
@@ -119,6 +119,7 @@ class LogTotals:
     upserts: int = 0
     tombstones: int = 0
     bytes: int = 0
+    head: int = 0  # the last committed seq (0: an empty log)
 
     @property
     def estimated_vector_count(self) -> int:
@@ -297,8 +298,38 @@ class DatasetCatalog:
                     func.coalesce(func.sum(LogSegment.upsert_count), 0),
                     func.coalesce(func.sum(LogSegment.tombstone_count), 0),
                     func.coalesce(func.sum(LogSegment.bytes), 0),
+                    func.coalesce(func.max(LogSegment.last_seq), 0),
                 )
                 .where(LogSegment.data_source_id.in_(source_ids))
                 .group_by(LogSegment.data_source_id)
             )
-            return {r[0]: LogTotals(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
+            return {r[0]: LogTotals(int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5])) for r in rows}
+
+    def last_rebuild(self, name: str) -> tuple[dt.datetime, dt.datetime] | None:
+        """(started, finished) of the reindex that built the generation serving the dataset's index, None when
+        that generation was never rebuilt (the dataset's first)."""
+        with Session(self.engine) as s:
+            row = s.execute(
+                select(ReindexJob.created_at, ReindexJob.finished_at)
+                .join(Index, Index.id == ReindexJob.to_index_id)
+                .where(ReindexJob.tenant_id == self.tenant_id, Index.tenant_id == self.tenant_id,
+                       Index.name == name, Index.version == VERSION, Index.deleted_at.is_(None),
+                       ReindexJob.finished_at.is_not(None))
+                .order_by(ReindexJob.finished_at.desc()).limit(1)
+            ).one_or_none()
+            if row is None:
+                return None
+            return row[0].astimezone(dt.UTC), row[1].astimezone(dt.UTC)
+
+    def served_files(self, name: str) -> list[str]:
+        """The layout-relative paths of the files the versions serving the dataset's index reference (what a
+        searcher loads to serve it)."""
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(IndexFile.path)
+                .join(IndexShard, IndexShard.active_version_id == IndexFile.version_id)
+                .join(Index, Index.id == IndexShard.index_id)
+                .where(Index.tenant_id == self.tenant_id, Index.name == name, Index.version == VERSION,
+                       Index.deleted_at.is_(None))
+            )
+            return sorted(set(rows))

@@ -33,7 +33,8 @@ class Deletions(DatasetScope):
                 files = self._drop(record)
                 log.info("dataset %s (#%d) of tenant %s deleted at once (hard): %d files",
                          name, record.source_id, self.tenant, files)
-                return Deletion(name, soft=False, files_deleted=files, trash_id=None, purge_after=None)
+                return Deletion(name, soft=False, files_deleted=files, trash_id=None, purge_after=None,
+                                deleted_at=dt.datetime.now(dt.UTC))
             retention = dt.timedelta(days=self.shoal.settings.trash_retention_days)
             try:
                 trashed = self._trash().soft_delete(name, rules.VERSION, retention)
@@ -47,7 +48,8 @@ class Deletions(DatasetScope):
             self._refresh_searcher()
         finally:
             self._forget(name)
-        return Deletion(name, soft=True, files_deleted=0, trash_id=trashed.id, purge_after=trashed.purge_after)
+        return Deletion(name, soft=True, files_deleted=0, trash_id=trashed.id, purge_after=trashed.purge_after,
+                        deleted_at=trashed.deleted_at)
 
     def _trashed_one(self, name: str, trash_id: int | None) -> TrashedDataset:
         candidates = self.catalog.trashed(name)
@@ -65,8 +67,8 @@ class Deletions(DatasetScope):
         items, total = self.catalog.trash_page(limit, offset)
         totals = self.catalog.log_totals([t.record.source_id for t in items])
         entries = tuple(
-            TrashEntry(Dataset.of(t.record, totals.get(t.record.source_id, LogTotals())), t.record.source_id,
-                       t.deleted_at, t.purge_after)
+            TrashEntry(self._dataset(t.record, totals.get(t.record.source_id, LogTotals()), live=False),
+                       t.record.source_id, t.deleted_at, t.purge_after)
             for t in items
         )
         return Page(entries, total, limit, offset)
@@ -86,7 +88,8 @@ class Deletions(DatasetScope):
                                    {"dataset_id": name, "trash_id": source_id}) from None
             except AlreadyExistsError as exc:
                 raise DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"{exc}; delete that one first",
-                                   {"dataset_id": name, "trash_id": source_id, "conflict": "dataset"}) from None
+                                   {"dataset_id": name, "trash_id": source_id, "conflict": "dataset",
+                                    "action": "delete the dataset that took the name first, then restore"}) from None
             log.info("dataset %s (#%d) of tenant %s restored from the trash", name, source_id, self.tenant)
             record = self.catalog.get(name)
             try:

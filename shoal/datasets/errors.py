@@ -11,7 +11,8 @@ from typing import Any
 
 from shoal.errors import DatasetError, ValidationError
 
-__all__ = ["DatasetError", "ErrorCode", "already_exists", "invalid", "not_found", "problems_of"]
+__all__ = ["ACTIONS", "DatasetError", "ErrorCode", "action_of", "already_exists", "invalid", "not_found",
+           "problems_of"]
 
 
 class ErrorCode(StrEnum):
@@ -26,11 +27,42 @@ class ErrorCode(StrEnum):
     VALIDATION_ERROR = "VALIDATION_ERROR"
     NOT_IMPLEMENTED = "NOT_IMPLEMENTED"
     REINDEX_CONFLICT = "REINDEX_CONFLICT"
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
     UNAUTHORIZED = "UNAUTHORIZED"
     FORBIDDEN = "FORBIDDEN"
     TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
     SERVICE_UNAVAILABLE = "SERVICE_UNAVAILABLE"
     INTERNAL_ERROR = "INTERNAL_ERROR"
+
+
+# What the caller can do about an error (`details.action`), by code; an error may carry a more precise one.
+ACTIONS: dict[ErrorCode, str] = {
+    ErrorCode.DATASET_NOT_FOUND: "check the dataset id; GET /api/v1/datasets lists the tenant's datasets "
+    "(a deleted one may be in GET /api/v1/trash)",
+    ErrorCode.DATASET_ALREADY_EXISTS: "choose another name, or create with overwrite=true (an admin key) to "
+    "replace the dataset",
+    ErrorCode.INVALID_DATASET_CONFIG: "correct the field named in details and send the request again",
+    ErrorCode.INVALID_DATASET_NAME: "use a name matching ^[a-z0-9_-]{1,100}$ that starts with a letter or digit",
+    ErrorCode.RESERVED_DATASET_NAME: "choose a name that is not in details.reserved_names",
+    ErrorCode.INVALID_DIMENSIONS: "send vectors with the dataset's number of dimensions",
+    ErrorCode.VALIDATION_ERROR: "correct the request as the message says and send it again",
+    ErrorCode.NOT_IMPLEMENTED: "this operation is not available",
+    ErrorCode.REINDEX_CONFLICT: "wait for the running reindex to end (GET /api/v1/indexes/{dataset_id}/1/reindex)",
+    ErrorCode.QUOTA_EXCEEDED: "delete vectors, or raise metadata.quota_limit with PUT /api/v1/datasets/{dataset_id}",
+    ErrorCode.UNAUTHORIZED: "send a valid key as 'Authorization: ApiKey <key>'",
+    ErrorCode.FORBIDDEN: "use a key whose role allows this operation",
+    ErrorCode.TOO_MANY_REQUESTS: "retry after the Retry-After header's seconds",
+    ErrorCode.SERVICE_UNAVAILABLE: "retry after the Retry-After header's seconds",
+    ErrorCode.INTERNAL_ERROR: "retry later; report the error if it persists",
+}
+
+
+def action_of(code: str) -> str:
+    """The action hint of a code (a generic one for a code without its own)."""
+    try:
+        return ACTIONS[ErrorCode(code)]
+    except ValueError:
+        return "correct the request and send it again"
 
 
 def not_found(name: str) -> DatasetError:
@@ -39,9 +71,12 @@ def not_found(name: str) -> DatasetError:
 
 
 def already_exists(name: str, conflict: str = "dataset") -> DatasetError:
-    """A dataset (or, per `conflict`, another object) of that name exists already."""
-    return DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"dataset {name!r} already exists",
-                        {"dataset_id": name, "conflict": conflict})
+    """A dataset (or, per `conflict`, another object) of that name exists already; the hint names
+    `overwrite=true`, which replaces a dataset (never another object)."""
+    details: dict[str, Any] = {"dataset_id": name, "conflict": conflict}
+    if conflict != "dataset":
+        details["action"] = "choose another name (overwrite replaces datasets only)"
+    return DatasetError(ErrorCode.DATASET_ALREADY_EXISTS, f"dataset {name!r} already exists", details)
 
 
 def invalid(message: str, **details: Any) -> DatasetError:

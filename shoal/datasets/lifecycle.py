@@ -26,34 +26,38 @@ class Lifecycle(DatasetScope):
         dimensions: Any,
         *,
         metric_type: Any = rules.DEFAULT_METRIC,
-        index_type: Any = rules.DEFAULT_INDEX,
+        index_type: Any = None,
         description: Any = None,
         metadata: Any = None,
         index_params: Any = None,
+        index_config: Any = None,
         overwrite: bool = False,
     ) -> Dataset:
         """Create a dataset (with `overwrite`, first hard-delete a dataset of that name); the new dataset.
-        Undone as far as possible if any step fails."""
+        Undone as far as possible if any step fails.
+
+        The index: `index_type` (None or "default": hnsw, or flat for manhattan, the one metric only flat
+        serves) with the parameters of `index_config` (the specified form, which may also name the type) or
+        `index_params` (the older one); parameters left out take the dataset API's defaults and must lie in
+        its ranges (`rules.index_params_of`)."""
         name = rules.check_name(name)
         dimensions = rules.check_dimensions(dimensions)
         metric_type = rules.check_choice("metric_type", metric_type, rules.METRIC_TYPES)
-        index_type = rules.check_choice("index_type", index_type, rules.INDEX_TYPES)
+        index_type, params = rules.check_index_choice(metric_type, index_type, index_params, index_config)
         description = rules.check_description(description)
-        metadata = rules.check_metadata(metadata)
-        if index_params is not None and not isinstance(index_params, dict):
-            raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, "index_params must be null or a JSON object",
-                               {"field": "index_params"})
+        metadata = rules.check_custom_metadata(rules.check_metadata(metadata))
         plain = DataSourceSpec(name, rules.VERSION, dimensions, rules.ATTRIBUTES, rules.PERMANENT)
         index_spec = IndexSpec(name, rules.VERSION, name, rules.VERSION, algorithm=index_type, metric=metric_type,
-                               params=index_params or {}, id_attributes=rules.PERMANENT, shard_count=1)
+                               params=params, id_attributes=rules.PERMANENT, shard_count=1)
         try:
             resolved = resolve_index(index_spec, plain)
         except ValidationError as exc:
             raise DatasetError(
                 ErrorCode.INVALID_DATASET_CONFIG,
-                f"index_type {index_type!r} with metric_type {metric_type!r} and these index_params is refused: "
-                + "; ".join(problems_of(exc)),
-                {"problems": problems_of(exc), "index_type": index_type, "metric_type": metric_type},
+                f"index_type {index_type!r} with metric_type {metric_type!r} and these index parameters is "
+                "refused: " + "; ".join(problems_of(exc)),
+                {"field": "index_config" if index_config is not None else "index_params",
+                 "problems": problems_of(exc), "index_type": index_type, "metric_type": metric_type},
             ) from None
         params = dict(resolved.params)
         spec = DataSourceSpec(
@@ -83,7 +87,7 @@ class Lifecycle(DatasetScope):
             raise
         finally:
             self._forget(name)
-        return Dataset.of(record, LogTotals())
+        return self._dataset(record, LogTotals())
 
     def _refuse_foreign(self, name: str) -> None:
         """A data source or index of the dataset's name that is not a dataset's blocks it (never overwritten)."""
@@ -95,7 +99,8 @@ class Lifecycle(DatasetScope):
             raise DatasetError(
                 ErrorCode.DATASET_ALREADY_EXISTS,
                 f"a {kind.replace('_', ' ')} named {name!r} version {rules.VERSION!r} exists and is not a dataset",
-                {"dataset_id": name, "conflict": kind},
+                {"dataset_id": name, "conflict": kind,
+                 "action": "choose another name (overwrite replaces datasets only)"},
             )
 
     def list(self, limit: int = 100, offset: int = 0) -> Page[Dataset]:
@@ -128,7 +133,7 @@ class Lifecycle(DatasetScope):
         if "description" in changes:
             clean["description"] = rules.check_description(changes["description"])
         if "metadata" in changes:
-            clean["metadata"] = rules.check_metadata(changes["metadata"])
+            clean["metadata"] = rules.check_custom_metadata(rules.check_metadata(changes["metadata"]))
         if not clean:
             return self.get(name)
         self._forget(name)
@@ -147,15 +152,24 @@ class Lifecycle(DatasetScope):
         once its recall meets the gate; `wait` runs it here, else a worker does. REINDEX_CONFLICT if one runs.
 
         The type and params come from `index_type` and `index_params`, or from `index_config` (the params,
-        optionally with `index_type`; `index_type` may also be given beside it if the two agree). Without
-        params the current ones are kept, unless a type is named (then that type's defaults). A refused
+        optionally with `index_type`; `index_type` may also be given beside it if the two agree); "default" is
+        the type a new dataset of its metric gets. Without params the current ones are kept, unless a type is
+        named; params left out take the dataset API's defaults, and its ranges hold (as on create). A refused
         `index_config` is INVALID_DATASET_CONFIG naming the field, and nothing is started. Once the new
         generation serves, the dataset (its catalog entry, stats and `dataset_metadata.json`) shows it."""
         record = self.record(name)
+        if index_type == rules.DEFAULT_INDEX_VALUE:
+            index_type = rules.default_index_type(record.metric_type)
         if index_config is not None:
             index_type, index_params = self._from_index_config(index_config, index_type, index_params)
+            if index_type == rules.DEFAULT_INDEX_VALUE:
+                index_type = rules.default_index_type(record.metric_type)
         elif index_type is not None and index_type not in rules.INDEX_TYPES:
             raise invalid(f"index_type must be one of {', '.join(rules.INDEX_TYPES)}", index_type=index_type)
+        if index_type is not None or index_params is not None:
+            # As on create: the parameters left out take the dataset API's defaults, and its ranges hold.
+            field = "index_config" if index_config is not None else "index_params"
+            index_params = rules.index_params_of(index_type or record.index_type, index_params, field)
         try:
             job = self.shoal.reindex(record.name, rules.VERSION, algorithm=index_type,
                                      params=dict(index_params) if index_params is not None else None, wait=wait)

@@ -15,8 +15,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Dataset:
-    """A dataset as its owner sees it; `vector_count` and `storage_size` are the O(1) catalog figures (upserts
-    minus tombstones, log bytes), `DatasetStats` has exact ones. Its id is its name."""
+    """A dataset as its owner sees it: `vector_count` its live vectors (the last write per id, minus deletions),
+    `storage_size` its log's bytes (`DatasetStats` adds the index files and the mirror), `tenant_id` the name of
+    the tenant owning it, `storage_location` the URI of its folder. Its id is its name."""
 
     name: str
     description: str | None
@@ -28,13 +29,18 @@ class Dataset:
     updated_at: dt.datetime
     vector_count: int
     storage_size: int
+    tenant_id: str
+    storage_location: str
 
     @classmethod
-    def of(cls, record: DatasetRecord, totals: LogTotals) -> Dataset:
-        """The dataset of a catalog entry with its log's totals."""
+    def of(cls, record: DatasetRecord, totals: LogTotals, *, live: int | None = None, tenant_id: str,
+           storage_location: str) -> Dataset:
+        """The dataset of a catalog entry with its log's totals and its live vector count (None: the O(1)
+        estimate, upserts minus tombstones, for an entry whose log is not read, e.g. one in the trash)."""
+        count = totals.estimated_vector_count if live is None else live
         return cls(record.name, record.description, record.dimensions, record.metric_type, record.index_type,
-                   record.metadata, record.created_at, record.updated_at, totals.estimated_vector_count,
-                   totals.bytes)
+                   record.metadata, record.created_at, record.updated_at, count, totals.bytes, tenant_id,
+                   storage_location)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,16 @@ class Deletion:
     files_deleted: int
     trash_id: int | None
     purge_after: dt.datetime | None
+    deleted_at: dt.datetime
+
+    @property
+    def message(self) -> str:
+        """What happened, in a sentence."""
+        if self.soft:
+            assert self.purge_after is not None
+            return (f"dataset {self.dataset_id!r} moved to the trash; restorable until "
+                    f"{self.purge_after.isoformat(timespec='seconds')}")
+        return f"dataset {self.dataset_id!r} deleted ({self.files_deleted} files)"
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,10 @@ class MetadataStats:
     vectors_with_metadata: int
     metadata_keys: dict[str, int]
     metadata_sampled_vectors: int
+    # Live vectors by their metadata's `language` and `content_type` (over the same sample); empty when no
+    # vector's metadata has the key.
+    languages: dict[str, int]
+    content_types: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -115,14 +135,27 @@ class IndexStats:
 
 
 @dataclass(frozen=True)
+class IndexBuild:
+    """The serving index's build: the files a searcher loads to serve it, and its last full rebuild (a
+    reindex swapped in), None when it was never rebuilt."""
+
+    memory_usage_bytes: int
+    last_rebuild_at: dt.datetime | None
+    build_time_seconds: float | None
+
+
+@dataclass(frozen=True)
 class DatasetStats:
-    """Exact live vector count, bytes in storage, metadata stats and index stats of one dataset."""
+    """Exact live vector count, bytes in storage, metadata stats and index stats of one dataset, with the
+    dataset itself (`dataset`, its summary)."""
 
     dataset_id: str
     vector_count: int
     storage: StorageUse
     metadata: MetadataStats
     index: IndexStats
+    build: IndexBuild
+    dataset: Dataset
 
     @property
     def storage_size(self) -> int:

@@ -24,8 +24,8 @@ FIRST_CHAR_RE = re.compile(r"^[a-z0-9]")
 RESERVED_NAMES: frozenset[str] = frozenset(
     {
         "admin", "api", "auth", "config", "datasets", "default", "health", "healthz", "internal", "metrics",
-        "multi-dataset", "new", "none", "null", "root", "search", "shoal", "stats", "status", "system", "tenant",
-        "tenants", "trash", "undefined", "v1",
+        "multi-dataset", "new", "none", "null", "root", "search", "shared", "shoal", "stats", "status", "system",
+        "tenant", "tenants", "trash", "undefined", "v1",
     }
 )
 
@@ -36,6 +36,22 @@ METRIC_TYPES = ("cosine", "euclidean", "manhattan", "dot_product")
 INDEX_TYPES = ("flat", "hnsw", "ivf")
 DEFAULT_METRIC = "cosine"
 DEFAULT_INDEX = "hnsw"
+# `index_type: "default"` (or none given) is hnsw, or flat for a metric hnsw cannot serve: of the engines
+# (shoal/engines/) only flat computes manhattan distances.
+DEFAULT_INDEX_VALUE = "default"
+FLAT_ONLY_METRICS = frozenset({"manhattan"})
+
+# The dataset API's index parameters (the engines accept wider ranges; these are the API's rules). Parameters
+# left out take these defaults, so `{M, ef_construction}` alone is a complete HNSW configuration.
+INDEX_DEFAULTS: dict[str, dict[str, int]] = {
+    "hnsw": {"M": 16, "ef_construction": 200, "ef_search": 50},
+    "ivf": {"nlist": 100, "nprobe": 10},
+    "flat": {},
+}
+# Inclusive ranges; nprobe's upper bound is the nlist in effect.
+PARAM_RANGES: dict[str, tuple[int, int]] = {
+    "M": (8, 64), "ef_construction": (100, 500), "ef_search": (10, 500), "nlist": (1, 1 << 20), "nprobe": (1, 1 << 20),
+}
 
 VERSION = "1"  # the version of a dataset's data source and index
 ATTRIBUTES: dict[str, AttributeType] = {
@@ -81,17 +97,116 @@ def check_name(name: Any) -> str:
     return name
 
 
+def allowed_range(low: int, high: int) -> dict[str, int]:
+    """An inclusive range as error details show it."""
+    return {"min": low, "max": high}
+
+
+def out_of_range(field: str, value: Any, low: int, high: int) -> DatasetError:
+    """INVALID_DATASET_CONFIG for a number outside its range: `{field, value, allowed_range}` in the details."""
+    return DatasetError(
+        ErrorCode.INVALID_DATASET_CONFIG,
+        f"{field} must be an integer in {low}..{high}, got {value!r}",
+        {"field": field, "value": value, "allowed_range": allowed_range(low, high)},
+    )
+
+
 def check_dimensions(dimensions: Any) -> int:
-    """The dimension count if it is an integer in 1..10000; INVALID_DIMENSIONS otherwise."""
-    if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not (
-        MIN_DIMENSIONS <= dimensions <= MAX_DIMENSIONS
-    ):
+    """The dimension count if it is an integer in 1..10000: not an integer is INVALID_DIMENSIONS, an integer out
+    of range INVALID_DATASET_CONFIG with `{field, value, allowed_range}` (as specified)."""
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int):
         raise DatasetError(
             ErrorCode.INVALID_DIMENSIONS,
             f"dimensions must be an integer in {MIN_DIMENSIONS}..{MAX_DIMENSIONS}, got {dimensions!r}",
-            {"dimensions": dimensions, "min": MIN_DIMENSIONS, "max": MAX_DIMENSIONS},
+            {"field": "dimensions", "value": dimensions,
+             "allowed_range": allowed_range(MIN_DIMENSIONS, MAX_DIMENSIONS)},
         )
+    if not MIN_DIMENSIONS <= dimensions <= MAX_DIMENSIONS:
+        raise out_of_range("dimensions", dimensions, MIN_DIMENSIONS, MAX_DIMENSIONS)
     return dimensions
+
+
+def default_index_type(metric_type: str) -> str:
+    """The index type `"default"` stands for with this metric: hnsw, or flat where hnsw lacks the metric."""
+    return "flat" if metric_type in FLAT_ONLY_METRICS else DEFAULT_INDEX
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def index_params_of(index_type: str, given: Any, field: str) -> dict[str, Any]:
+    """The parameters of an index of `index_type` from those given (a JSON object or None): the ones left out
+    take `INDEX_DEFAULTS`, and integers must lie in `PARAM_RANGES` (nprobe at most the nlist in effect), else
+    INVALID_DATASET_CONFIG with `{field, value, allowed_range}`. Unknown names and values of the wrong type are
+    left for the engine to refuse (`resolve_index`), which names them."""
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, f"{field} must be null or a JSON object",
+                           {"field": field})
+    params = {**INDEX_DEFAULTS.get(index_type, {}), **given}
+    for name, value in params.items():
+        if name in PARAM_RANGES and name in INDEX_DEFAULTS.get(index_type, {}) and _is_int(value):
+            low, high = PARAM_RANGES[name]
+            if name == "nprobe" and _is_int(params.get("nlist")):
+                high = params["nlist"]
+            if not low <= value <= high:
+                raise out_of_range(f"{field}.{name}", value, low, high)
+    return params
+
+
+def check_index_choice(
+    metric_type: str, index_type: Any, index_params: Any, index_config: Any
+) -> tuple[str, dict[str, Any]]:
+    """The index type and complete parameters of a new dataset from its request: `index_config` (the
+    specified form: the parameters, optionally with `index_type`) or `index_params` (the older one), not
+    both; `index_type` None or `"default"` is `default_index_type(metric_type)`."""
+    field = "index_params"
+    given = index_params
+    if index_config is not None:
+        if index_params is not None:
+            raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG,
+                               "give the parameters in index_config or in index_params, not both",
+                               {"field": "index_params"})
+        config_type, given = check_index_config(index_config)
+        field = "index_config"
+        if config_type not in (None, DEFAULT_INDEX_VALUE):
+            if index_type not in (None, DEFAULT_INDEX_VALUE) and index_type != config_type:
+                raise DatasetError(
+                    ErrorCode.INVALID_DATASET_CONFIG,
+                    f"index_type {index_type!r} and index_config.index_type {config_type!r} disagree",
+                    {"field": "index_config.index_type"},
+                )
+            index_type = config_type
+    if index_type is None or index_type == DEFAULT_INDEX_VALUE:
+        index_type = default_index_type(metric_type)
+    index_type = check_choice("index_type", index_type, (*INDEX_TYPES, DEFAULT_INDEX_VALUE))
+    return index_type, index_params_of(index_type, given, field)
+
+
+def check_custom_metadata(metadata: dict[str, Any] | None, field: str = "metadata") -> dict[str, Any] | None:
+    """The custom fields a dataset's metadata may hold are typed: `quota_limit` a positive integer (the most
+    vectors the dataset may hold), `tags` a list of strings, `retention_days` a non-negative integer;
+    INVALID_DATASET_CONFIG naming the field otherwise."""
+    if metadata is None:
+        return None
+    checks = (
+        ("quota_limit", lambda v: _is_int(v) and v > 0, "a positive integer"),
+        ("tags", lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "a list of strings"),
+        ("retention_days", lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    )
+    for key, ok, what in checks:
+        if key in metadata and not ok(metadata[key]):
+            raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, f"{field}.{key} must be {what}, got {metadata[key]!r}",
+                               {"field": f"{field}.{key}", "value": metadata[key], "expected": what})
+    return metadata
+
+
+def quota_limit(metadata: dict[str, Any] | None) -> int | None:
+    """The dataset's `metadata.quota_limit` (checked on create and update), None when it has none."""
+    value = (metadata or {}).get("quota_limit")
+    return value if _is_int(value) and value > 0 else None
 
 
 def check_choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -116,7 +231,7 @@ def check_index_config(config: Any) -> tuple[str | None, dict[str, Any] | None]:
     params = dict(config)
     index_type = params.pop("index_type", None)
     if index_type is not None:
-        index_type = check_choice("index_config.index_type", index_type, INDEX_TYPES)
+        index_type = check_choice("index_config.index_type", index_type, (*INDEX_TYPES, DEFAULT_INDEX_VALUE))
     return index_type, params or None
 
 

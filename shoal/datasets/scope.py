@@ -14,10 +14,11 @@ from shoal.datasets.cache import DatasetCache
 from shoal.datasets.catalog import DatasetCatalog, DatasetRecord, LogTotals
 from shoal.datasets.errors import DatasetError, ErrorCode, invalid, not_found
 from shoal.datasets.files import forget_files, write_mirror
+from shoal.datasets.live import live_count
 from shoal.datasets.results import Dataset
 from shoal.errors import NotFoundError
 from shoal.searcher.searcher import Searcher
-from shoal.storage.layout import dataset_metadata_path
+from shoal.storage.layout import dataset_dir, dataset_metadata_path
 from shoal.upkeep.trash import Trash
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,23 @@ class DatasetScope:
                 self._forget(old.name)
         return current
 
+    def storage_location(self, name: str) -> str:
+        """The URI of the dataset's folder (`file://` on local storage, `s3://` on a bucket)."""
+        scheme = "file://" if self.shoal.storage.local else "s3://"
+        return f"{scheme}{self.shoal.storage.path(dataset_dir(self.tenant, name))}/"
+
+    def _dataset(self, record: DatasetRecord, totals: LogTotals, *, live: bool = True) -> Dataset:
+        """The dataset of a catalog entry; with `live`, its live vector count read from its log."""
+        count = live_count(self.shoal.engine, self.shoal.storage, record.source_id, totals) if live else None
+        return Dataset.of(record, totals, live=count, tenant_id=self.tenant,
+                          storage_location=self.storage_location(record.name))
+
     def _datasets(self, records: Sequence[DatasetRecord]) -> list[Dataset]:
-        """The datasets of catalog entries, with the index definition serving now and their log totals."""
+        """The datasets of catalog entries, with the index definition serving now, their log totals and live
+        vector counts."""
         records = self._current(records)
         totals = self.catalog.log_totals([r.source_id for r in records])
-        return [Dataset.of(r, totals.get(r.source_id, LogTotals())) for r in records]
+        return [self._dataset(r, totals.get(r.source_id, LogTotals())) for r in records]
 
     def _trash(self) -> Trash:
         return Trash(self.shoal.engine, self.shoal.catalog.tenant_id, self.tenant)

@@ -95,9 +95,14 @@ class Search(DatasetScope):
         *,
         merge_strategy: str = "interleave",
         consistency: str | None = None,
+        filters: Any = None,
     ) -> MultiSearchResults:
         """Search several datasets with one vector and merge their results (see `shoal.datasets.merge`); every
-        problem with the query is reported before any search runs."""
+        problem with the query is reported before any search runs. Non-empty `filters` are refused
+        (VALIDATION_ERROR): filtered search is not supported yet, and ignoring them would answer unfiltered."""
+        if filters not in (None, {}, []):
+            raise invalid("filters are not supported yet: send the search without options.filters",
+                          field="options.filters")
         if not dataset_ids or len(dataset_ids) > rules.MAX_MULTI_DATASETS:
             raise invalid(f"dataset_ids must name 1 to {rules.MAX_MULTI_DATASETS} datasets", field="dataset_ids")
         if len(set(dataset_ids)) != len(dataset_ids):

@@ -17,8 +17,9 @@ import pyarrow.fs as pafs
 
 from shoal.catalog.repo import SegmentRecord, list_segments
 from shoal.datasets import rules
+from shoal.datasets.catalog import LogTotals
 from shoal.datasets.errors import not_found
-from shoal.datasets.results import DatasetStats, IndexStats, MetadataStats, StorageUse
+from shoal.datasets.results import Dataset, DatasetStats, IndexBuild, IndexStats, MetadataStats, StorageUse
 from shoal.datasets.scope import DatasetScope
 from shoal.errors import NotFoundError
 from shoal.log.reader import fold, read_log
@@ -28,6 +29,7 @@ from shoal.storage.layout import dataset_dir, index_dir
 METADATA_SAMPLE = 100_000  # live vectors whose metadata keys are counted (the first ones in seq order)
 TOP_METADATA_KEYS = 50
 STATS_COLUMNS = (KEY, OP, "document_id", "content", "metadata")
+COUNTED_KEYS = ("language", "content_type")  # metadata keys whose values /stats counts
 
 
 def metadata_value(text: Any) -> Any:
@@ -56,13 +58,31 @@ class Stats(DatasetScope):
         except NotFoundError:
             self._forget(record.name)
             raise not_found(record.name) from None
+        totals = self.catalog.log_totals([record.source_id]).get(record.source_id, LogTotals())
+        dataset = Dataset.of(record, totals, live=live.num_rows, tenant_id=self.tenant,
+                             storage_location=self.storage_location(record.name))
         return DatasetStats(
             dataset_id=record.name,
             vector_count=live.num_rows,
             storage=StorageUse(log_bytes, index_bytes, index_files, mirror_bytes),
             metadata=self._metadata_stats(live, segments),
             index=IndexStats(record.index_type, record.metric_type, record.index_params, shards),
+            build=self._build(record.name),
+            dataset=dataset,
         )
+
+    def _build(self, name: str) -> IndexBuild:
+        """The bytes of the files serving the index (what a searcher holds in memory for it) and its last
+        rebuild."""
+        paths = self.catalog.served_files(name)
+        storage = self.shoal.storage
+        infos = storage.fs.get_file_info([storage.path(p) for p in paths]) if paths else []
+        memory = sum(int(i.size or 0) for i in infos if i.type == pafs.FileType.File)
+        rebuild = self.catalog.last_rebuild(name)
+        if rebuild is None:
+            return IndexBuild(memory, None, None)
+        started, finished = rebuild
+        return IndexBuild(memory, finished, max(0.0, (finished - started).total_seconds()))
 
     def _live_state(self, source_id: int, segments: Sequence[SegmentRecord]) -> pa.Table:
         """The live vectors (last write per id, minus deletions) in seq order, up to the last listed segment."""
@@ -79,6 +99,7 @@ class Stats(DatasetScope):
         doc_ids = [d for d in live["document_id"].to_pylist() if d]
         with_content = sum(1 for c in live["content"].to_pylist() if c)
         keys: Counter[str] = Counter()
+        by: dict[str, Counter[str]] = {k: Counter() for k in COUNTED_KEYS}
         with_metadata = 0
         sample = live["metadata"].slice(0, METADATA_SAMPLE).to_pylist()
         for text in sample:
@@ -86,6 +107,9 @@ class Stats(DatasetScope):
             if isinstance(value, dict) and value:
                 with_metadata += 1
                 keys.update(value.keys())
+                for k, counter in by.items():
+                    if isinstance(value.get(k), str):  # a language or content type is a name
+                        counter[value[k]] += 1
         return MetadataStats(
             log_entries=sum(s.upsert_count + s.tombstone_count for s in segments),  # compaction leaves gaps
             log_segments=len(segments),
@@ -97,6 +121,8 @@ class Stats(DatasetScope):
             vectors_with_metadata=with_metadata,
             metadata_keys=dict(keys.most_common(TOP_METADATA_KEYS)),
             metadata_sampled_vectors=len(sample),
+            languages=dict(by["language"].most_common(TOP_METADATA_KEYS)),
+            content_types=dict(by["content_type"].most_common(TOP_METADATA_KEYS)),
         )
 
     def _bytes_under(self, folder: str) -> tuple[int, int]:

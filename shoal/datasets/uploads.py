@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shoal.datasets import rules
+from shoal.datasets.catalog import DatasetRecord, LogTotals
 from shoal.datasets.errors import DatasetError, ErrorCode, invalid, not_found, problems_of
+from shoal.datasets.live import live_ids
 from shoal.datasets.results import Upserted
 from shoal.datasets.scope import DatasetScope
 from shoal.errors import NotFoundError, ValidationError
@@ -55,6 +57,7 @@ class Uploads(DatasetScope):
             points.append(DataPoint(attrs, v["values"]))
         if problems:
             raise invalid(f"invalid vectors, nothing written: {'; '.join(problems[:10])}", problems=problems[:100])
+        self._check_quota(record, [v["id"] for v in vectors])
         try:
             self.shoal.check_backpressure(record.name, rules.VERSION)
             token = self.shoal.producer(record.name, rules.VERSION).upload(points)
@@ -64,3 +67,22 @@ class Uploads(DatasetScope):
         except ValidationError as exc:
             raise invalid(str(exc), problems=problems_of(exc)[:100]) from None
         return Upserted(record.name, len(points), token.seq)
+
+    def _check_quota(self, record: DatasetRecord, ids: Sequence[str]) -> None:
+        """QUOTA_EXCEEDED (nothing written) when the batch would leave more live vectors than the dataset's
+        `metadata.quota_limit`; ids already live are replaced and count once. Checked against the log's state
+        before the write: uploads racing each other may pass it together."""
+        limit = rules.quota_limit(record.metadata)
+        if limit is None:
+            return
+        totals = self.catalog.log_totals([record.source_id]).get(record.source_id, LogTotals())
+        live = live_ids(self.shoal.engine, self.shoal.storage, record.source_id, totals.head) if totals.head else set()
+        new = set(ids) - live
+        if len(live) + len(new) > limit:
+            raise DatasetError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"dataset {record.name!r} holds {len(live)} vectors and its quota_limit is {limit}: "
+                f"{len(new)} new vectors would exceed it; nothing written",
+                {"dataset_id": record.name, "field": "metadata.quota_limit", "quota_limit": limit,
+                 "vector_count": len(live), "new_vectors": len(new)},
+            )
