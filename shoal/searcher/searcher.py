@@ -7,6 +7,7 @@ the catalog is the fallback when a message is missed or Redis is down.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ import pyarrow as pa
 import redis
 
 from shoal.catalog.repo import head_of
-from shoal.errors import CapacityError, NotFoundError, QueryError, ShoalError, ValidationError
+from shoal.errors import CapacityError, NotFoundError, Problem, QueryError, ShoalError, ValidationError
 from shoal.log.heads import HEADS_CHANNEL, parse_announcement, read_head
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
@@ -31,11 +32,41 @@ from shoal.searcher.execute import (
     prepare_queries,
     split_matcher,
 )
+from shoal.searcher.filters import Filter, parse_filter
 from shoal.searcher.views import IndexView, load_shard
 from shoal.searcher.young import TailCache, extend
 
 log = logging.getLogger(__name__)
 
+
+
+def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Filter | None:
+    """The search's filter checked against the data source, and against what the index's segments store
+    (a filter can only test attributes kept per row: id, split and payload attributes)."""
+    if isinstance(filters, Filter):
+        flt: Filter | None = filters
+    else:
+        # Parsed once per view and filter text: a server sees the same few filters again and again.
+        try:
+            text = json.dumps(filters, sort_keys=True, default=str)
+        except (TypeError, ValueError):  # keys of mixed types: parsed each time (and refused by the parser)
+            text = None
+        cache = view.filter_cache
+        flt = cache.get(text) if text is not None else None
+        if flt is None:
+            flt = parse_filter(filters, view.source.spec.attribute_types)
+            if flt is None:
+                return None
+            if text is not None:
+                if len(cache) >= 256:
+                    cache.clear()
+                cache[text] = flt
+    stored = set(view.index.spec.stored_attributes())
+    for name in sorted(flt.attributes - stored):
+        raise ValidationError(Problem(
+            f"index {view.index.spec.name}/{view.index.spec.version} does not store this attribute (not an id, "
+            "split or payload attribute), so it cannot filter on it", attribute=name))
+    return flt
 
 
 class SearchService:
@@ -100,13 +131,14 @@ class SearchService:
         tag: str | None = None,
         as_of: int | None = None,
         search_params: Mapping[str, int] | None = None,
+        filters: Mapping[str, Any] | Filter | None = None,
     ) -> list[Hits]:
         """`Searcher.search` for the tenant of `scope`."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
-                                        retrieve_vectors, consistency, tag, as_of, search_params)
+                                        retrieve_vectors, consistency, tag, as_of, search_params, filters)
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get(key) or self._load(scope, index_name, index_version)
@@ -122,10 +154,16 @@ class SearchService:
         young = self._tails.get(view.index.id)
         if young is None:
             tails = self._tail(view, required) if required > view.min_watermark else {}
-        elif young.versions is view.versions and young.end >= required:
+        elif young.versions == view.versions and young.end >= required:
             tails = young.tails
         else:
             tails = self._tail(view, required)
+        if filters is not None:  # only filtered searches take this branch: the unfiltered path is unchanged
+            flt = _checked_filter(view, filters)
+            if flt is not None:
+                q = prepare_queries(view.source.spec, queries)
+                matches = split_matcher(view.index.spec, view.source.spec, split_filter)
+                return execute(view, q, k, matches, tails, retrieve_vectors, params, flt)
         if not tails and not split_filter and (block := view.one_block) is not None:
             # One engine over every row the view serves: its answer is the result (no masks, tails or merge).
             # Inlined rather than a call to `execute`: single-query searches spend microseconds per step.
@@ -162,7 +200,7 @@ class SearchService:
     def _search_history(
         self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
-        search_params: Mapping[str, int] | None,
+        search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None = None,
     ) -> list[Hits]:
         from shoal.index import history
 
@@ -190,12 +228,13 @@ class SearchService:
         q = prepare_queries(source.spec, queries)
         params = view.engine_class.check_search_params(search_params)
         matches = split_matcher(index.spec, source.spec, split_filter)
+        flt = _checked_filter(view, filters) if filters is not None else None
         tails = {}
         if as_of is not None and as_of > view.min_watermark:
             batches = list(read_log(self.engine, self.storage, source.id, view.min_watermark, as_of))
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
-        return execute(view, q, k, matches, tails, retrieve_vectors, params)
+        return execute(view, q, k, matches, tails, retrieve_vectors, params, flt)
 
     def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
         """The log tail (served watermark, at least `required`] per shard: the young tier, extended (and
@@ -448,13 +487,14 @@ class Searcher:
     def search(self, index_name: str, index_version: str, queries: Any, k: int, **options: Any) -> list[Hits]:
         """The k nearest data points for each query vector, nearest first, at the requested consistency.
 
-        Options: `split_filter` (attribute -> value), `retrieve_vectors`, `consistency` (eventual by default,
-        `Consistency.at_least(token)`, `Consistency.strong()`). Time travel: `tag` searches the versions a tag
-        pinned (as they were); `as_of` answers exactly as of that seq (a write token's), from the newest kept
-        version at or below it plus the log up to it. `search_params` overrides the index's query-time
-        parameters for this search only, without a rebuild: `ef_search` for HNSW, `nprobe` for IVF (unknown
-        names and bad values raise ValidationError). A search writes nothing, and its errors say "invalid
-        query" (a QueryError), never "nothing written".
+        Options: `split_filter` (attribute -> value), `filters` (attribute filters, see
+        `shoal.searcher.filters`: only matching points are searched, at any consistency), `retrieve_vectors`,
+        `consistency` (eventual by default, `Consistency.at_least(token)`, `Consistency.strong()`). Time travel:
+        `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of that seq (a write
+        token's), from the newest kept version at or below it plus the log up to it. `search_params` overrides
+        the index's query-time parameters for this search only, without a rebuild: `ef_search` for HNSW,
+        `nprobe` for IVF (unknown names and bad values raise ValidationError). A search writes nothing, and its
+        errors say "invalid query" (a QueryError), never "nothing written".
         """
         try:
             return self.service.search(self.scope, index_name, index_version, queries, k, **options)
