@@ -148,7 +148,7 @@ def test_manhattan_alone_picks_an_index_type_that_supports_it(api: Api) -> None:
 # -- 2. multi-dataset search: the specified body -----------------------------------------------------------------
 
 
-def test_multi_dataset_search_takes_the_specified_body_and_refuses_filters(api: Api) -> None:
+def test_multi_dataset_search_takes_the_specified_body_and_filters(api: Api) -> None:
     for name, points in (("left", [("l1", [1, 0]), ("l2", [3, 0])]), ("right", [("r1", [2, 0])])):
         api.create({"name": name, "dimensions": 2, "metric_type": "euclidean", "index_type": "flat"})
         api.upsert(name, *(vec(i, v) for i, v in points))
@@ -161,11 +161,17 @@ def test_multi_dataset_search_takes_the_specified_body_and_refuses_filters(api: 
     assert [(h["dataset_id"], h["id"], h["score"]) for h in out["results"]] == [
         ("left", "l1", 1.0), ("right", "r1", 2.0), ("left", "l2", 3.0)]
 
-    # Filters are not supported yet: refused, never ignored (an empty one is no filter).
+    # Filters apply to every dataset (tests/test_filtered_search.py covers them); a bad one is refused naming
+    # its attribute, and an empty one is no filter.
     r = api.http.post("/api/v1/search/multi-dataset",
-                      json=body | {"options": body["options"] | {"filters": {"lang": "en"}}})
+                      json=body | {"options": body["options"] | {"filters": {"id": {"$in": ["l2", "r1"]}}}})
+    assert r.status_code == 200, r.text
+    assert [h["id"] for h in r.json()["results"]] == ["r1", "l2"]
+    r = api.http.post("/api/v1/search/multi-dataset",
+                      json=body | {"options": body["options"] | {"filters": {"id": 5}}})
     error = api.error(r, 400, "VALIDATION_ERROR")
     assert "filters" in error["message"] and error["details"]["field"] == "options.filters"
+    assert "'id'" in error["message"]
     r = api.http.post("/api/v1/search/multi-dataset", json=body | {"options": body["options"] | {"filters": {}}})
     assert r.status_code == 200, r.text
     # A dataset given by a name the tenant does not have is not found.

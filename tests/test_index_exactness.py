@@ -84,8 +84,10 @@ def brute_force(
     query: np.ndarray,
     k: int,
     group: str | None,
+    predicate: Callable[[Key], bool] | None = None,
 ) -> tuple[np.ndarray, dict[Key, np.ndarray]]:
-    """Top-k distances over the replayed state, each shard at its own watermark; and key -> vector."""
+    """Top-k distances over the replayed state, each shard at its own watermark, of the keys `predicate`
+    passes (all when None); and key -> vector."""
     live_ids: list[Key] = []
     live_vecs: list[np.ndarray] = []
     for shard_no, watermark in watermarks.items():
@@ -98,7 +100,7 @@ def brute_force(
         )
         mine = shard_numbers(table, spec.shard_attributes, spec.shard_count) == shard_no
         for key, keep in zip(keys, mine, strict=True):
-            if keep and (group is None or key[1] == group):
+            if keep and (group is None or key[1] == group) and (predicate is None or predicate(key)):
                 live_ids.append(key)
                 live_vecs.append(state[key])
     vectors = np.stack(live_vecs) if live_vecs else np.zeros((0, DIM), np.float32)
@@ -175,6 +177,8 @@ class IndexMachine(RuleBasedStateMachine):
         query: list[float],
         k: int,
         group: str | None,
+        filters: dict[str, Any] | None = None,
+        predicate: Callable[[Key], bool] | None = None,
     ) -> None:
         q = np.asarray(query, dtype=np.float32)
         hits = self.searcher.search(
@@ -185,14 +189,16 @@ class IndexMachine(RuleBasedStateMachine):
             split_filter={"group": group} if group else None,
             consistency=consistency,
             retrieve_vectors=True,
+            filters=filters,
         )[0]
-        expected, live = brute_force(self.log, self.index.spec, watermarks(), q, k, group)
+        expected, live = brute_force(self.log, self.index.spec, watermarks(), q, k, group, predicate)
         got = np.array([h.distance for h in hits])
         # Every hit is a live point of the right split, at its true distance.
         for h in hits:
             key = (h.attributes["id"], h.attributes["group"])
             assert key in live
             assert group is None or key[1] == group
+            assert predicate is None or predicate(key), (key, filters)
             np.testing.assert_array_equal(h.vector, live[key])
         if self.algorithm == "flat":
             assert len(hits) == len(expected)
@@ -227,6 +233,41 @@ class IndexMachine(RuleBasedStateMachine):
         served = self.searcher.served_watermarks(self.index.spec.name, "1")
         marks = {s: max(w, token) for s, w in served.items()}
         self._check(Consistency.at_least(token), lambda: marks, query, k, None)
+
+    @rule(
+        query=VECTORS,
+        k=st.integers(1, 10),
+        level=st.sampled_from(["eventual", "strong", "at_least"]),
+        low=st.integers(0, 40),
+        width=st.integers(0, 20),
+        groups=st.lists(GROUPS, min_size=1, max_size=2, unique=True),
+        negate=st.booleans(),
+    )
+    def search_filtered(
+        self, query: list[float], k: int, level: str, low: int, width: int, groups: list[str], negate: bool
+    ) -> None:
+        """A filtered search (an id range or some groups, maybe negated) at each consistency level equals brute
+        force over the matching part of the state the level reflects."""
+        cond: dict[str, Any] = {"$or": [{"id": {"$gte": low, "$lt": low + width}},
+                                        {"group": {"$in": groups}, "text": {"$ne": f"{low}{groups[0]}"}}]}
+        filters = {"$not": cond} if negate else cond
+
+        def passes(key: Key) -> bool:
+            i, g = key
+            inside = low <= i < low + width or (g in groups and f"{i}{g}" != f"{low}{groups[0]}")
+            return inside != negate
+
+        if level == "eventual":
+            visible = self.searcher.visible_watermarks(self.index.spec.name, "1")
+            self._check(Consistency.eventual(), lambda: visible, query, k, None, filters, passes)
+        elif level == "strong":
+            head = self.shoal.get_data_source(self.source.name, "1").head_seq
+            self._check(Consistency.strong(), lambda: {0: head, 1: head}, query, k, None, filters, passes)
+        else:
+            token = self.last_token
+            served = self.searcher.served_watermarks(self.index.spec.name, "1")
+            marks = {s: max(w, token) for s, w in served.items()}
+            self._check(Consistency.at_least(token), lambda: marks, query, k, None, filters, passes)
 
     @invariant()
     def served_never_ahead_of_head(self) -> None:

@@ -183,6 +183,8 @@ class SearchRequest(_Body):
     consistency: Literal["eventual", "strong"] | None = None
     # A token beyond a Postgres bigint names no write (and would fail the catalog query).
     min_write_token: StrictInt | None = Field(default=None, le=MAX_SEQ)
+    # Attribute and metadata filters (shoal.searcher.filters), checked by the service: 400 naming what is wrong.
+    filters: dict[str, Any] | None = None
 
 
 class ResultOut(BaseModel):
@@ -206,8 +208,8 @@ class SearchOut(BaseModel):
 
 
 class MultiSearchOptions(_Body):
-    """How a multi-dataset search runs. `filters` is refused while non-empty (filtered search is not there
-    yet); unknown options are refused, never ignored."""
+    """How a multi-dataset search runs; `filters` (shoal.searcher.filters) apply to every dataset searched.
+    Unknown options are refused, never ignored."""
 
     top_k: StrictInt | None = None
     merge_strategy: MergeStrategy | None = None

@@ -377,7 +377,7 @@ def upsert_vectors(dataset_id: str, body: Annotated[UpsertRequest, Body()], svc:
 def search_dataset(dataset_id: str, body: Annotated[SearchRequest, Body()], svc: Reader) -> dict[str, Any]:
     """The `top_k` nearest vectors of one dataset."""
     return _search_json(svc.search(dataset_id, body.vector, body.top_k, consistency=body.consistency,
-                                   min_write_token=body.min_write_token))
+                                   min_write_token=body.min_write_token, filters=body.filters))
 
 
 def _one_of(field: str, specified: Any, older: str, older_value: Any, default: Any = None) -> Any:
@@ -392,8 +392,7 @@ def _one_of(field: str, specified: Any, older: str, older_value: Any, default: A
 def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader) -> dict[str, Any]:
     """One query over several datasets (by name), merged by `interleave`, `score` or `round_robin`: the
     specified body `{query_vector, datasets, options: {top_k, merge_strategy, consistency}}` or the older
-    `{vector, dataset_ids, top_k, merge_strategy, consistency}`. A non-empty `options.filters` is refused (400):
-    filtered search is not supported yet."""
+    `{vector, dataset_ids, top_k, merge_strategy, consistency}`. `options.filters` filters every dataset searched."""
     options = body.options or MultiSearchOptions()
     vector = _one_of("query_vector", body.query_vector, "vector", body.vector)
     names = _one_of("datasets", body.datasets, "dataset_ids", body.dataset_ids)

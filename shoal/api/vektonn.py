@@ -184,6 +184,7 @@ def search_content(
                 consistency=consistency,
                 tag=headers.get("x-shoal-tag"),
                 as_of=_int_header(headers, "x-shoal-as-of"),
+                filters=query.filter,
             )
         except ValidationError as exc:
             raise QueryError.of(exc) from None

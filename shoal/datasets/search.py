@@ -16,6 +16,7 @@ from shoal.engines.metrics import higher_is_nearer
 from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
+from shoal.searcher.filters import Filter, parse_filter
 
 
 def consistency_of(level: str | None, min_write_token: int | None) -> Consistency:
@@ -29,6 +30,20 @@ def consistency_of(level: str | None, min_write_token: int | None) -> Consistenc
             raise invalid("min_write_token must be a non-negative integer", field="min_write_token")
         return Consistency.at_least(min_write_token)
     return Consistency.eventual()
+
+
+def filter_of(raw: Any, field: str) -> Filter | None:
+    """A dataset search's filters (shoal.searcher.filters) over `id`, `document_id`, `content` and the fields
+    of each vector's metadata (`metadata.<field>`, or the bare field name); None for none. A bad filter is
+    VALIDATION_ERROR naming the field and the attribute."""
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict):
+        raise invalid(f"{field} must be a JSON object", field=field)
+    try:
+        return parse_filter(raw, rules.ATTRIBUTES, json_attribute="metadata")
+    except ValidationError as exc:
+        raise invalid(f"{field}: {QueryError.of(exc)}", field=field, problems=problems_of(exc)) from None
 
 
 def match_of(hit: Hit) -> Match:
@@ -58,13 +73,15 @@ class Search(DatasetScope):
             raise invalid(f"top_k must be an integer in 1..{rules.MAX_TOP_K}", field="top_k")
 
     def _hits(
-        self, record: DatasetRecord, vector: Sequence[float], top_k: int, consistency: Consistency
+        self, record: DatasetRecord, vector: Sequence[float], top_k: int, consistency: Consistency,
+        filters: Filter | None = None,
     ) -> Sequence[Hit]:
         self._check_query(record, vector, top_k)
         try:
             if self.searcher.view(record.name, rules.VERSION).source.id != record.source_id:
                 self.searcher.refresh()  # a view of a dataset since deleted and recreated under the same name
-            return self.searcher.search(record.name, rules.VERSION, [list(vector)], top_k, consistency=consistency)[0]
+            return self.searcher.search(record.name, rules.VERSION, [list(vector)], top_k, consistency=consistency,
+                                        filters=filters)[0]
         except NotFoundError:
             self._forget(record.name)
             raise not_found(record.name) from None
@@ -79,11 +96,14 @@ class Search(DatasetScope):
         *,
         consistency: str | None = None,
         min_write_token: int | None = None,
+        filters: Any = None,
     ) -> SearchResults:
-        """The `top_k` nearest vectors, nearest first; `score` is the metric's distance."""
+        """The `top_k` nearest vectors, nearest first; `score` is the metric's distance. `filters`: only vectors
+        matching it (see `filter_of`) are searched."""
         record = self.record(name)
         level = consistency_of(consistency, min_write_token)
-        hits = self._hits(record, vector, top_k, level)
+        flt = filter_of(filters, "filters")
+        hits = self._hits(record, vector, top_k, level, flt)
         return SearchResults(record.name, record.metric_type, higher_is_nearer(record.metric_type), level.level,
                              tuple(match_of(h) for h in hits))
 
@@ -98,11 +118,9 @@ class Search(DatasetScope):
         filters: Any = None,
     ) -> MultiSearchResults:
         """Search several datasets with one vector and merge their results (see `shoal.datasets.merge`); every
-        problem with the query is reported before any search runs. Non-empty `filters` are refused
-        (VALIDATION_ERROR): filtered search is not supported yet, and ignoring them would answer unfiltered."""
-        if filters not in (None, {}, []):
-            raise invalid("filters are not supported yet: send the search without options.filters",
-                          field="options.filters")
+        problem with the query is reported before any search runs. `filters` (see `filter_of`) apply to
+        every dataset searched."""
+        flt = filter_of(filters, "options.filters")
         if not dataset_ids or len(dataset_ids) > rules.MAX_MULTI_DATASETS:
             raise invalid(f"dataset_ids must name 1 to {rules.MAX_MULTI_DATASETS} datasets", field="dataset_ids")
         if len(set(dataset_ids)) != len(dataset_ids):
@@ -121,7 +139,7 @@ class Search(DatasetScope):
             )
         for r in records:
             self._check_query(r, vector, top_k)
-        lists = [self._hits(r, vector, top_k, level) for r in records]
+        lists = [self._hits(r, vector, top_k, level, flt) for r in records]
         merged = merge(merge_strategy, lists, [[h.distance for h in hits] for hits in lists],
                        directions == {True}, top_k)
         return MultiSearchResults(

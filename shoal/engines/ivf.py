@@ -107,15 +107,18 @@ class IvfEngine(Engine):
         return cls(index, metric, effective, dim, n)
 
     def _search(
-        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
+        self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None,
+        selector: Any = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         faiss = _faiss()
         if self.metric is Metric.COSINE:
             queries = _unit_rows(queries)
         # Per-call search parameters: unlike index.nprobe they are safe under concurrent searches.
         nprobe = min(params["nprobe"] if params and "nprobe" in params else self._params["nprobe"], self._index.nlist)
+        search = faiss.SearchParametersIVF(nprobe=nprobe) if selector is None else \
+            faiss.SearchParametersIVF(nprobe=nprobe, sel=selector)
         with _omp_threads(threads):
-            dist, labels = self._index.search(queries, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
+            dist, labels = self._index.search(queries, k, params=search)
         d = dist.astype(np.float64)
         if self.metric is Metric.COSINE:
             d = 1.0 - d
@@ -126,6 +129,22 @@ class IvfEngine(Engine):
         d = np.where(labels >= 0, d, np.inf if self.metric is not Metric.DOT_PRODUCT else -np.inf)
         d, labels = top_k_of(self.metric, d, labels.astype(np.int64), k)
         return d.astype(np.float32), labels
+
+    def search_filtered(
+        self, queries: np.ndarray, k: int, allowed: np.ndarray, count: int, params: Mapping[str, int] | None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The k nearest rows among those `allowed` marks (bool per row, `count` true; checked queries): faiss
+        skips the other rows while scanning the probed lists. Labels -1 where the probed lists held fewer
+        matching rows (the searcher answers those queries exactly); None when there is no index."""
+        if self._index is None or k <= 0:
+            return None
+        faiss = _faiss()
+        bits = np.packbits(allowed, bitorder="little")
+        # The selector reads `bits` through a raw pointer: `bits` must outlive the search (it does: a local).
+        selector = faiss.IDSelectorBitmap(len(allowed), faiss.swig_ptr(bits))
+        dist, labels = self._search(queries, min(k, len(self)), 1, params, selector)
+        del selector
+        return dist, labels
 
     def _sections(self) -> list[bytes | memoryview]:
         if self._index is None:

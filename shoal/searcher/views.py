@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,11 @@ class IndexView:
         if seg.deleted_count or len(seg.segment.splits) != 1 or not len(seg.segment.splits[0].engine):
             return None
         return seg.segment.splits[0].engine, (seg.source,)
+
+    @cached_property
+    def filter_cache(self) -> dict[str, Any]:
+        """Filters parsed for this view, by their JSON text (shoal.searcher.searcher); dropped with the view."""
+        return {}
 
     @cached_property
     def higher_is_nearer(self) -> bool:

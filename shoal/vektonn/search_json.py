@@ -37,10 +37,13 @@ class SearchQuery:
     query_vectors: list[dict[str, Any]]
     split_filter: list[dict[str, Any]] | None
     retrieve_vectors: bool = False
+    # Shoal's extension: an attribute filter (shoal.searcher.filters) as JSON, or None when not sent.
+    filter: dict[str, Any] | None = None
 
 
 def decode_search(body: bytes, max_vectors: int | None = None) -> SearchQuery:
-    """Vektonn's SearchQueryDto (`k`, `queryVectors`, `splitFilter`, `retrieveVectors`; keys in any case) with
+    """Vektonn's SearchQueryDto (`k`, `queryVectors`, `splitFilter`, `retrieveVectors`; keys in any case), plus
+    Shoal's optional `filter` (attribute filters, shoal.searcher.filters), with
     its JSON types checked; ValidationError naming the field otherwise, and naming SHOAL_MAX_QUERY_VECTORS
     when the query holds more than `max_vectors` vectors (refused before any of them is read). Values are
     checked against the data source by query_vectors() and split_filter(); that k is positive is left to the
@@ -93,10 +96,15 @@ def _search_shape(raw: Any, max_vectors: int | None = None) -> tuple[SearchQuery
     if type(retrieve) is not bool:
         problems.append(Problem(f"retrieveVectors must be a JSON boolean, got {jtype(retrieve)}",
                                 attribute="retrieveVectors"))
+    # `filter` is Shoal's, not Vektonn's: read only when sent (under any key case), so Vektonn's bodies
+    # read exactly as before. Its content is checked against the data source by the searcher.
+    raw_filter = next((v for key, v in query.items() if key.lower() == "filter"), None)
+    if raw_filter is not None and type(raw_filter) is not dict:
+        problems.append(Problem(f"filter must be a JSON object, got {jtype(raw_filter)}", attribute="filter"))
     if problems:
         return None, problems
     assert isinstance(k, int)
-    return SearchQuery(k, vectors, split, retrieve is True), []
+    return SearchQuery(k, vectors, split, retrieve is True, raw_filter), []
 
 
 def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.ndarray:

@@ -1,0 +1,197 @@
+"""Filtered search bench: recall@10 and QPS of Shoal's filtered HNSW search at several selectivities, beside
+raw hnswlib with a filter function on the very same graph and numpy exact search over the matching rows, all
+in one run. Run by hand, never in CI:
+
+    .venv/bin/python bench/filters.py               # ~2 minutes on 2 cores
+    .venv/bin/python bench/filters.py --queries 100
+    .venv/bin/python bench/filters.py --sweep       # also: exact scan vs the index's filtered search, forced,
+                                                    # at 9 selectivities (FILTER_EXACT_MAX_ROWS_X_FRACTION)
+
+Data: ../shared/data/debian-packages (see bench/index.py); filters on `section` and `installed_size_kb`.
+HNSW M16 efC200 (ef_search 64) over the whole set, cosine. One query per call, single-threaded, as a server
+answers. Ground truth: float64 exact top-10 over the matching rows. Target (issue 15): recall@10 >= 0.95 at
+every selectivity and QPS >= the better of the two references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from index import DATA_DIR, HNSW_PARAMS, K, recall, shoal_graph  # noqa: E402
+
+from shoal import DataSourceSpec, Shoal  # noqa: E402
+from shoal.config.settings import Settings  # noqa: E402
+from shoal.index.builder import ShardBuilder  # noqa: E402
+from shoal.log.records import IndexSpec  # noqa: E402
+from shoal.searcher import execute as execute_module  # noqa: E402
+
+
+def load(queries: int) -> tuple[np.ndarray, np.ndarray, pa.Table]:
+    base = np.load(DATA_DIR / "base_f16.npy").astype(np.float32)
+    q = np.load(DATA_DIR / "queries_f16.npy").astype(np.float32)[:queries]
+    points = pq.read_table(DATA_DIR / "points.parquet", columns=["id", "section", "installed_size_kb"])
+    return base, q, points
+
+
+def filters_for(points: pa.Table) -> list[tuple[str, dict[str, Any], np.ndarray]]:
+    """(label, filter, mask) at ~50 %, 10 %, 1 %, 0.1 % of the rows."""
+    size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
+    section = points["section"].to_numpy(zero_copy_only=False)
+    n = len(size)
+    median = int(np.median(size))
+    libs = section == "libs"
+    # Among `libs` (10 %), the smallest ones make ~1 %; among `utils` (3.8 %), the smallest make ~0.1 %.
+    libs_cut = int(np.sort(size[libs])[int(0.01 * n)])
+    utils_cut = int(np.sort(size[section == "utils"])[int(0.001 * n)])
+    out = [
+        ("~50 %", {"installed_size_kb": {"$lt": median}}, size < median),
+        ("~10 %", {"section": "libs"}, libs),
+        ("~1 %", {"section": "libs", "installed_size_kb": {"$lt": libs_cut}}, libs & (size < libs_cut)),
+        ("~0.1 %", {"$and": [{"section": {"$in": ["utils"]}}, {"installed_size_kb": {"$lt": utils_cut}}]},
+         (section == "utils") & (size < utils_cut)),
+    ]
+    return out
+
+
+def exact_truth(unit: np.ndarray, queries: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    sub = unit[rows].astype(np.float64)
+    scores = queries.astype(np.float64) @ sub.T
+    return rows[np.argsort(-scores, axis=1, kind="stable")[:, :K]]
+
+
+def timed(fn: Any, queries: np.ndarray) -> tuple[float, np.ndarray]:
+    fn(queries[0])  # warm (mask cache, BLAS)
+    out = []
+    t0 = time.perf_counter()
+    for q in queries:
+        out.append(fn(q))
+    elapsed = time.perf_counter() - t0
+    width = max(len(r) for r in out)
+    found = np.full((len(out), width), -1, dtype=np.int64)
+    for i, r in enumerate(out):
+        found[i, : len(r)] = r
+    return len(queries) / elapsed, found
+
+
+def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, points: pa.Table) -> None:
+    """Per selectivity (installed_size_kb below a quantile): QPS and recall of Shoal's filtered search forced
+    to the exact scan of the matching rows, and forced to the index's own filtered search."""
+    size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
+    print("\nsweep: exact scan of the matching rows vs the index's filtered search (forced)")
+    print(f"{'fraction':>8} {'rows':>6} | {'QPS exact':>9} {'recall':>6} | {'QPS index':>9} {'recall':>6}")
+    saved = execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION
+    try:
+        for fraction in (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5):
+            cut = int(np.quantile(size, fraction))
+            rows = np.flatnonzero(size < cut)
+            if not len(rows):
+                continue
+            truth = exact_truth(unit, queries, rows)
+            flt = {"installed_size_kb": {"$lt": cut}}
+
+            def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
+                return [h.attributes["id"] for h in searcher.search(index, "1", q[None, :], K, filters=flt)[0]]
+
+            out = []
+            for limit in (1 << 40, 0):
+                execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION = limit
+                qps, found = timed(ours, queries)
+                out.append(f"{qps:>9,.0f} {recall(found, truth):>6.3f}")
+            print(f"{len(rows) / len(size):>8.2%} {len(rows):>6} | {out[0]} | {out[1]}")
+    finally:
+        execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the exact scan against the index's filtered search at more selectivities "
+                             "(where FILTER_EXACT_MAX_ROWS_X_FRACTION comes from)")
+    args = parser.parse_args(argv)
+    base, queries, points = load(args.queries)
+    n = len(base)
+    unit = base / np.linalg.norm(base, axis=1, keepdims=True)
+    tmp = Path(tempfile.mkdtemp(prefix="shoal-filters-bench-"))
+    shoal = Shoal(Settings(data_dir=tmp), notify=False)
+    try:
+        tag = str(int(time.time()))
+        source = DataSourceSpec(f"fbench-{tag}", "1", 384,
+                                {"id": "int64", "section": "string", "installed_size_kb": "int64"}, ["id"])
+        shoal.create_data_source(source)
+        index = shoal.create_index(IndexSpec(f"fbench-{tag}", "1", source.name, "1", algorithm="hnsw",
+                                             metric="cosine", params=HNSW_PARAMS, id_attributes=["id"]))
+        producer = shoal.producer(source.name, "1")
+        t0 = time.perf_counter()
+        for s in range(0, n, 10_000):
+            part = points.slice(s, 10_000)
+            producer.upload_columns(base[s : s + 10_000], {c: part[c].combine_chunks() for c in part.column_names})
+        ShardBuilder(shoal.engine, shoal.storage).materialize(index.shards[0].id)
+        print(f"{n:,} points x 384, HNSW {HNSW_PARAMS}, built in {time.perf_counter() - t0:.1f}s; "
+              f"{len(queries)} queries, one per call; exact scan where matching rows x fraction <= "
+              f"{execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION:,}")
+        searcher = shoal.searcher(follow=False)
+        graph = shoal_graph(searcher, index.spec.name)
+        ef = max(HNSW_PARAMS["ef_search"], K)
+        header = (f"{'selectivity':>11} {'rows':>6} | {'recall ours':>11} {'hnswlib-f':>9} {'numpy':>6} | "
+                  f"{'QPS ours':>9} {'hnswlib-f':>9} {'numpy':>9} | {'ours/best':>9}")
+        print(header)
+        print("-" * len(header))
+        for label, flt, mask in filters_for(points):
+            rows = np.flatnonzero(mask)
+            truth = exact_truth(unit, queries, rows)
+
+            def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
+                hits = searcher.search(index.spec.name, "1", q[None, :], K, filters=flt)[0]
+                return [h.attributes["id"] for h in hits]
+
+            test = mask.tobytes().__getitem__
+
+            def raw(q: np.ndarray, test: Any = test) -> list[int]:
+                graph.set_ef(ef)
+                try:
+                    labels, _ = graph.knn_query(q[None, :], K, 1, test)
+                except RuntimeError:
+                    return []
+                return labels[0].astype(np.int64).tolist()
+
+            sub = unit[rows]
+
+            def exact(q: np.ndarray, sub: np.ndarray = sub, rows: np.ndarray = rows) -> list[int]:
+                scores = sub @ q
+                top = np.argpartition(-scores, K)[:K] if len(scores) > K else np.arange(len(scores))
+                return rows[top[np.argsort(-scores[top])]].tolist()
+
+            qps_o, found_o = timed(ours, queries)
+            qps_h, found_h = timed(raw, queries)
+            qps_n, found_n = timed(exact, queries)
+            best = max(qps_h, qps_n)
+            print(f"{label:>11} {len(rows):>6} | {recall(found_o, truth):>11.4f} {recall(found_h, truth):>9.4f} "
+                  f"{recall(found_n, truth):>6.4f} | {qps_o:>9,.0f} {qps_h:>9,.0f} {qps_n:>9,.0f} | "
+                  f"{qps_o / best:>8.2f}x")
+        if args.sweep:
+            sweep(searcher, index.spec.name, unit, queries, points)
+        searcher.close()
+    finally:
+        shoal.close()
+        from shoal.servers.embedded import stop_embedded
+
+        stop_embedded(tmp)  # the embedded Postgres and Valkey the Shoal started in the temp dir
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

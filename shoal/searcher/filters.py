@@ -1,0 +1,371 @@
+"""Attribute filters for kNN search: a small JSON language, checked against a data source's attribute types and
+evaluated column-wise over a segment's rows or a log tail's upserts.
+
+Shape (one JSON object; its entries are ANDed):
+
+    {"section": "utils"}                                 equality
+    {"section": {"$in": ["utils", "net"]}}               membership ($nin: not in)
+    {"installed_size_kb": {"$gte": 100, "$lt": 500}}     ranges: $gt $gte $lt $lte (numbers, datetimes)
+    {"section": {"$ne": "doc"}}                          inequality ($eq spells equality out)
+    {"$and": [f, ...]}  {"$or": [f, ...]}  {"$not": f}   combinations
+
+Datetime operands are ISO 8601 strings (naive ones are UTC, as stored). A row whose attribute is null matches
+no comparison (and so matches its `$not`). Anything else (an attribute the data source lacks, a value of the
+wrong type, an unknown operator) raises ValidationError naming the attribute.
+
+The dataset API keeps each vector's metadata as JSON text in the attribute `metadata`: a filter built with
+`json_attribute="metadata"` also takes metadata fields, as `metadata.<field>` or a bare name that is no
+attribute. Those are schemaless, so a value of another type simply does not match.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from shoal.errors import Problem, ValidationError
+from shoal.log.records import AttributeType
+from shoal.log.validation import ARROW_TYPES, check_value
+
+__all__ = ["Filter", "parse_filter"]
+
+_COMPARE = {"$eq": pc.equal, "$ne": pc.not_equal, "$gt": pc.greater, "$gte": pc.greater_equal,
+            "$lt": pc.less, "$lte": pc.less_equal}
+_RANGE = frozenset({"$gt", "$gte", "$lt", "$lte"})
+_ORDERED = frozenset({AttributeType.INT64, AttributeType.FLOAT64, AttributeType.DATETIME, AttributeType.STRING})
+_OPERATORS = ", ".join([*_COMPARE, "$in", "$nin"])
+MAX_FILTER_NODES = 1000  # a filter is a query, not a program: bounds parsing and evaluation work per search
+
+Mask = Callable[[pa.Table, dict[Any, Any]], np.ndarray]
+
+
+def _bad(rule: str, attribute: str | None) -> ValidationError:
+    return ValidationError(Problem(rule, attribute=attribute or "filter"))
+
+
+def _datetime(raw: Any, name: str) -> dt.datetime:
+    if isinstance(raw, dt.datetime):
+        value = raw
+    elif isinstance(raw, str):
+        try:
+            value = dt.datetime.fromisoformat(raw.replace("Z", "+00:00") if raw.endswith("Z") else raw)
+        except ValueError:
+            raise _bad(f"filter value is not an ISO 8601 datetime: {raw[:50]!r}", name) from None
+    else:
+        raise _bad(f"filter value must be a datetime (ISO 8601 string), got {type(raw).__name__}", name)
+    checked, err = check_value(AttributeType.DATETIME, value)
+    if err:
+        raise _bad(err, name)
+    return checked  # type: ignore[no-any-return]
+
+
+def _operand(kind: AttributeType, raw: Any, name: str) -> Any:
+    """A filter operand checked and converted for an attribute of type `kind`."""
+    if kind is AttributeType.DATETIME:
+        return _datetime(raw, name)
+    value, err = check_value(kind, raw)
+    if err:
+        raise _bad(f"filter value: {err}", name)
+    return value
+
+
+@dataclass(frozen=True)
+class Filter:
+    """A checked filter: `mask(table)` is a bool per row of a table holding the attributes it names.
+
+    `key` is the filter's canonical JSON (equal filters, equal keys), used to cache masks per segment."""
+
+    key: str
+    attributes: frozenset[str]
+    _mask: Mask
+
+    def mask(self, table: pa.Table, cache: dict[Any, Any] | None = None) -> np.ndarray:
+        """True for each row of `table` that matches. `cache`: per-table conversions (parsed JSON) to reuse."""
+        return self._mask(table, {} if cache is None else cache)
+
+
+def parse_filter(
+    raw: Any, attribute_types: Mapping[str, AttributeType], *, json_attribute: str | None = None
+) -> Filter | None:
+    """The filter `raw` (the JSON shape above) checked against the attribute types; None for no filter
+    (None or {}). Errors raise ValidationError naming the attribute."""
+    if raw is None or (isinstance(raw, dict) and not raw):
+        return None
+    parser = _Parser(attribute_types, json_attribute)
+    mask = parser.node(raw)
+    try:
+        key = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
+    except (TypeError, ValueError):
+        key = repr(raw)
+    return Filter(key, frozenset(parser.used), mask)
+
+
+class _Parser:
+    def __init__(self, types: Mapping[str, AttributeType], json_attribute: str | None) -> None:
+        self.types = types
+        self.json_attribute = json_attribute
+        self.used: set[str] = set()
+        self.nodes = 0
+
+    def node(self, raw: Any) -> Mask:
+        self.nodes += 1
+        if self.nodes > MAX_FILTER_NODES:
+            raise _bad(f"a filter may have at most {MAX_FILTER_NODES} conditions", None)
+        if not isinstance(raw, dict) or not raw:
+            raise _bad("a filter is a non-empty JSON object: {attribute: value or {operator: value}, "
+                       "$and/$or: [filters], $not: filter}", None)
+        parts = [self.entry(str(name), value) for name, value in raw.items()]
+        return parts[0] if len(parts) == 1 else _all(parts)
+
+    def entry(self, name: str, value: Any) -> Mask:
+        if name in ("$and", "$or"):
+            if not isinstance(value, list) or not value:
+                raise _bad(f"{name} takes a non-empty list of filters", name)
+            parts = [self.node(v) for v in value]
+            return _all(parts) if name == "$and" else _any(parts)
+        if name == "$not":
+            inner = self.node(value)
+            return lambda t, c: ~inner(t, c)
+        if name.startswith("$"):
+            raise _bad(f"unknown filter operator {name!r} (combinations: $and, $or, $not)", name)
+        kind = self.types.get(name)
+        if self.json_attribute is not None and name == self.json_attribute:
+            raise _bad(f"filter on the fields of {name}: {name}.<field> (or the bare field name)", name)
+        if kind is None:
+            if self.json_attribute is None:
+                raise _bad("unknown attribute: the data source has no such attribute", name)
+            field = name.removeprefix(f"{self.json_attribute}.")
+            if not field or any(not part for part in field.split(".")):
+                raise _bad("not a metadata field name", name)
+            self.used.add(self.json_attribute)
+            return self.json_condition(name, field, value)
+        self.used.add(name)
+        return self.condition(name, kind, value)
+
+    def _ops(self, name: str, value: Any) -> list[tuple[str, Any]]:
+        if isinstance(value, dict) and value and all(isinstance(k, str) and k.startswith("$") for k in value):
+            for op in value:
+                if op not in _COMPARE and op not in ("$in", "$nin"):
+                    raise _bad(f"unknown filter operator {op!r} (known: {_OPERATORS})", name)
+            return list(value.items())
+        if isinstance(value, dict | list):
+            raise _bad("compare an attribute with a value, or give {operator: value} ($in takes a list)", name)
+        return [("$eq", value)]
+
+    def condition(self, name: str, kind: AttributeType, value: Any) -> Mask:
+        arrow_type = ARROW_TYPES[kind]
+        parts: list[Mask] = []
+        for op, operand in self._ops(name, value):
+            if op in ("$in", "$nin"):
+                if not isinstance(operand, list):
+                    raise _bad(f"{op} takes a list of values", name)
+                values = pa.array([_operand(kind, v, name) for v in operand], arrow_type)
+                parts.append(_is_in(name, values, op == "$nin"))
+                continue
+            if op in _RANGE and kind not in _ORDERED:
+                raise _bad(f"{op} needs a number, datetime or string attribute, not {kind.value}", name)
+            parts.append(_compare(name, _COMPARE[op], pa.scalar(_operand(kind, operand, name), arrow_type)))
+        return parts[0] if len(parts) == 1 else _all(parts)
+
+    def json_condition(self, name: str, field: str, value: Any) -> Mask:
+        column = self.json_attribute
+        assert column is not None
+        tests: list[Callable[[Any], bool]] = []
+        for op, operand in self._ops(name, value):
+            if op in ("$in", "$nin"):
+                if not isinstance(operand, list) or not all(_json_scalar(v) for v in operand):
+                    raise _bad(f"{op} takes a list of JSON scalars", name)
+                wanted = [_comparable(v) for v in operand]
+                negate = op == "$nin"
+                tests.append(lambda v, w=wanted, n=negate: (v is not None and any(_equal(v, x) for x in w)) != n)
+                continue
+            if not _json_scalar(operand):
+                raise _bad(f"{op} takes a JSON scalar", name)
+            target = _comparable(operand)
+            if op in _RANGE and not isinstance(target, int | float | dt.datetime | str):
+                raise _bad(f"{op} needs a number, a datetime or a string", name)
+            tests.append(_json_test(op, target))
+
+        def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+            values = _json_field(table, column, field, cache)
+            return np.fromiter((all(t(v) for t in tests) for v in values), dtype=bool, count=len(values))
+
+        return mask
+
+
+def _all(parts: list[Mask]) -> Mask:
+    def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        out = parts[0](table, cache)
+        for p in parts[1:]:
+            if not out.any():
+                break  # nothing left to narrow
+            out = out & p(table, cache)
+        return out
+
+    return mask
+
+
+def _any(parts: list[Mask]) -> Mask:
+    def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        out = parts[0](table, cache)
+        for p in parts[1:]:
+            out = out | p(table, cache)
+        return out
+
+    return mask
+
+
+def _bools(result: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    # Nulls (a missing value) match nothing.
+    return np.asarray(pc.fill_null(result, False).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _compare(name: str, fn: Callable[..., Any], scalar: pa.Scalar) -> Mask:
+    return lambda table, cache: _bools(fn(table[name], scalar))
+
+
+def _is_in(name: str, values: pa.Array, negate: bool) -> Mask:
+    def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        column = table[name]
+        hit = _bools(pc.is_in(column, value_set=values))
+        return ~hit & _bools(pc.is_valid(column)) if negate else hit
+
+    return mask
+
+
+# ---- metadata fields (JSON text) -------------------------------------------------------------------------
+
+
+def _json_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, bool | str) or (isinstance(v, int | float) and math.isfinite(v))
+
+
+def _comparable(v: Any) -> Any:
+    """A filter operand as metadata values are compared with it: ISO datetime strings as datetimes."""
+    if isinstance(v, str):
+        return _maybe_datetime(v) or v
+    return v
+
+
+def _maybe_datetime(s: str) -> dt.datetime | None:
+    if len(s) < 10 or not s[:4].isdigit() or s[4] != "-":
+        return None
+    try:
+        value = dt.datetime.fromisoformat(s.replace("Z", "+00:00") if s.endswith("Z") else s)
+    except ValueError:
+        return None
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
+
+
+def _kind(v: Any) -> int:
+    """Which values compare: numbers with numbers (bool is no number here), strings, datetimes, bools."""
+    if isinstance(v, bool):
+        return 1
+    if isinstance(v, int | float):
+        return 2
+    if isinstance(v, dt.datetime):
+        return 3
+    if isinstance(v, str):
+        return 4
+    return 0
+
+
+def _coerce(v: Any, target: Any) -> Any:
+    """A metadata value in the kind of `target`: a stored datetime string compares as a datetime."""
+    if isinstance(target, dt.datetime) and isinstance(v, str):
+        return _maybe_datetime(v)
+    return v
+
+
+def _equal(v: Any, target: Any) -> bool:
+    v = _coerce(v, target)
+    return v is not None and _kind(v) == _kind(target) and v == target
+
+
+def _json_test(op: str, target: Any) -> Callable[[Any], bool]:
+    if op == "$eq":
+        return lambda v: (v is None) if target is None else _equal(v, target)
+    if op == "$ne":
+        return lambda v: (v is not None) if target is None else not _equal(v, target)
+    compare = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+               "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}[op]
+
+    def test(v: Any) -> bool:
+        v = _coerce(v, target)
+        return v is not None and _kind(v) == _kind(target) and bool(compare(v, target))
+
+    return test
+
+
+def _json_field(table: pa.Table, column: str, field: str, cache: dict[Any, Any]) -> list[Any]:
+    """The values of one metadata field per row (None where missing), parsed once per table and cache."""
+    key = ("json", column, field)
+    values = cache.get(key)
+    if values is None:
+        docs = cache.get(("json", column))
+        if docs is None:
+            docs = [_loads(text) for text in table[column].to_pylist()]
+            cache[("json", column)] = docs
+        path = field.split(".")
+        values = []
+        for doc in docs:
+            for part in path:
+                doc = doc.get(part) if isinstance(doc, dict) else None
+            values.append(doc)
+        cache[key] = values
+    return values  # type: ignore[no-any-return]
+
+
+def _loads(text: Any) -> Any:
+    if not isinstance(text, str):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+# ---- masks per segment ------------------------------------------------------------------------------------
+
+
+class MaskCache:
+    """Recent (segment id, filter key) -> mask, so a filter repeated over an immutable segment is evaluated
+    once. Bounded by bytes (a mask is one byte per row)."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._masks: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, segment_id: str, flt: Filter, table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        """The filter's mask over a segment's rows (computed on a miss)."""
+        key = (segment_id, flt.key)
+        with self._lock:
+            found = self._masks.get(key)
+            if found is not None:
+                self._masks.move_to_end(key)
+                return found
+        mask = flt.mask(table, cache)
+        mask.setflags(write=False)
+        with self._lock:
+            if key not in self._masks:
+                self._masks[key] = mask
+                self._bytes += mask.nbytes
+                while self._bytes > self.max_bytes and self._masks:
+                    _, old = self._masks.popitem(last=False)
+                    self._bytes -= old.nbytes
+        return mask
+
+
+MASKS = MaskCache()

@@ -1,0 +1,356 @@
+"""Filtered search: attribute filters (shoal.searcher.filters) through the Python API, the Vektonn search body,
+dataset search and multi-dataset search; compared with brute force over the matching live points, at every
+consistency level, over built segments and the log tail, on flat (exact), HNSW and IVF (recall kept)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from conftest import serve_api
+
+from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
+from shoal.auth import create_key
+from shoal.config.settings import Settings
+from shoal.engines.metrics import Metric, exact_top_k
+from shoal.errors import QueryError
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec, SparseVector
+from shoal.searcher import execute as execute_module
+from shoal.searcher.consistency import Consistency
+
+DIM = 8
+SECTIONS = ["utils", "net", "doc", "libs"]
+T0 = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
+Row = dict[str, Any]
+
+
+def make_rows(n: int, seed: int = 7) -> tuple[list[Row], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+    rows = [
+        {"id": i, "section": SECTIONS[i % 4], "size": int(i * 7 % 1000), "score": float(i % 10) / 2,
+         "when": T0 + dt.timedelta(days=i % 365), "flag": i % 3 == 0}
+        for i in range(n)
+    ]
+    return rows, vectors
+
+
+def brute(rows: list[Row], vectors: np.ndarray, query: np.ndarray, k: int, keep: Callable[[Row], bool],
+          metric: str = "euclidean") -> list[int]:
+    """The ids of the k nearest rows `keep` passes."""
+    idx = [i for i, r in enumerate(rows) if keep(r)]
+    if not idx:
+        return []
+    _, labels = exact_top_k(Metric(metric), query[None, :], vectors[idx], k)
+    return [rows[idx[j]]["id"] for j in labels[0] if j >= 0]
+
+
+class Setup:
+    """A data source with typed attributes and one index over it, built; a searcher that does not follow."""
+
+    def __init__(self, shoal: Shoal, algorithm: str, n: int, params: dict[str, Any] | None = None) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.shoal = shoal
+        self.source = DataSourceSpec(
+            f"fs-{tag}", "1", DIM,
+            {"id": "int64", "section": "string", "size": "int64", "score": "float64", "when": "datetime",
+             "flag": "bool"},
+            ["id"],
+        )
+        shoal.create_data_source(self.source)
+        self.index = shoal.create_index(IndexSpec(f"fi-{tag}", "1", self.source.name, "1", algorithm=algorithm,
+                                                  metric="euclidean", params=params or {}, id_attributes=["id"]))
+        self.rows, self.vectors = make_rows(n)
+        self.producer = shoal.producer(self.source.name, "1")
+        self.token = self.upload(self.rows, self.vectors)
+        self.build()
+        self.searcher = shoal.searcher(follow=False)
+
+    def upload(self, rows: list[Row], vectors: np.ndarray) -> int:
+        seq = 0
+        for s in range(0, len(rows), 2000):
+            seq = self.producer.upload([DataPoint(r, v) for r, v in zip(rows[s:s + 2000], vectors[s:s + 2000],
+                                                                          strict=True)]).seq
+        return seq
+
+    def build(self) -> None:
+        ShardBuilder(self.shoal.engine, self.shoal.storage).materialize(self.index.shards[0].id)
+
+    def search(self, query: np.ndarray, k: int, filters: Any, **options: Any) -> list[int]:
+        hits = self.searcher.search(self.index.spec.name, "1", [query], k, filters=filters, **options)[0]
+        return [h.attributes["id"] for h in hits]
+
+
+FILTERS: list[tuple[dict[str, Any], Callable[[Row], bool]]] = [
+    ({"section": "utils"}, lambda r: r["section"] == "utils"),
+    ({"section": {"$eq": "net"}}, lambda r: r["section"] == "net"),
+    ({"section": {"$ne": "net"}}, lambda r: r["section"] != "net"),
+    ({"section": {"$in": ["doc", "libs"]}}, lambda r: r["section"] in ("doc", "libs")),
+    ({"section": {"$nin": ["doc", "libs"]}}, lambda r: r["section"] not in ("doc", "libs")),
+    ({"size": {"$gte": 100, "$lt": 300}}, lambda r: 100 <= r["size"] < 300),
+    ({"size": {"$gt": 900}}, lambda r: r["size"] > 900),
+    ({"score": {"$lte": 1.5}}, lambda r: r["score"] <= 1.5),
+    ({"flag": True}, lambda r: r["flag"]),
+    ({"when": {"$gte": "2024-03-01T00:00:00Z", "$lt": "2024-04-01"}},
+     lambda r: dt.datetime(2024, 3, 1, tzinfo=dt.UTC) <= r["when"] < dt.datetime(2024, 4, 1, tzinfo=dt.UTC)),
+    ({"$and": [{"section": "utils"}, {"size": {"$lt": 500}}]}, lambda r: r["section"] == "utils" and r["size"] < 500),
+    ({"$or": [{"section": "utils"}, {"id": {"$in": [1, 2, 3]}}]},
+     lambda r: r["section"] == "utils" or r["id"] in (1, 2, 3)),
+    ({"$not": {"section": {"$in": ["utils", "net", "doc"]}}}, lambda r: r["section"] == "libs"),
+    ({"section": "utils", "flag": False}, lambda r: r["section"] == "utils" and not r["flag"]),
+    ({"id": 999999}, lambda r: False),
+]
+
+
+@pytest.mark.parametrize("algorithm", ["flat", "hnsw", "ivf"])
+def test_every_operator_equals_brute_force(local_shoal: Shoal, algorithm: str) -> None:
+    """Each operator and and/or/not: the k nearest matching points, exactly (small matching sets are scanned
+    exactly on every algorithm)."""
+    s = Setup(local_shoal, algorithm, 600)
+    rng = np.random.default_rng(1)
+    for filters, keep in FILTERS:
+        for _ in range(3):
+            q = rng.standard_normal(DIM).astype(np.float32)
+            assert s.search(q, 10, filters) == brute(s.rows, s.vectors, q, 10, keep), filters
+    # No filter (None or {}) is the unfiltered search.
+    q = rng.standard_normal(DIM).astype(np.float32)
+    assert s.search(q, 5, {}) == s.search(q, 5, None)
+    # Several query vectors in one search: each answered as alone.
+    batch = rng.standard_normal((4, DIM)).astype(np.float32)
+    filters, keep = FILTERS[5]
+    hits = s.searcher.search(s.index.spec.name, "1", batch, 7, filters=filters)
+    assert [[h.attributes["id"] for h in one] for one in hits] == [brute(s.rows, s.vectors, q, 7, keep) for q in batch]
+    # Time travel takes filters too: as of the first upload's token, the built state.
+    assert s.search(q, 6, filters, as_of=s.token) == brute(s.rows, s.vectors, q, 6, keep)
+
+
+def test_sparse_vectors_filter_exactly(local_shoal: Shoal) -> None:
+    """flat_sparse over built segments and the log tail: the k nearest matching points."""
+    tag = uuid.uuid4().hex[:8]
+    source = DataSourceSpec(f"fsp-{tag}", "1", 50, {"id": "int64", "lang": "string"}, ["id"], vectors_are_sparse=True)
+    local_shoal.create_data_source(source)
+    index = local_shoal.create_index(IndexSpec(f"fspi-{tag}", "1", source.name, "1", algorithm="flat_sparse",
+                                               metric="cosine", id_attributes=["id"]))
+    rng = np.random.default_rng(8)
+    points = {i: SparseVector(sorted(rng.choice(50, 4, replace=False).tolist()), rng.random(4).tolist())
+              for i in range(60)}
+    producer = local_shoal.producer(source.name, "1")
+    producer.upload([DataPoint({"id": i, "lang": "en" if i % 3 else "de"}, v) for i, v in points.items() if i < 40])
+    ShardBuilder(local_shoal.engine, local_shoal.storage).materialize(index.shards[0].id)
+    producer.upload([DataPoint({"id": i, "lang": "en" if i % 3 else "de"}, v) for i, v in points.items() if i >= 40])
+    dense = np.zeros((60, 50), np.float32)
+    for i, v in points.items():
+        dense[i, list(v.indices)] = v.values
+    query = SparseVector([1, 2, 3, 10, 20], [1.0, 0.5, 0.2, 0.7, 0.1])
+    qd = np.zeros(50, np.float32)
+    qd[list(query.indices)] = query.values
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        hits = searcher.search(index.spec.name, "1", [query], 5, filters={"lang": "de"},
+                               consistency=Consistency.strong())[0]
+    finally:
+        searcher.close()
+    de = [i for i in range(60) if i % 3 == 0]
+    dist, labels = exact_top_k(Metric.COSINE, qd[None, :], dense[de], 5)
+    assert [h.attributes["id"] for h in hits] == [de[j] for j in labels[0]]
+    np.testing.assert_allclose([h.distance for h in hits], dist[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["hnsw", "ivf"])
+def test_ann_engines_filtered_paths_keep_recall(local_shoal: Shoal, algorithm: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the exact-scan threshold at zero, every filtered search goes through the engine's own filtered
+    search (HNSW: widened walk or hnswlib's filter; IVF: faiss's ID selector): every hit matches, k of them,
+    and recall@10 against brute force stays high at every selectivity."""
+    monkeypatch.setattr(execute_module, "FILTER_EXACT_MAX_ROWS_X_FRACTION", 0)
+    s = Setup(local_shoal, algorithm, 3000)
+    rng = np.random.default_rng(2)
+    for filters, keep in [
+        ({"size": {"$lt": 600}}, lambda r: r["size"] < 600),  # ~60 %
+        ({"section": "net"}, lambda r: r["section"] == "net"),  # 25 %
+        ({"size": {"$lt": 50}}, lambda r: r["size"] < 50),  # ~5 %
+        ({"size": {"$lt": 10}}, lambda r: r["size"] < 10),  # ~1 %
+    ]:
+        recalls = []
+        for _ in range(10):
+            q = rng.standard_normal(DIM).astype(np.float32)
+            got = s.search(q, 10, filters)
+            truth = brute(s.rows, s.vectors, q, 10, keep)
+            assert len(got) == len(truth) and all(keep(s.rows[i]) for i in got), filters
+            recalls.append(len(set(got) & set(truth)) / len(truth))
+        assert np.mean(recalls) >= 0.9, (filters, np.mean(recalls))
+
+
+def test_hnsw_low_selectivity_returns_k_exact_matches(local_shoal: Shoal) -> None:
+    """A filter passing 0.5 % of the rows still answers k exact matches (post-filtering would answer ~0)."""
+    s = Setup(local_shoal, "hnsw", 4000, {"M": 16, "ef_construction": 100, "ef_search": 32})
+    passing = {r["id"] for r in s.rows if r["id"] % 200 == 0}  # 20 of 4000
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        q = rng.standard_normal(DIM).astype(np.float32)
+        got = s.search(q, 10, {"id": {"$in": sorted(passing)}})
+        assert got == brute(s.rows, s.vectors, q, 10, lambda r: r["id"] in passing)
+        assert len(got) == 10
+
+
+def test_filters_at_every_consistency_level_include_the_log_tail(local_shoal: Shoal) -> None:
+    """Points uploaded (and deleted) after the index was built: strong and at_least filtered searches see them,
+    eventual ones see the served version only; all equal brute force over the matching state they reflect."""
+    s = Setup(local_shoal, "hnsw", 500)
+    built_rows, built_vectors = list(s.rows), s.vectors.copy()
+    new_rows, new_vectors = make_rows(60, seed=9)
+    for r in new_rows:
+        r["id"] += 10_000
+        r["section"] = "fresh"
+    token = s.upload(new_rows, new_vectors)
+    # Delete some built "utils" rows: the tail hides them from every level that reflects the delete.
+    gone = [r["id"] for r in built_rows if r["section"] == "utils"][:20]
+    token = s.producer.upload([Tombstone({"id": i}) for i in gone]).seq
+    rows_now = [r for r in built_rows if r["id"] not in gone] + new_rows
+    vecs_now = np.vstack([built_vectors[[r["id"] not in gone for r in built_rows]], new_vectors])
+    filters = {"section": {"$in": ["fresh", "utils"]}}
+    keep = lambda r: r["section"] in ("fresh", "utils")  # noqa: E731
+    queries = np.random.default_rng(4).standard_normal((5, DIM)).astype(np.float32)
+    for q in queries:
+        # Eventual first: this searcher neither follows nor has a young tier yet, so the built version alone
+        # (a strong search below extends its young tier, which eventual searches then reflect too).
+        assert s.search(q, 10, filters, consistency=Consistency.eventual()) == brute(
+            built_rows, built_vectors, q, 10, keep)
+    for q in queries:
+        expected = brute(rows_now, vecs_now, q, 10, keep)
+        assert any(i >= 10_000 for i in expected)
+        assert s.search(q, 10, filters, consistency=Consistency.strong()) == expected
+        assert s.search(q, 10, filters, consistency=Consistency.at_least(token)) == expected
+        assert s.search(q, 10, {"section": "fresh"}, consistency=Consistency.strong()) == brute(
+            rows_now, vecs_now, q, 10, lambda r: r["section"] == "fresh")
+        assert s.search(q, 10, filters, consistency=Consistency.eventual()) == expected  # the young tier now
+
+
+@pytest.mark.parametrize(
+    ("filters", "attribute", "says"),
+    [
+        ({"nope": 1}, "nope", "unknown attribute"),
+        ({"size": "big"}, "size", "expected int64"),
+        ({"section": {"$regex": "u.*"}}, "section", "unknown filter operator"),
+        ({"$xor": [{"size": 1}]}, "$xor", "unknown filter operator"),
+        ({"when": {"$gt": "yesterday"}}, "when", "ISO 8601"),
+        ({"flag": {"$gt": True}}, "flag", "$gt needs"),
+        ({"section": {"$in": "utils"}}, "section", "takes a list"),
+        ({"$or": []}, "$or", "non-empty list"),
+    ],
+)
+def test_bad_filters_name_the_attribute(local_shoal: Shoal, filters: Any, attribute: str, says: str) -> None:
+    s = Setup(local_shoal, "flat", 10)
+    with pytest.raises(QueryError) as err:
+        s.search(np.zeros(DIM, np.float32), 3, filters)
+    assert err.value.problems[0].attribute == attribute and says in str(err.value), str(err.value)
+
+
+def test_filter_on_an_attribute_the_index_does_not_store_is_refused(local_shoal: Shoal) -> None:
+    tag = uuid.uuid4().hex[:8]
+    source = DataSourceSpec(f"fp-{tag}", "1", 2, {"id": "int64", "secret": "string"}, ["id"])
+    local_shoal.create_data_source(source)
+    local_shoal.create_index(IndexSpec(f"fpi-{tag}", "1", source.name, "1", id_attributes=["id"],
+                                       payload_attributes=[]))
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        with pytest.raises(QueryError) as err:
+            searcher.search(f"fpi-{tag}", "1", [[0.0, 0.0]], 1, filters={"secret": "x"})
+    finally:
+        searcher.close()
+    assert err.value.problems[0].attribute == "secret" and "does not store" in str(err.value)
+
+
+# -- HTTP ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http_api(make_settings: Any, redis_url: str) -> Iterator[tuple[httpx.Client, Shoal, Settings]]:
+    settings = make_settings("local", redis_url=redis_url)
+    with Shoal(settings, notify=False) as shoal, serve_api(settings) as url:
+        key = create_key(shoal.engine, settings.tenant, "admin")[1]
+        with httpx.Client(base_url=url, headers={"Authorization": f"ApiKey {key}"}, timeout=60) as http:
+            yield http, shoal, settings
+
+
+def test_vektonn_search_body_takes_a_filter(http_api: tuple[httpx.Client, Shoal, Settings]) -> None:
+    http, shoal, _ = http_api
+    s = Setup(shoal, "hnsw", 400)
+    q = np.random.default_rng(5).standard_normal(DIM).astype(np.float32)
+    url = f"/api/v1/search/{s.index.spec.name}/1"
+    body = {"k": 5, "queryVectors": [{"isSparse": False, "coordinates": q.tolist()}]}
+
+    def ids(r: httpx.Response) -> list[int]:
+        assert r.status_code == 200, r.text
+        return [next(a["value"]["int64"] for a in p["attributes"] if a["key"] == "id")
+                for p in r.json()[0]["nearestDataPoints"]]
+
+    # Without a filter: Vektonn's answer as before (the unfiltered search).
+    assert ids(http.post(url, json=body)) == s.search(q, 5, None)
+    filters = {"$and": [{"section": {"$in": ["net", "doc"]}}, {"size": {"$gte": 200}}]}
+    keep = lambda r: r["section"] in ("net", "doc") and r["size"] >= 200  # noqa: E731
+    assert ids(http.post(url, json=body | {"filter": filters})) == brute(s.rows, s.vectors, q, 5, keep)
+    # Strong, with points only in the log tail.
+    new_rows, new_vectors = make_rows(5, seed=11)
+    for r in new_rows:
+        r["id"] += 5000
+        r["section"] = "tail"
+    s.upload(new_rows, new_vectors)
+    got = ids(http.post(url, json=body | {"filter": {"section": "tail"}}, headers={"X-Shoal-Consistency": "strong"}))
+    assert sorted(got) == sorted(r["id"] for r in new_rows)
+    # Bad filters: 400 naming the attribute; nothing else happens.
+    for bad, name in (({"colour": "red"}, "colour"), ({"size": {"$gte": "x"}}, "size"), ([1], "filter")):
+        r = http.post(url, json=body | {"filter": bad})
+        assert r.status_code == 400, r.text
+        assert name in r.text
+
+
+def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[httpx.Client, Shoal, Settings]) -> None:
+    http, _, _ = http_api
+    for name, index_type in (("fa", "flat"), ("fb", "hnsw")):
+        r = http.post("/api/v1/datasets", json={"name": name, "dimensions": 2, "metric_type": "euclidean",
+                                                "index_type": index_type})
+        assert r.status_code == 201, r.text
+        vectors = [{"id": f"{name}{i}", "values": [float(i), 0.0], "document_id": f"doc{i % 2}",
+                    "metadata": {"lang": "en" if i % 2 else "de", "year": 2000 + i,
+                                 "published": f"2024-0{1 + i % 5}-01T00:00:00Z"}} for i in range(10)]
+        r = http.post(f"/api/v1/datasets/{name}/vectors", json={"vectors": vectors})
+        assert r.status_code == 200, r.text
+
+    def search(name: str, filters: Any, consistency: str = "strong") -> list[str]:
+        r = http.post(f"/api/v1/datasets/{name}/search", json={"vector": [0.0, 0.0], "top_k": 3,
+                                                               "consistency": consistency, "filters": filters})
+        assert r.status_code == 200, r.text
+        return [h["id"] for h in r.json()["results"]]
+
+    assert search("fa", {"lang": "en"}) == ["fa1", "fa3", "fa5"]
+    assert search("fa", {"metadata.year": {"$gte": 2004, "$lt": 2008}}) == ["fa4", "fa5", "fa6"]
+    assert search("fa", {"$not": {"document_id": "doc0"}}) == ["fa1", "fa3", "fa5"]
+    assert search("fb", {"id": {"$in": ["fb7", "fb2", "fb9"]}}) == ["fb2", "fb7", "fb9"]
+    assert search("fb", {"published": {"$gte": "2024-04-01T00:00:00Z"}}) == ["fb3", "fb4", "fb8"]
+    assert search("fb", {"$or": [{"lang": "de", "year": {"$gt": 2005}}, {"id": "fb1"}]}) == ["fb1", "fb6", "fb8"]
+    assert search("fa", {"lang": "fr"}) == []
+    assert search("fa", {}) == ["fa0", "fa1", "fa2"]
+
+    # Multi-dataset: options.filters applies to every dataset.
+    body = {"query_vector": [0.0, 0.0], "datasets": ["fa", "fb"],
+            "options": {"top_k": 2, "merge_strategy": "score", "consistency": "strong",
+                        "filters": {"year": {"$gte": 2005}}}}
+    r = http.post("/api/v1/search/multi-dataset", json=body)
+    assert r.status_code == 200, r.text
+    assert sorted((h["dataset_id"], h["id"]) for h in r.json()["results"]) == [
+        ("fa", "fa5"), ("fb", "fb5")]
+
+    # Bad filters: 400 VALIDATION_ERROR naming the attribute.
+    for bad, what in (({"id": 3}, "id"), ({"lang": {"$like": "e%"}}, "lang"), ({"metadata": "x"}, "metadata")):
+        r = http.post("/api/v1/datasets/fa/search", json={"vector": [0.0, 0.0], "filters": bad})
+        assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
+        assert f"'{what}'" in r.json()["message"], r.text
+        r = http.post("/api/v1/search/multi-dataset", json=body | {"options": body["options"] | {"filters": bad}})
+        assert r.status_code == 400 and r.json()["details"]["field"] == "options.filters", r.text
