@@ -3,6 +3,8 @@ worker SIGKILLed during materialization and merge, repeatedly, never leaves a br
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import uuid
 
 import numpy as np
@@ -23,6 +25,7 @@ from shoal.index.segment import ROWS_FILE, load_segment, read_deletions, segment
 from shoal.log.records import IndexSpec
 from shoal.log.validation import SEQ
 from shoal.searcher.consistency import Consistency
+from shoal.workers.triggers import MERGE, enqueue, producer_app
 
 pytestmark = pytest.mark.slow  # real Celery worker processes
 
@@ -197,6 +200,14 @@ class BuildWindow:
         return any(above) if kind == "materialize-rows" else not all(above)
 
 
+def _nudge_merges(shoal: Shoal, shard_id: int, stop: threading.Event) -> None:
+    """Queue a merge of the shard every 2 s until `stop` is set."""
+    app = producer_app(shoal.runtime.broker_url())
+    while not stop.wait(2.0):
+        with contextlib.suppress(Exception):  # a queue refused while the worker dies: the next try goes on
+            enqueue(shoal.runtime.redis(), app, MERGE, shard_id, 2.0)
+
+
 def _kill_inside(worker, window: BuildWindow, kind: str) -> None:  # type: ignore[no-untyped-def]
     """SIGKILL the worker (its whole session) once it is frozen inside a build of `kind`."""
     freeze_inside(worker.pid, lambda: window.inside(kind), 120, f"the worker to be inside {kind}", group=True)
@@ -249,7 +260,16 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
             stop_process(worker)
             window = BuildWindow(wshoal, index)
             worker = start_worker(wshoal.settings, beat=True, SHOAL_MAX_SEGMENTS="1")
-            _kill_inside(worker, window, "merge-rows")
+            # Beat's sweep goes over every shard of the session's shared catalog (hundreds, most of other tests);
+            # this shard's merge is also queued directly, every 2 s, as a materialization would queue it.
+            nudging = threading.Event()
+            nudger = threading.Thread(target=_nudge_merges, args=(wshoal, window.shard_id, nudging), daemon=True)
+            nudger.start()
+            try:
+                _kill_inside(worker, window, "merge-rows")
+            finally:
+                nudging.set()
+                nudger.join(10)
             killed["merge_shard"] += 1
         _verify_all_versions(wshoal, index)
     worker = start_worker(wshoal.settings, beat=True)
