@@ -931,10 +931,6 @@ def print_report(res: Result, args: argparse.Namespace) -> None:
 # -- main -------------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -961,7 +957,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-passes", type=int, default=2, help="passes over the queries for the baseline QPS")
     p.add_argument("--poll-interval", type=float, default=None, help="searcher poll s (default SHOAL_SEARCHER_POLL_S)")
     p.add_argument("--drain", type=float, default=240.0, help="max s to wait for the index to catch up before 6")
-    p.add_argument("--tails", type=_ints, default=[100, 1000], help="part 6 tail sizes (default 100,1000)")
+    p.add_argument("--tails", type=ib._ints, default=[100, 1000], help="part 6 tail sizes (default 100,1000)")
     p.add_argument("--strong-queries", type=int, default=1000, help="part 6 queries per level and T (default 1000)")
     p.add_argument("--strong-budget", type=float, default=15.0, help="part 6 seconds per T (default 15)")
     p.add_argument("--quick", action="store_true", help="20 s at 2000 pts/s, 300 queries, shorter waits")

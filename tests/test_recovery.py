@@ -161,6 +161,15 @@ def test_a_shard_of_a_worker_killed_inside_its_build_progresses_within_30_s(
 # -- 2. broker restarts, and `shoal up` restarting what died -----------------------------------------------------
 
 
+def _flat_index(shoal: Shoal) -> tuple[DataSourceSpec, str]:
+    """A new data source with a flat index over it: (its spec, the index name)."""
+    spec = _source(uuid.uuid4().hex[:8])
+    shoal.create_data_source(spec)
+    index = f"{spec.name}-flat"
+    shoal.create_index(IndexSpec(index, "1", spec.name, "1", algorithm="flat", metric="euclidean"))
+    return spec, index
+
+
 def _start_up(settings: Settings, log_path: Path, *args: str) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
@@ -218,10 +227,7 @@ def test_indexing_goes_on_across_ten_broker_restarts_under_load(
                              merge_interval_s=0)
     log_path = settings.data_dir / "up.log"
     with Shoal(settings) as shoal:
-        spec = _source(uuid.uuid4().hex[:8])
-        shoal.create_data_source(spec)
-        index = f"{spec.name}-flat"
-        shoal.create_index(IndexSpec(index, "1", spec.name, "1", algorithm="flat", metric="euclidean"))
+        spec, index = _flat_index(shoal)
         # The default pool (prefork), as `shoal worker` and `shoal up` run it: the one kombu's Redis transport
         # failed in when the broker went away (AttributeError on the closed connection's hostname).
         up = _start_up(settings, log_path, "--no-api", "--no-consumer", "-c", "2")
@@ -335,10 +341,7 @@ def test_up_restarts_a_child_that_died_and_says_so(make_settings: Callable[..., 
                              merge_interval_s=0)
     log_path = settings.data_dir / "up.log"
     with Shoal(settings) as shoal:
-        spec = _source(uuid.uuid4().hex[:8])
-        shoal.create_data_source(spec)
-        index = f"{spec.name}-flat"
-        shoal.create_index(IndexSpec(index, "1", spec.name, "1", algorithm="flat", metric="euclidean"))
+        spec, index = _flat_index(shoal)
         up = _start_up(settings, log_path, "--no-api", "--no-consumer", "--pool", "solo")
         try:
             wait_for(lambda: "worker" in _pids(log_path.read_text()), 60, "shoal up to start its worker")
