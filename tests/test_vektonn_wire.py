@@ -35,7 +35,7 @@ from shoal.intake import codec
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, Tombstone
 from shoal.log.validation import SPARSE_INDICES, VECTOR
 from shoal.vektonn import dto as dto_module
-from shoal.vektonn import json_fields, upload_json
+from shoal.vektonn import json_fields, simd_upload, upload_json
 from shoal.vektonn.arrow_upload import decode_arrow_upload
 from shoal.vektonn.upload_json import EmptyUploadError, UploadBodyError, decode_upload
 
@@ -93,6 +93,69 @@ def test_real_data_1000_points_of_384_dimensions() -> None:
     odd = [{"Attributes": item["attributes"], "Vector": item["vector"]} for item in items[:50]]
     assert upload_json._fast_batch(spec, odd, 1000) is None
     assert_same_upload(spec, json.dumps(odd).encode(), 1000)
+
+
+def _dense_body(coordinates: str, prefix: bytes = b"", extra: str = "") -> bytes:
+    """A one-point ALL_TYPES body with the coordinates given as raw JSON text."""
+    attributes = ('[{"key":"id","value":{"int64":1}},{"key":"tag","value":{"string":"t"}},'
+                  '{"key":"score","value":{"float64":0.5}},{"key":"flag","value":{"bool":true}},'
+                  '{"key":"uid","value":{"guid":"8d0b6b8e-0c3a-4b8e-9a43-6f1f4d2c2f10"}},'
+                  '{"key":"at","value":{"dateTime":"2024-01-02T03:04:05Z"}}]')
+    vector = f'{{"isSparse":false,"coordinates":{coordinates}}}'
+    return prefix + f'[{{"attributes":{attributes},"vector":{vector}{extra}}}]'.encode()
+
+
+@pytest.mark.parametrize("body", [
+    _dense_body("[0.1,-2.5e-3,3]"),                       # the simdjson path takes it
+    _dense_body("[1,2,3]"),                               # integers only
+    _dense_body("[9007199254740993,0.5,18446744073709551615]"),  # beyond a double's integers, beyond int64
+    _dense_body("[[1],2,3]"),                             # as_buffer would flatten a nested array
+    _dense_body("[[1,2],3]"),
+    _dense_body("[true,2,3]"),                            # a boolean reads as 1 (the DTO rule)
+    _dense_body("[null,2,3]"),
+    _dense_body('["1",2,3]'),
+    _dense_body("[1e400,2,3]"),                           # beyond a double: Python's json reads inf
+    _dense_body("[123456789012345678901234567890,2,3]"),  # a big integer
+    _dense_body("[1,2,3]", prefix=b"\xef\xbb\xbf"),        # a byte order mark
+    _dense_body("[1,2,3]", prefix=b" \n\t"),
+    _dense_body("[1,2,3]", extra=',"vector":{"isSparse":false,"coordinates":[4,5,6]}'),  # a key twice: last wins
+    _dense_body("[1,2,3]", extra=',"isDeleted":false'),
+    _dense_body("[1,2,3,4]"),                             # the wrong dimension
+    _dense_body("[1,2,3]").replace(b'"t"', b'"[t]"'),     # a bracket inside a string
+    _dense_body("[1,2,3]").replace(b'"t"', b'"\\ud83d\\ude00"'),  # an escaped surrogate pair
+    _dense_body("[1,2,3]").replace(b'"t"', b'"\\ud800"'),  # a lone surrogate
+    _dense_body("[1,2,3]") + b" x",                       # trailing garbage
+])
+def test_the_simdjson_reader_changes_no_outcome(body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    with_reader = outcome_of(lambda: decode_upload(ALL_TYPES, body, 10))
+    monkeypatch.setattr(upload_json, "load_dense_items", lambda body: None)
+    without = outcome_of(lambda: decode_upload(ALL_TYPES, body, 10))
+    assert with_reader == without
+    items = simd_upload.load_dense_items(body)
+    if items is not None:
+        # Whatever the simdjson reader takes equals orjson's reading, coordinates as arrays of the same doubles.
+        loaded = orjson.loads(body)
+        vectors = [np.asarray(item.pop("vector")["coordinates"], dtype=np.float64) for item in loaded]
+        read = [item.pop("vector")["coordinates"] for item in items]
+        assert items == loaded
+        assert all(np.array_equal(a, b) for a, b in zip(read, vectors, strict=True))
+
+
+def outcome_of(decode: Any) -> tuple[str, Any]:
+    """A decode's table, or its error's type and problems."""
+    try:
+        table = decode()
+    except ValidationError as exc:
+        return type(exc).__name__, exc.problems
+    return "table", table.to_pydict()
+
+
+def test_clean_dense_batches_are_read_by_simdjson() -> None:
+    body = _dense_body("[0.1,-2.5e-3,3]")
+    assert simd_upload.load_dense_items(body) is not None
+    # Nested arrays would flatten, and a byte order mark is orjson's refusal: the usual way reads both.
+    assert simd_upload.load_dense_items(_dense_body("[[1],2,3]")) is None
+    assert simd_upload.load_dense_items(_dense_body("[1,2,3]", prefix=b"\xef\xbb\xbf")) is None
 
 
 # -- upload: errors by name ---------------------------------------------------------------------------------------
@@ -303,3 +366,22 @@ def test_field_names_match_the_dtos() -> None:
     assert json_fields.CANONICAL == dto_module._CANONICAL
     assert json_fields.VALUE_KINDS == dto_module.VALUE_KINDS
     assert json_fields.SLOT == convert_module.SLOT
+
+
+def test_the_collector_pause_around_a_decode_restores_the_collector() -> None:
+    import gc
+
+    from shoal.api.process_tuning import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ValidationError), collector_paused():
+        assert not gc.isenabled()
+        decode_upload(ALL_TYPES, b"[]", 10)
+    assert gc.isenabled()  # back on after a refused body
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()

@@ -19,6 +19,7 @@ from shoal.api.errors import install as install_errors
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.health import HealthMonitor
 from shoal.api.metrics import Metrics, MetricsView
+from shoal.api.process_tuning import freeze_startup_objects, keep_large_blocks
 from shoal.api.security import metrics_view
 from shoal.api.state import Tenants
 from shoal.config.settings import Settings
@@ -34,6 +35,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.runtime = app.state.tenants.runtime
         monitor = HealthMonitor(app.state.runtime)  # the API's log says when nothing indexes
         monitor.start()
+        # Request bodies of megabytes: reuse their memory, and keep full collections short (shoal.api.process_tuning).
+        keep_large_blocks()
+        freeze_startup_objects()
         try:
             yield
         finally:

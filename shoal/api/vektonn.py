@@ -14,6 +14,7 @@ older versions with `X-Shoal-Tag` or `X-Shoal-As-Of`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
+from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.log.records import MAX_SEQ
@@ -34,6 +36,12 @@ TOKEN_HEADER = "X-Shoal-Write-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 JSON = "application/json"
 ARROW = "application/vnd.apache.arrow.stream"
+
+# JSON bodies are decoded one at a time: a decode holds the GIL from start to end, so decodes running side by
+# side only take turns every switch interval, each turn a hand-off that costs and spoils the caches (bench/api.py,
+# 8 clients). A waiting thread sleeps on the lock without the GIL; the other work goes on meanwhile. The lock also
+# makes collector_paused's pause and resume pairs never interleave.
+_JSON_DECODES = threading.Lock()
 
 # The request bodies, documented in the OpenAPI document although the routes read the raw bytes.
 REF = "#/components/schemas/{model}"
@@ -121,7 +129,8 @@ def _decode_upload(request: Request, spec: Any, body: bytes, max_points: int) ->
     if kind == ARROW:
         return wire.decode_arrow_upload(spec, body, max_points)
     if kind == JSON or kind.endswith("+json") or kind in ("", "text/plain"):
-        return wire.decode_upload(spec, body, max_points)
+        with _JSON_DECODES, collector_paused():
+            return wire.decode_upload(spec, body, max_points)
     raise ValidationError(f"unsupported Content-Type {kind!r}: send {JSON} or {ARROW}")
 
 

@@ -44,6 +44,7 @@ from shoal.vektonn.json_fields import (
     vector_value,
 )
 from shoal.vektonn.runs import runs
+from shoal.vektonn.simd_upload import load_dense_items
 
 _DATETIMES = pydantic.TypeAdapter(list[dt.datetime])
 _UNSET: Any = object()
@@ -72,6 +73,14 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
     body is no JSON array of objects, EmptyUploadError ("batch is empty") for an empty array, BatchTooLargeError
     beyond `max_points` (before any point is checked). Nothing is written by this function either way.
     """
+    if not spec.vectors_are_sparse:
+        # The common case first: dense points read with simdjson, coordinates straight into arrays. Whatever it
+        # cannot take (or the fast path cannot prove valid) is parsed again below, which decides.
+        simd = load_dense_items(body)
+        if simd is not None and simd and len(simd) <= max_points:
+            table = _fast_batch(spec, simd, max_points)
+            if table is not None:
+                return table
     loaded = load(body, UploadBodyError)
     items = loaded[0]
     if type(items) is not list:
