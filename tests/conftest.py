@@ -220,11 +220,14 @@ def serve_api(settings: Settings) -> Iterator[str]:
     import uvicorn
 
     from shoal.api.app import create_app
+    from shoal.api.serve import server_options
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    # The options `shoal api` serves with (Shoal's HTTP protocol among them), so tests meet what users run.
+    options = server_options() | {"log_level": "warning"}
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30, "the API server to start")

@@ -1,5 +1,8 @@
 """The hot search route, answered before FastAPI's middleware and routing when it needs no I/O.
 
+Shoal's HTTP protocol asks `answer_search` first, before any ASGI cycle exists (shoal.api.http_protocol); what
+comes through ASGI (another server, or a request the protocol passes on) is answered the same way here.
+
 An eventual search of an index the process has loaded, by a caller whose key verdict is cached (or who is the
 anonymous tenant), touches neither the catalog nor storage: the app answers it on the event loop, first thing.
 Everything else, and every search this path declines or fails (a bad body, an unknown index, a role too low),
@@ -74,6 +77,19 @@ class FastSearchAPI(FastAPI):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", JSON_BYTES), (b"content-length", b"%d" % len(content))]})
         await send({"type": "http.response.body", "body": content})
+
+    def answer_search(self, path: str, body: bytes, raw_headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """The JSON answer to a complete search request (its path, body and lower-case headers), or None to
+        let the routes answer it. Shoal's HTTP protocol asks this before it makes an ASGI cycle
+        (shoal.api.http_protocol)."""
+        if len(body) > self.max_body_bytes or not path.startswith(PREFIX):
+            return None  # the routes answer 413, or whatever else this is
+        name, _, version = path[len(PREFIX):].partition("/")
+        if not name or not version or "/" in version:
+            return None
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k in WANTED}
+        headers.pop("content-length", None)
+        return self._answer(name, version, body, headers)
 
     def _answer(self, name: str, version: str, body: bytes, headers: dict[str, str]) -> bytes | None:
         """The answer, or None to let the route answer (I/O needed, or anything went wrong)."""

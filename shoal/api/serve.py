@@ -1,15 +1,8 @@
-"""Serving the API under uvicorn: uvloop and httptools when installed (uvicorn[standard]), TCP_NODELAY on every
-accepted connection, and any number of worker processes, each with a listening socket of its own.
-
-Why TCP_NODELAY by hand: with `--workers N` uvicorn binds the listening socket itself, without naming the
-protocol, and asyncio's own loop then never sets TCP_NODELAY on accepted connections; every keep-alive request
-after the first waits for a delayed ACK (~40 ms on Linux). uvloop sets it, but the fix must not depend on
-which loop is installed.
-"""
+"""Serving the API under uvicorn: uvloop and httptools when installed (uvicorn[standard]), Shoal's HTTP protocol
+(shoal.api.http_protocol) and any number of worker processes, each with a listening socket of its own."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import importlib.util
 import logging
@@ -23,84 +16,10 @@ from typing import Any
 
 import uvicorn
 
-if importlib.util.find_spec("httptools") is not None:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Http
-else:  # pragma: no cover - uvicorn[standard] brings httptools on every platform Shoal supports
-    from uvicorn.protocols.http.h11_impl import H11Protocol as _Http  # type: ignore[assignment]
+from shoal.api.http_protocol import NoDelayHttpProtocol
 
 APP_FACTORY = "shoal.api.app:create_app"
 log = logging.getLogger(__name__)
-
-
-class CoalescingTransport:
-    """A transport whose writes of one event-loop iteration leave in one send.
-
-    uvicorn writes a response's head and its body in two calls, and each is a send syscall at once: on
-    loopback, a small search answer cost two sends and two wake-ups of the client (15% of the API's GIL time
-    in bench/api.py). Writes are gathered and sent together at the end of the iteration they were made in, so
-    nothing waits for more than that; everything else is the real transport's.
-    """
-
-    __slots__ = ("_loop", "_pending", "_scheduled", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-        self._scheduled = False
-
-    def write(self, data: bytes) -> None:
-        """Queue `data`; it is sent, with whatever else this iteration writes, once the iteration ends."""
-        self._pending.append(data)
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self.flush)
-
-    def writelines(self, lines: Any) -> None:
-        """Queue several buffers, as `write` does."""
-        for data in lines:
-            self.write(data)
-
-    def flush(self) -> None:
-        """Send what is queued now."""
-        self._scheduled = False
-        pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def get_write_buffer_size(self) -> int:
-        """Bytes not yet sent: queued here and buffered by the real transport."""
-        return sum(map(len, self._pending)) + self._transport.get_write_buffer_size()
-
-    def close(self) -> None:
-        """Send what is queued, then close."""
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        """Drop what is queued and close at once."""
-        self._pending.clear()
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class NoDelayHttpProtocol(_Http):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol with TCP_NODELAY set on the connection's socket, and a response's writes sent
-    in one go (CoalescingTransport)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # a socket that is already gone: the protocol will see it closed
-                pass
-        super().connection_made(transport)
-        # Responses write through the wrapper; flow control and the connection's own calls reach the real
-        # transport through it unchanged.
-        self.transport = CoalescingTransport(transport, self.loop)
 
 
 def server_options() -> dict[str, Any]:

@@ -1,0 +1,234 @@
+"""Shoal's HTTP/1.1 protocol: uvicorn's httptools protocol with TCP_NODELAY on every connection, a response's
+writes sent in one go, its access log line written after it, and the hot search route answered on the spot.
+
+Why TCP_NODELAY by hand: with `--workers N` uvicorn binds the listening socket itself, without naming the
+protocol, and asyncio's own loop then never sets TCP_NODELAY on accepted connections; every keep-alive request
+after the first waits for a delayed ACK (~40 ms on Linux). uvloop sets it, but the fix must not depend on
+which loop is installed.
+
+Why the search route is answered here: an eventual search of a loaded index takes about 0.1 ms, and uvicorn's
+way to an ASGI app (a scope, a task, receive and send awaited, headers checked) cost a further 15-25 us a request
+(bench/api.py; a bare ASGI app against a bare protocol answering the same bytes). The protocol asks the app
+(FastSearchAPI.answer_search) once the request is complete, and writes the answer itself; whenever the app
+declines, or the request is anything but a plain one (another route, a query string, chunked or large bodies,
+proxy headers, an expectation, a request pipelined behind one in progress), uvicorn handles it as always, with
+the body read so far handed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr
+
+# The requests answered on the spot: the search route's prefix, bodies up to this size, no proxy headers
+# (uvicorn's proxy middleware would rewrite the client's address, which the access log names).
+SEARCH_PREFIX = b"/api/v1/search/"
+FAST_BODY_BYTES = 1 << 20
+_PROXY_HEADERS = frozenset((b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"))
+_OK = b"HTTP/1.1 200 OK\r\n"
+JSON_HEADER = b"content-type: application/json\r\n"
+
+
+class CoalescingTransport:
+    """A transport whose writes of one event-loop iteration leave in one send, followed by the work that was
+    waiting for them to leave (after_send).
+
+    uvicorn writes a response's head and its body in two calls, and each is a send syscall at once: on
+    loopback, a small search answer cost two sends and two wake-ups of the client (15% of the API's GIL time
+    in bench/api.py). Writes are gathered and sent together at the end of the iteration they were made in, so
+    nothing waits for more than that; everything else is the real transport's.
+    """
+
+    __slots__ = ("_after", "_loop", "_pending", "_scheduled", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._after: list[Callable[[], object]] = []
+        self._scheduled = False
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def write(self, data: bytes) -> None:
+        """Queue `data`; it is sent, with whatever else this iteration writes, once the iteration ends."""
+        self._pending.append(data)
+        self._schedule()
+
+    def writelines(self, lines: Any) -> None:
+        """Queue several buffers, as `write` does."""
+        for data in lines:
+            self.write(data)
+
+    def after_send(self, work: Callable[[], object]) -> None:
+        """Run `work` on the loop once what is queued now (and whatever else this iteration writes) was sent."""
+        self._after.append(work)
+        self._schedule()
+
+    def flush(self) -> None:
+        """Send what is queued now, then run the work that waited for it."""
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        if self._after:
+            after, self._after = self._after, []
+            for work in after:
+                work()
+
+    def get_write_buffer_size(self) -> int:
+        """Bytes not yet sent: queued here and buffered by the real transport."""
+        return sum(map(len, self._pending)) + self._transport.get_write_buffer_size()
+
+    def close(self) -> None:
+        """Send what is queued, then close."""
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        """Drop what is queued and close at once (work waiting for a send still runs)."""
+        self._pending.clear()
+        self._transport.abort()
+        self.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class AfterSendAccessLog:
+    """Stands in for uvicorn's access logger on one connection: a request's line is logged, by the same logger and
+    so in the same form, right after its response has been sent instead of before its head is written.
+
+    uvicorn logs the line as the response starts: formatting and writing it (a write to the log stream per
+    request) then delays every answer, by about 40 us on this machine, a sixth of a search's round trip with one
+    client (bench/api.py). After the send, the line is written while the client reads the answer.
+    """
+
+    __slots__ = ("_logger", "_transport")
+
+    def __init__(self, logger: logging.Logger, transport: CoalescingTransport) -> None:
+        self._logger = logger
+        self._transport = transport
+
+    def info(self, msg: str, *args: Any) -> None:
+        """Log `msg % args` at INFO once the response being written has been sent."""
+        self._transport.after_send(functools.partial(self._logger.info, msg, *args))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    """uvicorn's HTTP protocol with TCP_NODELAY set on the connection's socket, a response's writes sent in one go
+    (CoalescingTransport), its access log line written after them (AfterSendAccessLog), and plain searches
+    answered without an ASGI cycle (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fast_body: list[bytes] | None = None  # the body of a request that may be answered on the spot
+        self._answer = _search_answerer(self.app)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # a socket that is already gone: the protocol will see it closed
+                pass
+        super().connection_made(transport)
+        # Responses write through the wrapper; flow control and the connection's own calls reach the real
+        # transport through it unchanged.
+        self.transport = CoalescingTransport(transport, self.loop)
+        if self.access_log:  # each request's cycle takes the protocol's logger
+            self.access_logger = AfterSendAccessLog(self.access_logger, self.transport)
+
+    # -- requests answered on the spot ----------------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        if self._may_answer():
+            self._fast_body = []  # uvicorn's cycle is made only if the app declines (on_message_complete)
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._fast_body is None:
+            super().on_body(body)
+        else:
+            self._fast_body.append(body)
+
+    def on_message_complete(self) -> None:
+        chunks = self._fast_body
+        if chunks is None:
+            super().on_message_complete()
+            return
+        self._fast_body = None
+        body = b"".join(chunks)
+        content = None
+        if self._answer is not None:
+            content = self._answer(self.url.decode("latin-1"), body, self.headers)
+        if content is None:  # the app's routes answer it, as if it had come the usual way
+            super().on_headers_complete()
+            if body:
+                super().on_body(body)
+            super().on_message_complete()
+            return
+        keep_alive = self.parser.should_keep_alive()
+        head = [_OK]
+        for name, value in self.server_state.default_headers:
+            head += (name, b": ", value, b"\r\n")
+        head += (JSON_HEADER, b"content-length: %d\r\n" % len(content))
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        if self.access_log:
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
+                                    self.parser.get_method().decode("ascii"), self.url.decode("latin-1"),
+                                    self.parser.get_http_version(), 200)
+        self.transport.write(b"".join(head) + content)
+        if not keep_alive:
+            self.transport.close()
+        self.on_response_complete()
+
+    def _may_answer(self) -> bool:
+        """True for a request the app may answer on the spot: a GET or POST of the search route on HTTP/1.x, no
+        query string or escapes, a declared body of at most FAST_BODY_BYTES, no upgrade, expectation or proxy
+        header, and no earlier request of this connection still being answered (answers keep their order)."""
+        if self._answer is None or not self.url.startswith(SEARCH_PREFIX) or b"?" in self.url or b"%" in self.url:
+            return False
+        if self.parser.get_method() not in (b"POST", b"GET") or self.expect_100_continue:
+            return False
+        if self.parser.should_upgrade() or self.pipeline or self.limit_concurrency is not None:
+            return False
+        if self.cycle is not None and not self.cycle.response_complete:
+            return False
+        length = None
+        for name, value in self.headers:
+            if name == b"content-length":
+                if length is not None or not value.isdigit():
+                    return False
+                length = int(value)
+            elif name == b"transfer-encoding" or name in _PROXY_HEADERS:
+                return False
+        return length is not None and length <= FAST_BODY_BYTES
+
+
+def _search_answerer(app: Any) -> Callable[[str, bytes, list[tuple[bytes, bytes]]], bytes | None] | None:
+    """The app's `answer_search`, found through the middleware uvicorn wraps it in; None when it has none."""
+    for _ in range(8):
+        answer = getattr(app, "answer_search", None)
+        if answer is not None:
+            return answer  # type: ignore[no-any-return]
+        app = getattr(app, "app", None)
+        if app is None:
+            break
+    return None

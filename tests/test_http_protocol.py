@@ -1,0 +1,196 @@
+"""Shoal's HTTP protocol (shoal.api.http_protocol) over real sockets: a plain search answered on the spot gives the
+same bytes as the routes, answers keep their order behind a request still in progress, connections close when the
+client asks, and the access log still names every request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import wait_for
+
+from shoal import DataSourceSpec, Shoal
+from shoal.api.fastpath import FastSearchAPI
+from shoal.config.settings import Settings
+from shoal.index.builder import ShardBuilder
+from shoal.log.records import IndexSpec
+
+INDEX = "/api/v1/search/Proto.Index/1"
+
+
+def _point(i: int, vector: list[float]) -> dict[str, Any]:
+    return {"attributes": [{"key": "id", "value": {"int64": i}}], "vector": {"isSparse": False, "coordinates": vector}}
+
+
+def _query(k: int) -> bytes:
+    return json.dumps({"k": k, "queryVectors": [{"isSparse": False, "coordinates": [0.0, 2.0]}]}).encode()
+
+
+@pytest.fixture
+def answered_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each search the protocol offered the app was answered on the spot (True) or passed on."""
+    seen: list[bool] = []
+    original = FastSearchAPI.answer_search
+
+    def counting(self: FastSearchAPI, *args: Any) -> bytes | None:
+        content = original(self, *args)
+        seen.append(content is not None)
+        return content
+
+    monkeypatch.setattr(FastSearchAPI, "answer_search", counting)
+    return seen
+
+
+@pytest.fixture
+def index(served: tuple[str, Settings]) -> Iterator[str]:
+    """A loaded flat index of three points behind the served API; yields the API's URL."""
+    url, settings = served
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec("Proto.Source", "1", 2, {"id": "int64"}, ["id"]))
+        index = shoal.create_index(IndexSpec("Proto.Index", "1", "Proto.Source", "1", algorithm="FaissIndex.L2"))
+        r = httpx.post(f"{url}/api/v1/upload/Proto.Source/1",
+                       json=[_point(1, [0.0, 1.0]), _point(2, [1.0, 0.0]), _point(3, [-0.5, 0.0])])
+        assert r.status_code == 200, r.text
+        for shard in index.shards:
+            ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+        # The first search loads the index (through the routes); later ones may be answered on the spot.
+        assert httpx.post(url + INDEX, content=_query(2)).status_code == 200
+        yield url
+
+
+def _responses(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """Read `count` HTTP/1.1 responses (status, lower-case headers, body) off the socket, in order."""
+    stream = sock.makefile("rb")
+    out = []
+    for _ in range(count):
+        status = int(stream.readline().split()[1])
+        headers: dict[str, str] = {}
+        while (line := stream.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        out.append((status, headers, stream.read(int(headers["content-length"]))))
+    return out
+
+
+def _request(body: bytes, *headers: str, path: str = INDEX, version: str = "1.1") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "Host: test", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def test_a_search_answered_on_the_spot_is_the_routes_answer(index: str, answered_on_the_spot: list[bool]) -> None:
+    spot = httpx.post(index + INDEX, content=_query(2))
+    assert answered_on_the_spot == [True]
+    # A query string, or a proxy header, sends the same search through the routes.
+    routed = httpx.post(index + INDEX + "?via=routes", content=_query(2))
+    proxied = httpx.post(index + INDEX, content=_query(2), headers={"X-Forwarded-For": "10.1.2.3"})
+    assert answered_on_the_spot == [True]
+    assert spot.status_code == routed.status_code == proxied.status_code == 200
+    assert spot.content == routed.content == proxied.content
+    assert spot.headers["content-type"] == routed.headers["content-type"] == "application/json"
+    [result] = spot.json()
+    assert [p["distance"] for p in result["nearestDataPoints"]] == [1.0, 4.25]
+    # Errors are the routes' own: a search the app declines on the spot is answered in Vektonn's error shape.
+    bad = httpx.post(index + INDEX, content=b'{"k": 0, "queryVectors": []}')
+    assert bad.status_code == 400 and "errorMessages" in bad.json()
+    assert answered_on_the_spot == [True, False]
+
+
+def test_pipelined_answers_keep_their_order(index: str, answered_on_the_spot: list[bool]) -> None:
+    """A plain search pipelined behind a strong one (answered on the thread pool) is answered after it."""
+    with _connect(index) as sock:
+        sock.sendall(_request(_query(1), "X-Shoal-Consistency: strong") + _request(_query(2)) + _request(_query(3)))
+        answers = _responses(sock, 3)
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    assert [len(json.loads(body)[0]["nearestDataPoints"]) for _, _, body in answers] == [1, 2, 3]
+
+
+def test_the_connection_closes_when_the_client_asks(index: str, answered_on_the_spot: list[bool]) -> None:
+    for extra, version in ((("Connection: close",), "1.1"), ((), "1.0")):
+        with _connect(index) as sock:
+            sock.sendall(_request(_query(2), *extra, version=version))
+            [(status, headers, body)] = _responses(sock, 1)
+            assert status == 200 and headers["connection"] == "close"
+            assert len(json.loads(body)[0]["nearestDataPoints"]) == 2
+            sock.settimeout(2)  # well before uvicorn's keep-alive timeout (5 s) would close it
+            assert sock.recv(1) == b""  # closed by the server
+    assert answered_on_the_spot == [True, True]
+
+
+def test_a_large_or_chunked_body_goes_through_the_routes(index: str, answered_on_the_spot: list[bool]) -> None:
+    padded = _query(2)[:-1] + b"," + b'"pad": "' + b"x" * (2 << 20) + b'"}'  # over FAST_BODY_BYTES
+    r = httpx.post(index + INDEX, content=padded)
+    assert r.status_code == 200 and len(r.json()[0]["nearestDataPoints"]) == 2
+
+    def chunks() -> Iterator[bytes]:
+        body = _query(2)
+        yield body[:10]
+        yield body[10:]
+
+    r = httpx.post(index + INDEX, content=chunks())  # Transfer-Encoding: chunked
+    assert r.status_code == 200 and len(r.json()[0]["nearestDataPoints"]) == 2
+    assert answered_on_the_spot == []
+
+
+def test_the_access_log_names_searches_answered_on_the_spot(
+    make_settings: Callable[..., Settings], answered_on_the_spot: list[bool]
+) -> None:
+    """The line is written after the answer is sent, by uvicorn's access logger, in its usual form."""
+    import threading
+
+    import uvicorn
+
+    from shoal.api.app import create_app
+    from shoal.api.serve import server_options
+
+    settings = make_settings("local")
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                           **server_options() | {"log_level": "info"}))
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "the API server to start")
+    collect = Collect()
+    logging.getLogger("uvicorn.access").addHandler(collect)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        with Shoal(settings, notify=False) as shoal:
+            shoal.create_data_source(DataSourceSpec("Proto.Source", "1", 2, {"id": "int64"}, ["id"]))
+            index = shoal.create_index(IndexSpec("Proto.Index", "1", "Proto.Source", "1",
+                                                 algorithm="FaissIndex.L2"))
+            assert httpx.post(f"{url}/api/v1/upload/Proto.Source/1", json=[_point(1, [0.0, 1.0])]).status_code == 200
+            for shard in index.shards:
+                ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+        with httpx.Client(base_url=url) as http:
+            assert http.post(INDEX, content=_query(1)).status_code == 200  # loads the index (routes)
+            assert http.post(INDEX, content=_query(1)).status_code == 200  # on the spot
+            assert http.post(INDEX, content=b"{").status_code == 400
+        assert answered_on_the_spot == [False, True, False]
+        searches = lambda: [line for line in lines if INDEX in line]  # noqa: E731
+        wait_for(lambda: len(searches()) == 3, 10, "three access log lines")
+        assert [line.split('"')[1] for line in searches()] == [f"POST {INDEX} HTTP/1.1"] * 3
+        assert [line.rsplit(" ", 1)[1] for line in searches()] == ["200", "200", "400"]
+        assert all(line.startswith("127.0.0.1:") for line in searches())
+    finally:
+        logging.getLogger("uvicorn.access").removeHandler(collect)
+        server.should_exit = True
+        thread.join(10)
