@@ -11,8 +11,10 @@ way to an ASGI app (a scope, a task, receive and send awaited, headers checked) 
 (bench/api.py; a bare ASGI app against a bare protocol answering the same bytes). The protocol asks the app
 (FastSearchAPI.answer_search) once the request is complete, and writes the answer itself; whenever the app
 declines, or the request is anything but a plain one (another route, a query string, chunked or large bodies,
-proxy headers, an expectation, a request pipelined behind one in progress), uvicorn handles it as always, with
-the body read so far handed on.
+an expectation, a request pipelined behind one in progress), uvicorn handles it as always, with the body read
+so far handed on. Behind a trusted proxy the access log names the client its X-Forwarded-For names, as uvicorn's
+proxy middleware would (with a uvicorn whose middleware offers no such lookup, proxied requests take the usual
+way).
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
-# The requests answered on the spot: the search route's prefix, bodies up to this size, no proxy headers
-# (uvicorn's proxy middleware would rewrite the client's address, which the access log names).
+# The requests answered on the spot: the search route's prefix, bodies up to this size.
 SEARCH_PREFIX = b"/api/v1/search/"
 FAST_BODY_BYTES = 1 << 20
-_PROXY_HEADERS = frozenset((b"x-forwarded-for", b"x-forwarded-proto", b"forwarded"))
 _OK = b"HTTP/1.1 200 OK\r\n"
 JSON_HEADER = b"content-type: application/json\r\n"
 
@@ -136,7 +137,7 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fast_body: list[bytes] | None = None  # the body of a request that may be answered on the spot
-        self._answer = _search_answerer(self.app)
+        self._answer, self._trusted = _search_answerer(self.app)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -191,7 +192,7 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
         if self.access_log:
-            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', self._client_addr(),
                                     self.parser.get_method().decode("ascii"), self.url.decode("latin-1"),
                                     self.parser.get_http_version(), 200)
         self.transport.write(b"".join(head) + content)
@@ -217,18 +218,37 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
                 if length is not None or not value.isdigit():
                     return False
                 length = int(value)
-            elif name == b"transfer-encoding" or name in _PROXY_HEADERS:
+            elif name == b"transfer-encoding" or (name == b"x-forwarded-for" and self._trusted is None):
                 return False
         return length is not None and length <= FAST_BODY_BYTES
 
+    def _client_addr(self) -> str:
+        """The client the access log names: behind a trusted proxy, the one its X-Forwarded-For names."""
+        client = self.scope.get("client")
+        if self._trusted is not None and client and client[0] in self._trusted:
+            forwarded = [value for name, value in self.headers if name == b"x-forwarded-for"]
+            if forwarded:
+                host, port = self._trusted.get_trusted_client_address(b", ".join(forwarded).decode("latin1"))
+                if host:
+                    client = (host, port)
+        return get_client_addr({"client": client})  # type: ignore[typeddict-item]
 
-def _search_answerer(app: Any) -> Callable[[str, bytes, list[tuple[bytes, bytes]]], bytes | None] | None:
-    """The app's `answer_search`, found through the middleware uvicorn wraps it in; None when it has none."""
+
+Answerer = Callable[[str, bytes, list[tuple[bytes, bytes]]], bytes | None]
+
+
+def _search_answerer(app: Any) -> tuple[Answerer | None, Any]:
+    """The app's `answer_search` (None when it has none), found through the middleware uvicorn wraps it in, and
+    the trusted proxies of uvicorn's proxy middleware among them (None without one, or without the lookup)."""
+    trusted = None
     for _ in range(8):
+        if isinstance(app, ProxyHeadersMiddleware):
+            hosts = getattr(app, "trusted_hosts", None)
+            trusted = hosts if hasattr(hosts, "get_trusted_client_address") else None
         answer = getattr(app, "answer_search", None)
         if answer is not None:
-            return answer  # type: ignore[no-any-return]
+            return answer, trusted
         app = getattr(app, "app", None)
         if app is None:
             break
-    return None
+    return None, None
