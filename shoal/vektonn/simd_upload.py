@@ -22,7 +22,7 @@ import simdjson
 
 # JSON's own whitespace, then the array: a byte order mark or anything else goes the usual way.
 _ARRAY_START = re.compile(rb"[ \t\r\n]*\[")
-_CONTAINERS = (simdjson.Object, simdjson.Array)
+_OBJECT, _ARRAY = simdjson.Object, simdjson.Array
 # Parsers kept for reuse: making one per body cost about a tenth of the parse (its buffers). A parser keeps
 # buffers of about twice the largest body it read, so only a few are kept, and only after bodies up to
 # _KEEP_BYTES; a parser holds one document at a time and is not thread safe, so each is lent to one thread.
@@ -79,38 +79,46 @@ def _brackets(body: bytes, expected: int) -> int:
 
 def _items(document: Any) -> tuple[list[dict[str, Any]], int] | None:
     """The items and the count of arrays read from them, or None when an item is not of the expected form."""
-    if not isinstance(document, simdjson.Array):
+    if type(document) is not _ARRAY:
         return None
     items: list[dict[str, Any]] = []
     arrays = 0
+    frombuffer, double = np.frombuffer, np.float64
     for raw in document:
-        if not isinstance(raw, simdjson.Object):
+        if type(raw) is not _OBJECT:
             return None
         keys = list(raw.keys())
-        if len(set(keys)) != len(keys):  # a key given twice: orjson keeps the last, simdjson's lookup the first
-            return None
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            return None  # a key given twice: orjson keeps the last, simdjson's lookup the first
         item: dict[str, Any] = {}
         for key in keys:
             value = raw[key]  # a container stays a proxy here (items() would convert it whole)
-            if key == "vector" and isinstance(value, simdjson.Object):
-                vector_keys = list(value.keys())
-                if len(set(vector_keys)) != len(vector_keys):
+            kind = type(value)
+            if kind is _OBJECT:
+                if key != "vector":
                     return None
-                item[key] = vector = {}
+                vector_keys = list(value.keys())
+                if len(vector_keys) > 1 and len(set(vector_keys)) != len(vector_keys):
+                    return None
+                vector: dict[str, Any] = {}
                 for vkey in vector_keys:
                     vvalue = value[vkey]
-                    if vkey == "coordinates" and isinstance(vvalue, simdjson.Array):
-                        vector[vkey] = np.frombuffer(vvalue.as_buffer(of_type="d"), dtype=np.float64)
+                    vkind = type(vvalue)
+                    if vkind is _ARRAY:
+                        if vkey != "coordinates":
+                            return None
+                        vector[vkey] = frombuffer(vvalue.as_buffer(of_type="d"), dtype=double)
                         arrays += 1
-                    elif isinstance(vvalue, _CONTAINERS):
+                    elif vkind is _OBJECT:
                         return None
                     else:
                         vector[vkey] = vvalue
-            elif key == "attributes" and isinstance(value, simdjson.Array):
+                item[key] = vector
+            elif kind is _ARRAY:
+                if key != "attributes":
+                    return None
                 item[key] = value.as_list()
                 arrays += 1
-            elif isinstance(value, _CONTAINERS):
-                return None
             else:
                 item[key] = value
         items.append(item)
