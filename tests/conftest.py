@@ -213,7 +213,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def serve_api(settings: Settings) -> Iterator[str]:
+def serve_api(settings: Settings, log_level: str = "warning") -> Iterator[str]:
     """The HTTP API on a free loopback port, in a thread of this process (a real server, real sockets)."""
     import threading
 
@@ -226,7 +226,7 @@ def serve_api(settings: Settings) -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     # The options `shoal api` serves with (Shoal's HTTP protocol among them), so tests meet what users run.
-    options = server_options() | {"log_level": "warning"}
+    options = server_options() | {"log_level": log_level}
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

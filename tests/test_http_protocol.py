@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import wait_for
+from conftest import serve_api, wait_for
 
 from shoal import DataSourceSpec, Shoal
 from shoal.api.fastpath import FastSearchAPI
@@ -46,10 +46,8 @@ def answered_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
-@pytest.fixture
-def index(served: tuple[str, Settings]) -> Iterator[str]:
-    """A loaded flat index of three points behind the served API; yields the API's URL."""
-    url, settings = served
+def _flat_index(url: str, settings: Settings) -> None:
+    """A flat index of three points behind the API at `url`, built (not yet loaded by the API)."""
     with Shoal(settings, notify=False) as shoal:
         shoal.create_data_source(DataSourceSpec("Proto.Source", "1", 2, {"id": "int64"}, ["id"]))
         index = shoal.create_index(IndexSpec("Proto.Index", "1", "Proto.Source", "1", algorithm="FaissIndex.L2"))
@@ -58,9 +56,16 @@ def index(served: tuple[str, Settings]) -> Iterator[str]:
         assert r.status_code == 200, r.text
         for shard in index.shards:
             ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
-        # The first search loads the index (through the routes); later ones may be answered on the spot.
-        assert httpx.post(url + INDEX, content=_query(2)).status_code == 200
-        yield url
+
+
+@pytest.fixture
+def index(served: tuple[str, Settings]) -> Iterator[str]:
+    """A loaded flat index of three points behind the served API; yields the API's URL."""
+    url, settings = served
+    _flat_index(url, settings)
+    # The first search loads the index (through the routes); later ones may be answered on the spot.
+    assert httpx.post(url + INDEX, content=_query(2)).status_code == 200
+    yield url
 
 
 def _responses(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
@@ -146,58 +151,39 @@ def test_the_access_log_names_searches_answered_on_the_spot(
     make_settings: Callable[..., Settings], answered_on_the_spot: list[bool]
 ) -> None:
     """The line is written after the answer is sent, by uvicorn's access logger, in its usual form."""
-    import threading
-
-    import uvicorn
-
-    from shoal.api.app import create_app
-    from shoal.api.serve import server_options
-
     settings = make_settings("local")
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           **server_options() | {"log_level": "info"}))
     lines: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "the API server to start")
     collect = Collect()
-    logging.getLogger("uvicorn.access").addHandler(collect)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        with Shoal(settings, notify=False) as shoal:
-            shoal.create_data_source(DataSourceSpec("Proto.Source", "1", 2, {"id": "int64"}, ["id"]))
-            index = shoal.create_index(IndexSpec("Proto.Index", "1", "Proto.Source", "1",
-                                                 algorithm="FaissIndex.L2"))
-            assert httpx.post(f"{url}/api/v1/upload/Proto.Source/1", json=[_point(1, [0.0, 1.0])]).status_code == 200
-            for shard in index.shards:
-                ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
-        with httpx.Client(base_url=url) as http:
-            assert http.post(INDEX, content=_query(1)).status_code == 200  # loads the index (routes)
-            assert http.post(INDEX, content=_query(1)).status_code == 200  # on the spot
-            assert http.post(INDEX, content=b"{").status_code == 400
-            # Behind a trusted proxy (uvicorn trusts 127.0.0.1), on the spot or not, the forwarded client is named.
-            proxied = {"X-Forwarded-For": "10.1.2.3"}
-            assert http.post(INDEX, content=_query(1), headers=proxied).status_code == 200
-            assert http.post(INDEX + "?via=routes", content=_query(1), headers=proxied).status_code == 200
-        assert answered_on_the_spot == [False, True, False, True]
-        searches = lambda: [line for line in lines if INDEX in line]  # noqa: E731
-        wait_for(lambda: len(searches()) == 5, 10, "five access log lines")
-        assert [line.split('"')[1] for line in searches()] == [f"POST {INDEX} HTTP/1.1"] * 4 + [
-            f"POST {INDEX}?via=routes HTTP/1.1"]
-        assert [line.rsplit(" ", 1)[1] for line in searches()] == ["200", "200", "400", "200", "200"]
-        clients = [line.split(" ", 1)[0] for line in searches()]
-        assert all(c.startswith("127.0.0.1:") for c in clients[:3])
-        assert clients[3] == clients[4] == "10.1.2.3:0"
-    finally:
-        logging.getLogger("uvicorn.access").removeHandler(collect)
-        server.should_exit = True
-        thread.join(10)
+    with serve_api(settings, log_level="info") as url:
+        logging.getLogger("uvicorn.access").addHandler(collect)
+        try:
+            _flat_index(url, settings)
+            _access_log_lines(url, lines, answered_on_the_spot)
+        finally:
+            logging.getLogger("uvicorn.access").removeHandler(collect)
+
+
+def _access_log_lines(url: str, lines: list[str], answered_on_the_spot: list[bool]) -> None:
+    with httpx.Client(base_url=url) as http:
+        assert http.post(INDEX, content=_query(1)).status_code == 200  # loads the index (routes)
+        assert http.post(INDEX, content=_query(1)).status_code == 200  # on the spot
+        assert http.post(INDEX, content=b"{").status_code == 400
+        # Behind a trusted proxy (uvicorn trusts 127.0.0.1), on the spot or not, the forwarded client is named.
+        proxied = {"X-Forwarded-For": "10.1.2.3"}
+        assert http.post(INDEX, content=_query(1), headers=proxied).status_code == 200
+        assert http.post(INDEX + "?via=routes", content=_query(1), headers=proxied).status_code == 200
+    assert answered_on_the_spot == [False, True, False, True]
+    searches = lambda: [line for line in lines if INDEX in line]  # noqa: E731
+    wait_for(lambda: len(searches()) == 5, 10, "five access log lines")
+    assert [line.split('"')[1] for line in searches()] == [f"POST {INDEX} HTTP/1.1"] * 4 + [
+        f"POST {INDEX}?via=routes HTTP/1.1"]
+    assert [line.rsplit(" ", 1)[1] for line in searches()] == ["200", "200", "400", "200", "200"]
+    clients = [line.split(" ", 1)[0] for line in searches()]
+    assert all(c.startswith("127.0.0.1:") for c in clients[:3])
+    assert clients[3] == clients[4] == "10.1.2.3:0"

@@ -54,8 +54,7 @@ class FastSearchAPI(FastAPI):
             return
         path = scope.get("path", "")
         fast = path.startswith(PREFIX) and scope["method"] in ("POST", "GET")
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in WANTED}
-        declared = headers.pop("content-length", None)
+        headers, declared = _wanted(scope["headers"])
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._too_large(scope, send, f"the request body ({declared} bytes) is larger than")
@@ -87,9 +86,7 @@ class FastSearchAPI(FastAPI):
         name, _, version = path[len(PREFIX):].partition("/")
         if not name or not version or "/" in version:
             return None
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k in WANTED}
-        headers.pop("content-length", None)
-        return self._answer(name, version, body, headers)
+        return self._answer(name, version, body, _wanted(raw_headers)[0])
 
     def _answer(self, name: str, version: str, body: bytes, headers: dict[str, str]) -> bytes | None:
         """The answer, or None to let the route answer (I/O needed, or anything went wrong)."""
@@ -121,6 +118,12 @@ class FastSearchAPI(FastAPI):
     def _dataset_route(self, scope: Scope) -> bool:
         """True when the request is for a route of the dataset API (which answers errors in its own shape)."""
         return any(route.matches(scope)[0] is not Match.NONE for route in dataset_router.routes)
+
+
+def _wanted(raw_headers: list[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:
+    """The headers a search reads (lower-case names, as text), and the declared Content-Length apart."""
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k in WANTED}
+    return headers, headers.pop("content-length", None)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

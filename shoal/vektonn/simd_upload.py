@@ -46,17 +46,17 @@ def load_dense_items(body: bytes) -> list[dict[str, Any]] | None:
     except (ValueError, RuntimeError, TypeError):  # invalid JSON, numbers it cannot hold, nesting too deep
         return None  # the parser is dropped: it may be in any state
     try:
-        items = _items(document)
+        read = _items(document)
     except (ValueError, RuntimeError, TypeError):  # a coordinate that is not a number, a big integer
-        items = None
+        read = None
     del document  # no proxy of the document outlives this function, so the parser can read the next body
     if len(body) <= _KEEP_BYTES:
         with _idle_lock:
             if len(_idle) < _KEEP:
                 _idle.append(parser)
-    if items is None:
+    if read is None:
         return None
-    items, arrays = items
+    items, arrays = read
     # as_buffer flattens nested arrays ([[1], 2] reads as [1, 2]): prove there are none. Every item's attributes
     # array, every coordinates array and the body's own array open with a bracket outside any string; one more
     # bracket anywhere (a nested array, or one inside a string) sends the body the usual way.
