@@ -186,3 +186,12 @@ class DatasetError(ShoalError):
         self.code = code
         self.message = message
         self.details = details or {}
+
+
+class ShardsUnavailableError(ShoalError):
+    """A search needs shards that no process it can reach serves now (placement, SHOAL_PLACEMENT_FILE): answered
+    503 naming them, never with a silently partial result."""
+
+    def __init__(self, message: str, shards: list[int]) -> None:
+        super().__init__(message)
+        self.shards = sorted(shards)

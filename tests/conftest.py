@@ -248,15 +248,22 @@ def served(make_settings: Callable[..., Settings]) -> Iterator[tuple[str, Settin
         yield url, settings
 
 
-@contextlib.contextmanager
-def api_process(settings: Settings, *extra: str, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`shoal api` as a child process (a real server process, as users run it) on a free loopback port; its
-    output goes to a log file in the data dir. Stopped (SIGTERM, then SIGKILL) when the block ends."""
-    import urllib.request
-
+def free_port() -> int:
+    """A loopback port free now (for a server started right after)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def api_process(
+    settings: Settings, *extra: str, port: int | None = None, **env: str
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`shoal api` as a child process (a real server process, as users run it) on `port` (default: a free loopback
+    port); its output goes to a log file in the data dir. Stopped (SIGTERM, then SIGKILL) when the block ends."""
+    import urllib.request
+
+    port = port or free_port()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     path = settings.data_dir / f"api-{uuid.uuid4().hex[:6]}.log"
     log = open(path, "w")  # noqa: SIM115

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from shoal.api import health, manage, vektonn
 from shoal.api.datasets import install as install_datasets
 from shoal.api.errors import install as install_errors
+from shoal.api.fanout import FanOut
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.health import HealthMonitor
 from shoal.api.metrics import Metrics, MetricsView
@@ -35,6 +36,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.runtime = app.state.tenants.runtime
         monitor = HealthMonitor(app.state.runtime)  # the API's log says when nothing indexes
         monitor.start()
+        placement = app.state.tenants.search.placement
+        # Searches of indexes placed across nodes fan out to them (shoal.api.fanout); without a placement, none.
+        app.state.fanout = FanOut(placement, settings.fanout_timeout_s) if placement.indexes else None
         # Request bodies of megabytes: reuse their memory, and keep full collections short (shoal.api.process_tuning).
         keep_large_blocks()
         freeze_startup_objects()
@@ -42,12 +46,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             monitor.stop()
+            if app.state.fanout is not None:
+                await app.state.fanout.close()
             app.state.tenants.close()
 
     # FastAPI, with the hot search route answered before its middleware and routing (shoal.api.fastpath).
     app = FastSearchAPI(title="Shoal", version=version("shoal"), lifespan=lifespan,
                         max_body_bytes=settings.body_limit_bytes)
     app.state.metrics = Metrics()
+    app.state.fanout = None
     app.include_router(health.router)
     app.include_router(vektonn.router)
     app.include_router(manage.router)

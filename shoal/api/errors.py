@@ -38,6 +38,7 @@ from shoal.errors import (
     PermissionDeniedError,
     RateLimitedError,
     ReindexConflictError,
+    ShardsUnavailableError,
     ShoalError,
     StateUnknownError,
     ValidationError,
@@ -70,6 +71,7 @@ CORE: dict[type[ShoalError], Answer] = {
     # The catalog went away during a commit: it may have landed; the message says to retry with the batch id.
     StateUnknownError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     CapacityError: Answer(503, None),
+    ShardsUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     ShoalError: Answer(500, None),
 }
 
@@ -157,6 +159,8 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
         return {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, StateUnknownError):
         return {"Retry-After": str(CatalogUnavailableError().retry_after)}
+    if isinstance(exc, ShardsUnavailableError):
+        return {"X-Shoal-Missing-Shards": ",".join(map(str, exc.shards))}
     return {}
 
 

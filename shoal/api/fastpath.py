@@ -36,7 +36,7 @@ Send = Callable[[Message], Awaitable[None]]
 PREFIX = "/api/v1/search/"
 JSON_BYTES = JSON.encode()
 WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of",
-          b"content-length"}
+          b"x-shoal-shards", b"content-length"}
 
 
 class FastSearchAPI(FastAPI):
@@ -97,6 +97,9 @@ class FastSearchAPI(FastAPI):
             ctx = context_from_cache(tenants, headers.get("authorization"), Role.READ)
             if ctx is None or not ctx.handle.searcher.loaded(name, version):
                 return None
+            fanout = self.state.fanout
+            if fanout is not None and "x-shoal-shards" not in headers and fanout.spans(ctx.tenant, name, version):
+                return None  # other nodes serve some of its shards: the route fans out (network I/O)
             return search_content(ctx, self.state.metrics, name, version, body, headers)
         except Exception:  # noqa: BLE001 - the route answers it again, errors in their proper shape
             return None

@@ -11,6 +11,7 @@ from shoal.auth.principal import Role
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.runtime import Runtime
+from shoal.searcher.placement import Placement
 from shoal.searcher.searcher import Searcher, SearchService
 
 
@@ -28,9 +29,10 @@ class Tenants:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        placement = Placement.load(settings.placement_file, settings.node)  # a bad file fails before any I/O
         self.runtime = Runtime(settings)
         self.engine = self.runtime.engine  # for authentication, before the caller's tenant is known
-        self.search = SearchService(self.runtime)
+        self.search = SearchService(self.runtime, placement=placement)
         self.limiter = FailureLimiter(settings.auth_failure_limit, settings.auth_failure_window_s)
         self.anonymous_tenant = settings.resolved_anonymous_tenant  # read by every keyless request: resolved once
         self.anonymous_role = Role(settings.anonymous_role)

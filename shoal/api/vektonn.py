@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
+from shoal.api.fanout import SHARDS_HEADER, LocalPart, parse_shards
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.errors import NotFoundError, QueryError, ValidationError
@@ -172,16 +175,32 @@ def plain_search(headers: Mapping[str, str]) -> bool:
 
 
 def search_content(
-    ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str]
+    ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str],
+    shards: list[int] | None = None,
 ) -> bytes:
-    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs.
-    A search that breaks a rule raises a QueryError (400), whose message does not claim that nothing was
+    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs,
+    from the shards an `X-Shoal-Shards` header or `shards` names (else every shard: this process must serve them
+    all). A search that breaks a rule raises a QueryError (400), whose message does not claim that nothing was
     written: a search writes nothing."""
+    return _search_answer(ctx, metrics, name, version, body, headers, shards)[0]
+
+
+def _search_answer(
+    ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str],
+    shards: list[int] | None,
+) -> tuple[bytes, int]:
+    """`search_content`, and the search's k."""
     settings = ctx.handle.shoal.settings
     with metrics.search_timer(ctx.tenant):
         try:
             query = wire.decode_search(body, settings.max_query_vectors)
             consistency = _consistency(headers)
+            if shards is None and (raw := headers.get(SHARDS_HEADER)) is not None:
+                try:
+                    shards = parse_shards(raw)
+                except ValueError:
+                    raise ValidationError(f"header X-Shoal-Shards: must list shard numbers as 0,2,3; got {raw!r}")\
+                        from None
             searcher = ctx.handle.searcher
             # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
             source = searcher.view(name, version).source.spec
@@ -194,22 +213,41 @@ def search_content(
                 tag=headers.get("x-shoal-tag"),
                 as_of=_int_header(headers, "x-shoal-as-of"),
                 filters=query.filter,
+                shards=shards,
             )
         except ValidationError as exc:
             raise QueryError.of(exc) from None
         # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
-        return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors)
+        return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
 
 
-def _search_blocking(request: Request, name: str, version: str, body: bytes) -> Response:
-    content = search_content(reader_tenant(request), request.app.state.metrics, name, version, body, request.headers)
+def _local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
+                headers: Mapping[str, str], shards: list[int]) -> LocalPart:
+    """This process's part of a fanned-out search (shoal.api.fanout)."""
+    content, k = _search_answer(ctx, metrics, name, version, body, headers, shards)
+    view = ctx.handle.searcher.view(name, version)
+    return LocalPart(orjson.loads(content), k, view.higher_is_nearer, len(view.index.shards))
+
+
+def _search_blocking(request: Request, name: str, version: str, body: bytes,
+                     ctx: TenantContext | None = None) -> Response:
+    ctx = ctx or reader_tenant(request)
+    content = search_content(ctx, request.app.state.metrics, name, version, body, request.headers)
     return Response(content, media_type=JSON)
 
 
 async def _search(request: Request, name: str, version: str) -> Response:
     # The fast cases never get here: shoal.api.fastpath answers them before routing.
     body = await request.body()
-    return await run_in_threadpool(_search_blocking, request, name, version, body)
+    fanout = request.app.state.fanout
+    if fanout is None or SHARDS_HEADER in request.headers:  # no placement, or a part asked by another node
+        return await run_in_threadpool(_search_blocking, request, name, version, body)
+    ctx = await run_in_threadpool(reader_tenant, request)
+    if not fanout.spans(ctx.tenant, name, version):
+        return await run_in_threadpool(_search_blocking, request, name, version, body, ctx)
+    metrics = request.app.state.metrics
+    return await fanout.search(ctx, name, version, body, request.headers,
+                               partial(_local_part, ctx, metrics, name, version, body, request.headers))
 
 
 SEARCH = "/search/{indexName}/{indexVersion}"
@@ -233,7 +271,14 @@ async def search_get(indexName: str, indexVersion: str, request: Request) -> Res
 async def search_alias(alias: str, request: Request) -> Response:
     """A search of the index the alias names now (resolved once per request), as POST /search does."""
     body = await request.body()
+    if request.app.state.fanout is not None:  # the index may be placed across nodes: resolve, then search it
+        target = await run_in_threadpool(_alias_target, request, alias)
+        return await _search(request, target.index_name, target.index_version)
     return await run_in_threadpool(_search_alias, request, alias, body)
+
+
+def _alias_target(request: Request, alias: str) -> Any:
+    return reader_tenant(request).handle.shoal.get_alias(alias)
 
 
 def _search_alias(request: Request, alias: str, body: bytes) -> Response:

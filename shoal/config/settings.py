@@ -95,6 +95,21 @@ class Settings(BaseSettings):
         description="Memory budget of a process's loaded index segments; least recently searched indexes are "
         "unloaded to stay under it (default: half the machine's memory).",
     )
+    placement_file: Path | None = Field(
+        default=None,
+        description="YAML file naming which searcher processes (nodes) serve which shards of which indexes "
+        "(config/placement.yaml.example); unset: every API process serves every shard it is asked for.",
+    )
+    node: str | None = Field(
+        default=None,
+        description="This process's name among the placement file's nodes: it loads only the shards placed on "
+        "it and fans out for the rest; unset: it serves no placed shard itself and fans out for all of them.",
+    )
+    fanout_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="How long a fanned-out search waits for another node's answer before calling its shards "
+        "unavailable.",
+    )
     searcher_poll_s: float = Field(
         default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
     )

@@ -11,14 +11,23 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import pyarrow as pa
 import redis
 
 from shoal.catalog.repo import head_of
-from shoal.errors import CapacityError, NotFoundError, Problem, QueryError, ShoalError, ValidationError
+from shoal.errors import (
+    CapacityError,
+    ConfigurationError,
+    NotFoundError,
+    Problem,
+    QueryError,
+    ShardsUnavailableError,
+    ShoalError,
+    ValidationError,
+)
 from shoal.log.heads import HEADS_CHANNEL, parse_announcement, read_head
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
@@ -33,7 +42,8 @@ from shoal.searcher.execute import (
     split_matcher,
 )
 from shoal.searcher.filters import Filter, parse_filter
-from shoal.searcher.views import IndexView, load_shard
+from shoal.searcher.placement import Placement
+from shoal.searcher.views import IndexView, ShardView, load_shard
 from shoal.searcher.young import TailCache, extend
 
 log = logging.getLogger(__name__)
@@ -74,8 +84,13 @@ class SearchService:
     loads versions lazily, follows new ones, and keeps its loaded segments under the runtime's byte budget by
     unloading the least recently searched indexes. Tenants reach it through `Searcher`, a scope over it."""
 
-    def __init__(self, runtime: Runtime, *, follow: bool = True, poll_interval: float | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, *, follow: bool = True, poll_interval: float | None = None,
+        placement: Placement | None = None,
+    ) -> None:
         self.runtime = runtime
+        # Which shards of placed indexes this process loads (the rest are other nodes'; shoal.api.fanout asks them).
+        self.placement = placement or Placement()
         self.engine = runtime.engine
         self.storage = runtime.storage
         self.shards = runtime.shards
@@ -132,17 +147,25 @@ class SearchService:
         as_of: int | None = None,
         search_params: Mapping[str, int] | None = None,
         filters: Mapping[str, Any] | Filter | None = None,
+        shards: Collection[int] | None = None,
     ) -> list[Hits]:
-        """`Searcher.search` for the tenant of `scope`."""
+        """`Searcher.search` for the tenant of `scope`; `shards` restricts it to those shards (which this process
+        must serve: a fanned-out search's part, shoal.api.fanout)."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
-                                        retrieve_vectors, consistency, tag, as_of, search_params, filters)
+                                        retrieve_vectors, consistency, tag, as_of, search_params, filters, shards)
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get(key) or self._load(scope, index_name, index_version)
         self._used[key] = time.monotonic()
+        served = view
+        if shards is not None or view.partial:
+            view = self._part(view, scope.tenant, shards)
+            if not view.shards:
+                q = prepare_queries(view.source.spec, queries)  # a bad query is still refused
+                return [Hits([], [], ()) for _ in range(len(q))]
         if consistency is None or consistency.level == "eventual":
             required = 0
         elif consistency.level == "at_least":
@@ -151,13 +174,16 @@ class SearchService:
             required = self._strong_head(view.source.id)
         params = view.engine_class.check_search_params(search_params) if search_params else None
         # The young tier as far as it reaches (no I/O), or further when the consistency level needs more.
+        # (The young tier is kept for the served view; a part of it takes its own shards' tails.)
         young = self._tails.get(view.index.id)
         if young is None:
-            tails = self._tail(view, required) if required > view.min_watermark else {}
-        elif young.versions == view.versions and young.end >= required:
+            tails = self._tail(served, required) if required > served.min_watermark else {}
+        elif young.versions == served.versions and young.end >= required:
             tails = young.tails
         else:
-            tails = self._tail(view, required)
+            tails = self._tail(served, required)
+        if view is not served and tails:
+            tails = {n: t for n, t in tails.items() if n in view.shard_numbers}
         if filters is not None:  # only filtered searches take this branch: the unfiltered path is unchanged
             flt = _checked_filter(view, filters)
             if flt is not None:
@@ -178,6 +204,34 @@ class SearchService:
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
+
+    def _part(self, view: IndexView, tenant: str, shards: Collection[int] | None) -> IndexView:
+        """The part of a served view that a search may use: `shards` (None: every shard of the index), each of
+        which this process must serve (ShardsUnavailableError names the others, and who serves them)."""
+        held = view.shard_numbers
+        wanted = frozenset(range(len(view.index.shards))) if shards is None else frozenset(shards)
+        missing = sorted(wanted - held)
+        if missing:
+            spec = view.index.spec
+            placed = self.placement.of(tenant, spec.name, spec.version)
+            where = ""
+            if placed is not None:
+                nodes = sorted({n for s in missing for n in placed.nodes.get(s, ())})
+                where = (f" (placed on {', '.join(nodes)}; search through the API, which fans out)" if nodes
+                         else " (placed on no node: add them to SHOAL_PLACEMENT_FILE)")
+            me = f"node {self.placement.node}" if self.placement.node else "this process"
+            raise ShardsUnavailableError(
+                f"{me} does not serve shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
+                f"index {spec.name}/{spec.version}{where}", missing)
+        if wanted == held:
+            return view
+        parts = view.parts
+        part = parts.get(wanted)
+        if part is None:
+            part = IndexView(view.index, view.source, tuple(s for s in view.shards if s.shard_no in wanted))
+            if len(parts) < 64:
+                parts[wanted] = part
+        return part
 
     def _strong_head(self, source_id: int) -> int:
         """The data source's head as of now: announced on Redis (no catalog round trip) once announcements
@@ -201,6 +255,7 @@ class SearchService:
         self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
         search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None = None,
+        wanted: Collection[int] | None = None,
     ) -> list[Hits]:
         from shoal.index import history
 
@@ -220,11 +275,19 @@ class SearchService:
                 raise ValidationError(f"as_of seq {as_of} is past the log head {head}")
             versions = history.versions_as_of(self.engine, index.id, as_of)
         source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
+        local = self.placement.local_shards(scope.tenant, name, version)
+        held = [s for s in index.shards if local is None or s.shard_no in local]
+        # The same rules as a search of the active versions: only shards this process serves, all unless asked.
+        self._part(IndexView(index, source, tuple(ShardView(s.id, s.shard_no, None, 0, ()) for s in held)),
+                   scope.tenant, wanted)
+        picked = wanted if wanted is not None else [s.shard_no for s in index.shards]
         shards = tuple(
             load_shard(self.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
-            for s in index.shards
+            for s in held if s.shard_no in picked
         )
         view = IndexView(index, source, shards)
+        if not shards:
+            return [Hits([], [], ()) for _ in range(len(prepare_queries(source.spec, queries)))]
         q = prepare_queries(source.spec, queries)
         params = view.engine_class.check_search_params(search_params)
         matches = split_matcher(index.spec, source.spec, split_filter)
@@ -307,7 +370,14 @@ class SearchService:
             source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
             old = self._views.get(key)
             shards = []
+            local = self.placement.local_shards(scope.tenant, name, version)
+            if local is not None and (beyond := sorted(n for n in local if n >= len(index.shards))):
+                raise ConfigurationError(
+                    f"SHOAL_PLACEMENT_FILE places shard(s) {', '.join(map(str, beyond))} of index {name}/{version} "
+                    f"on node {self.placement.node}, but the index has {len(index.shards)} shards")
             for shard in index.shards:
+                if local is not None and shard.shard_no not in local:
+                    continue  # another node's: this process never loads it
                 current = next((s for s in old.shards if s.shard_id == shard.id), None) if old else None
                 if current is not None and current.version_id == shard.active_version_id:
                     shards.append(current)
@@ -433,6 +503,8 @@ class SearchService:
         with self._lock:
             views = list(self._views.values())
         for view in views:
+            if not view.shards:  # a placed index none of whose shards is here: nothing to keep
+                continue
             head = self._heads.get(view.source.id, 0)
             target = min(head, view.min_watermark + self.young_max_seqs)
             cached = self._tails.get(view.index.id)

@@ -78,6 +78,21 @@ class IndexView:
         return seg.segment.splits[0].engine, (seg.source,)
 
     @cached_property
+    def shard_numbers(self) -> frozenset[int]:
+        """The numbers of the shards this view holds."""
+        return frozenset(s.shard_no for s in self.shards)
+
+    @cached_property
+    def partial(self) -> bool:
+        """True when the view holds only some of the index's shards (placement: the others are other nodes')."""
+        return len(self.shards) < len(self.index.shards)
+
+    @cached_property
+    def parts(self) -> dict[frozenset[int], IndexView]:
+        """Views of some of this view's shards, by their numbers, made for searches restricted to them."""
+        return {}
+
+    @cached_property
     def filter_cache(self) -> dict[str, Any]:
         """Filters parsed for this view, by their JSON text (shoal.searcher.searcher); dropped with the view."""
         return {}

@@ -1,0 +1,183 @@
+"""Searches of an index whose shards are placed on several nodes (shoal.searcher.placement): answered by this
+process's shards and, through the same Vektonn search route, by the nodes serving the others, then merged.
+
+A part asked of another node carries `X-Shoal-Shards` (the shards it is to answer from, never fanned out further)
+and the caller's own headers (its key, consistency level, write token, tag or seq), so each node authenticates the
+caller and reflects every write the level asks for, as one process would. Parts are merged per query by the
+metric's direction, ties to the lower shard, as one process merges its shards. A shard that no node answers
+for makes the search a 503 naming it (X-Shoal-Missing-Shards), unless the caller sent `X-Shoal-Allow-Partial:
+true`: then the answer holds what the other shards found and the same header names the missing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import Response
+from starlette.concurrency import run_in_threadpool
+
+from shoal.api.security import TenantContext
+from shoal.errors import ShardsUnavailableError
+from shoal.searcher.placement import IndexPlacement, Placement
+
+log = logging.getLogger(__name__)
+
+SHARDS_HEADER = "x-shoal-shards"
+PARTIAL_HEADER = "x-shoal-allow-partial"
+MISSING_HEADER = "X-Shoal-Missing-Shards"
+# What a part carries of the caller's request: who it is, and which state it must reflect.
+PASSED = ("authorization", "x-shoal-consistency", "x-shoal-required-token", "x-shoal-tag", "x-shoal-as-of")
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """This process's part of a fanned-out search: its results (SearchResultDto list), and what merging needs."""
+
+    results: list[dict[str, Any]]
+    k: int
+    higher_is_nearer: bool
+    shard_count: int
+
+
+class PeerError(Exception):
+    """A node answered the part with an error that is the caller's (4xx): the search answers it as it came."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def parse_shards(raw: str) -> list[int]:
+    """The shard numbers of an X-Shoal-Shards header ("0,2,3"); ValueError when it is not such a list."""
+    numbers = [int(x) for x in raw.split(",")] if raw.strip() else []
+    if any(n < 0 for n in numbers):
+        raise ValueError(raw)
+    return numbers
+
+
+class FanOut:
+    """Fans searches of placed indexes out to the nodes serving their shards, over one pooled HTTP client."""
+
+    def __init__(self, placement: Placement, timeout_s: float) -> None:
+        self.placement = placement
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=64))
+
+    def spans(self, tenant: str, name: str, version: str) -> bool:
+        """True when a search of the index needs shards this process does not serve."""
+        placed = self.placement.of(tenant, name, version)
+        return placed is not None and placed.shards_of(self.placement.node) != set(placed.nodes)
+
+    async def search(
+        self, ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
+        local: Any,
+    ) -> Response:
+        """The merged answer to a Vektonn search of a placed index. `local(shards)` runs this process's part in
+        a thread and returns a LocalPart (it raises the search's own errors: a bad query fails before any
+        node's answer is awaited)."""
+        placed = self.placement.of(ctx.tenant, name, version)
+        assert placed is not None
+        mine = sorted(placed.shards_of(self.placement.node))
+        local_task = asyncio.ensure_future(run_in_threadpool(local, mine))
+        remote_task = asyncio.ensure_future(self._remote(placed, name, version, body, headers, set(mine)))
+        try:
+            part = await local_task
+        except BaseException:
+            remote_task.cancel()
+            raise
+        try:
+            remote, missing = await remote_task
+        except PeerError as exc:  # the caller's request refused by a node (its key, its token): answered as sent
+            kind = exc.response.headers.get("content-type", "application/json")
+            return Response(exc.response.content, status_code=exc.response.status_code, media_type=kind)
+        # Shards the placement names on no node, or beyond the index's own: the index's shards decide.
+        missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _ in remote for s in shards}
+        missing = {s for s in missing if s < part.shard_count}
+        if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
+            raise ShardsUnavailableError(
+                f"shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} of index "
+                f"{name}/{version} answered from no node (placement: {self._where(placed, missing)}); retry, or "
+                f"send {PARTIAL_HEADER}: true to accept the other shards' results", sorted(missing))
+        parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
+        parts += [(min(shards), results) for shards, results in remote]
+        content = merge(parts, part.k, part.higher_is_nearer)
+        extra = {MISSING_HEADER: ",".join(map(str, sorted(missing)))} if missing else {}
+        return Response(content, media_type="application/json", headers=extra)
+
+    async def _remote(
+        self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
+        mine: set[int],
+    ) -> tuple[list[tuple[list[int], list[dict[str, Any]]]], set[int]]:
+        """The other shards' parts: (the shards a node answered for, its results), and the shards no node
+        answered for. A node that fails is replaced by the next one listed for its shards (replicas)."""
+        passed = {h: headers[h] for h in PASSED if h in headers}
+        passed["content-type"] = "application/json"
+        tried: dict[int, int] = {}  # shard -> candidates tried
+        pending = {s for s in placed.nodes if s not in mine}
+        answered: list[tuple[list[int], list[dict[str, Any]]]] = []
+        missing: set[int] = set()
+        while pending:
+            by_node: dict[str, list[int]] = {}
+            for shard in sorted(pending):
+                candidates = [n for n in placed.nodes[shard] if n != self.placement.node]
+                index = tried.get(shard, 0)
+                if index >= len(candidates):
+                    missing.add(shard)
+                    continue
+                tried[shard] = index + 1
+                by_node.setdefault(candidates[index], []).append(shard)
+            pending = set()
+            calls = [self._ask(node, shards, name, version, body, passed) for node, shards in by_node.items()]
+            for shards, outcome in zip(by_node.values(), await asyncio.gather(*calls), strict=True):
+                if outcome is None:
+                    pending.update(shards)  # the next node listed for them, if any
+                else:
+                    answered.append((shards, outcome))
+        return answered, missing
+
+    async def _ask(
+        self, node: str, shards: list[int], name: str, version: str, body: bytes, headers: dict[str, str],
+    ) -> list[dict[str, Any]] | None:
+        """One node's results for `shards`; None when it cannot answer for them now (unreachable, timed out,
+        5xx); PeerError when it refuses the caller's request."""
+        url = f"{self.placement.urls[node].rstrip('/')}/api/v1/search/{name}/{version}"
+        try:
+            response = await self.client.post(url, content=body,
+                                              headers=headers | {SHARDS_HEADER: ",".join(map(str, shards))})
+        except httpx.HTTPError as exc:
+            log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
+                        type(exc).__name__, exc)
+            return None
+        if response.status_code >= 500:
+            log.warning("node %s answered %d for shards %s of %s/%s", node, response.status_code, shards, name,
+                        version)
+            return None
+        if response.status_code != 200:
+            raise PeerError(response)
+        results = orjson.loads(response.content)
+        return results if isinstance(results, list) else None
+
+    def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
+        return "; ".join(f"shard {s} on {', '.join(placed.nodes.get(s, ())) or 'no node'}" for s in sorted(missing))
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        await self.client.aclose()
+
+
+def merge(parts: list[tuple[int, list[dict[str, Any]]]], k: int, higher_is_nearer: bool) -> bytes:
+    """One SearchResultDto list from the parts' (each nearest first): per query, the k nearest of all parts by
+    the metric's direction, ties to the part of the lower shard (a stable sort over parts in shard order)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    first = parts[0][1]
+    merged = []
+    for i, result in enumerate(first):
+        found = [point for _, results in parts for point in results[i]["nearestDataPoints"]]
+        found.sort(key=lambda p: p["distance"], reverse=higher_is_nearer)
+        merged.append({"queryVector": result["queryVector"], "nearestDataPoints": found[:k]})
+    return orjson.dumps(merged)

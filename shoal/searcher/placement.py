@@ -1,0 +1,108 @@
+"""Which searcher processes serve which shards: configuration, read once at startup (SHOAL_PLACEMENT_FILE).
+
+Placement is a file every process reads the same way, not a membership protocol: an operator names the nodes
+(searcher processes, each by the URL of its API) and, per index, the shards each serves. A shard may be placed on
+several nodes (replicas; they are tried in the order listed). A process started with SHOAL_NODE loads only the
+shards placed on it and asks the other nodes for the rest; an index the file does not list is served whole by
+every process, as without a placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shoal.errors import ConfigurationError
+
+IndexKey = tuple[str, str, str]  # (tenant, index name, index version)
+
+
+@dataclass(frozen=True)
+class IndexPlacement:
+    """One index's shards by node: `nodes[shard]` lists the nodes serving it, in the order they are tried."""
+
+    key: IndexKey
+    nodes: Mapping[int, tuple[str, ...]]
+
+    def shards_of(self, node: str | None) -> frozenset[int]:
+        """The shards placed on `node` (none for a process that is no node)."""
+        return frozenset(shard for shard, names in self.nodes.items() if node in names)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Nodes (name -> base URL of its API), this process's node, and the placed indexes."""
+
+    urls: Mapping[str, str] = field(default_factory=dict)
+    node: str | None = None
+    indexes: Mapping[IndexKey, IndexPlacement] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path | None, node: str | None) -> Placement:
+        """The placement the file describes, for the process named `node`; an empty placement without a file.
+        Raises ConfigurationError naming what is wrong in the file."""
+        if path is None:
+            if node is not None:
+                raise ConfigurationError("SHOAL_NODE is set but SHOAL_PLACEMENT_FILE is not: name the placement "
+                                         "file that lists the node")
+            return cls()
+        try:
+            document = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read the placement file {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigurationError(f"placement file {path} is not valid YAML: {exc}") from None
+        return cls.parse(document, node, str(path))
+
+    @classmethod
+    def parse(cls, document: Any, node: str | None, where: str = "placement") -> Placement:
+        """The placement of a parsed document (see config/placement.yaml.example)."""
+        def bad(what: str) -> ConfigurationError:
+            return ConfigurationError(f"{where}: {what}")
+
+        if not isinstance(document, dict) or set(document) - {"nodes", "indexes"}:
+            raise bad("expected a mapping with `nodes` and `indexes` (and nothing else)")
+        nodes = document.get("nodes") or {}
+        if not isinstance(nodes, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in nodes.items()):
+            raise bad("`nodes` must map each node's name to the base URL of its API")
+        for name, url in nodes.items():
+            if not url.startswith(("http://", "https://")):
+                raise bad(f"node {name!r}: URL {url!r} must start with http:// or https://")
+        if node is not None and node not in nodes:
+            raise bad(f"SHOAL_NODE {node!r} is not among its nodes ({', '.join(sorted(nodes)) or 'none'})")
+        indexes: dict[IndexKey, IndexPlacement] = {}
+        entries = document.get("indexes") or []
+        if not isinstance(entries, list):
+            raise bad("`indexes` must be a list")
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or set(entry) != {"tenant", "index", "version", "shards"}:
+                raise bad(f"indexes[{i}] must have exactly `tenant`, `index`, `version` and `shards`")
+            key = (str(entry["tenant"]), str(entry["index"]), str(entry["version"]))
+            if key in indexes:
+                raise bad(f"index {key[1]}/{key[2]} of tenant {key[0]} is placed twice")
+            shards = entry["shards"]
+            if not isinstance(shards, dict) or not shards:
+                raise bad(f"indexes[{i}].shards must map node names to lists of shard numbers")
+            by_shard: dict[int, list[str]] = {}
+            for name, numbers in shards.items():
+                if name not in nodes:
+                    raise bad(f"indexes[{i}]: node {name!r} is not among `nodes`")
+                if not isinstance(numbers, list) or not all(type(n) is int and n >= 0 for n in numbers):
+                    raise bad(f"indexes[{i}].shards.{name} must be a list of shard numbers (integers from 0)")
+                for n in numbers:
+                    by_shard.setdefault(n, []).append(name)
+            indexes[key] = IndexPlacement(key, {n: tuple(names) for n, names in sorted(by_shard.items())})
+        return cls(dict(nodes), node, indexes)
+
+    def of(self, tenant: str, name: str, version: str) -> IndexPlacement | None:
+        """The index's placement, or None when every process serves it whole."""
+        return self.indexes.get((tenant, name, version)) if self.indexes else None
+
+    def local_shards(self, tenant: str, name: str, version: str) -> frozenset[int] | None:
+        """The shards of the index this process loads: None for all of them (the index is not placed)."""
+        placed = self.of(tenant, name, version)
+        return None if placed is None else placed.shards_of(self.node)
