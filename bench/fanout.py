@@ -106,6 +106,12 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path, timeout: flo
     raise RuntimeError(f"a server did not answer /healthz in {timeout:.0f}s:\n{log.read_text()[-2000:]}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def post(port: int, path: str, body: bytes) -> bytes:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("POST", path, body, {"Content-Type": "application/json"})
@@ -217,19 +223,28 @@ def main() -> int:
         for port in ports.values():  # warm every connection path
             wrk(port, path, 2, 2, body_file, script)
         print(f"\n{'clients':>7}  {'single QPS':>10}  {'p99 ms':>7}  {'fan-out QPS':>11}  {'p99 ms':>7}  "
-              f"{'ratio (min-max)':>18}")
+              f"{'ratio (min-max)':>18}  {'CPU ms/query: single | a + b':>28}")
+        pids = {name: proc.pid for name, proc in zip(ports, procs, strict=True)}
         for clients in (int(c) for c in args.clients.split(",")):
-            single, fan, ratios = [], [], []
+            single, fan, ratios, cpu_single, cpu_fan = [], [], [], [], []
             for _ in range(args.rounds):
+                c0 = cpu_seconds(pids["single"])
                 s = wrk(ports["single"], path, clients, args.seconds, body_file, script)
+                c1 = cpu_seconds(pids["single"])
+                cpu_single.append((c1 - c0) * 1e3 / (s[0] * args.seconds))
+                a0, b0 = cpu_seconds(pids["a"]), cpu_seconds(pids["b"])
                 f = wrk(ports["a"], path, clients, args.seconds, body_file, script)
+                a1, b1 = cpu_seconds(pids["a"]), cpu_seconds(pids["b"])
+                queries_run = f[0] * args.seconds
+                cpu_fan.append(((a1 - a0) * 1e3 / queries_run, (b1 - b0) * 1e3 / queries_run))
                 single.append(s)
                 fan.append(f)
                 ratios.append(f[0] / s[0])
             med = statistics.median
             print(f"{clients:>7}  {med(x[0] for x in single):>10,.0f}  {med(x[1] for x in single):>7.2f}  "
                   f"{med(x[0] for x in fan):>11,.0f}  {med(x[1] for x in fan):>7.2f}  "
-                  f"{med(ratios):>6.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                  f"{med(ratios):>6.2f}x ({min(ratios):.2f}-{max(ratios):.2f})  "
+                  f"{med(cpu_single):>10.2f} | {med(x[0] for x in cpu_fan):.2f} + {med(x[1] for x in cpu_fan):.2f}")
         if args.profile:
             profile(procs[1].pid, ports["a"], path, body_file, script, tmp)
         return 0

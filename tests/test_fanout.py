@@ -77,20 +77,28 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
                 builder.materialize(shard.id)
         _, key = create_key(shoal.engine, settings.tenant, "read")
 
-    ports = {"a": free_port(), "b": free_port()}
+    ports = {"a": free_port(), "b": free_port(), "one": free_port()}
     placement = tmp_path / "placement.yaml"
     placement.write_text(yaml.safe_dump({
         "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
         "indexes": [{"tenant": settings.tenant, "index": name, "version": "1", "shards": {"a": [0, 1], "b": [2, 3]}}
                     for name in ("Pkg.Flat", "Pkg.Hnsw")],
     }))
+    # The same, with the one process as a replica of every shard, tried after the node listed first.
+    replicated = tmp_path / "replicated.yaml"
+    replicated.write_text(yaml.safe_dump({
+        "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
+        "indexes": [{"tenant": settings.tenant, "index": "Pkg.Hnsw", "version": "1",
+                     "shards": {"a": [0, 1], "b": [2, 3], "one": [0, 1, 2, 3]}}],
+    }))
     auth = {"Authorization": f"ApiKey {key}"}
     token = settings.metrics_token
     assert token is not None
-    with api_process(settings) as (_, one), \
+    with api_process(settings, port=ports["one"]) as (_, one), \
             api_process(settings, port=ports["a"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="a") as (_, a), \
             api_process(settings, port=ports["b"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="b") as (pb, b), \
-            api_process(settings, SHOAL_PLACEMENT_FILE=str(placement)) as (_, router):  # no node: serves no shard
+            api_process(settings, SHOAL_PLACEMENT_FILE=str(placement)) as (_, router), \
+            api_process(settings, SHOAL_PLACEMENT_FILE=str(replicated)) as (_, replicas):  # no node: serves no shard
 
         def search(url: str, name: str, body: dict[str, object], **headers: str) -> httpx.Response:
             return httpx.post(f"{url}/api/v1/search/{name}/1", json=body, headers=auth | headers, timeout=60)
@@ -167,6 +175,11 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
         own = search(a, "Pkg.Hnsw", _body(queries[:5]), **{"X-Shoal-Shards": "0,1"})
         assert partial.content == own.content
         assert all(len(r["nearestDataPoints"]) == K for r in partial.json())
+        # A shard placed on several nodes is asked of the next one when the first does not answer.
+        again = search(replicas, "Pkg.Hnsw", _body(queries[:5]))
+        assert again.status_code == 200, again.text
+        assert "X-Shoal-Missing-Shards" not in again.headers
+        assert again.content == search(one, "Pkg.Hnsw", _body(queries[:5])).content
 
 
 @pytest.mark.parametrize(("document", "node", "complaint"), [

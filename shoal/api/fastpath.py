@@ -16,27 +16,31 @@ route ever parses more than that: parsing is what costs, so a limit checked afte
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.routing import Match
 
 from shoal.api.datasets import router as dataset_router
-from shoal.api.errors import dataset_error, vektonn_error
+from shoal.api.errors import core_error, dataset_error, vektonn_error, vektonn_response
 from shoal.api.security import context_from_cache
-from shoal.api.vektonn import JSON, plain_search, search_content
+from shoal.api.vektonn import JSON, local_part, plain_search, search_content
 from shoal.auth import Role
+from shoal.errors import ShoalError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+log = logging.getLogger(__name__)
 PREFIX = "/api/v1/search/"
 JSON_BYTES = JSON.encode()
 WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of",
-          b"x-shoal-shards", b"content-length"}
+          b"x-shoal-shards", b"x-shoal-allow-partial", b"content-length"}
 
 
 class FastSearchAPI(FastAPI):
@@ -71,6 +75,9 @@ class FastSearchAPI(FastAPI):
         if name and version and "/" not in version:
             content = self._answer(name, version, body, headers)
         if content is None:
+            if name and version and "/" not in version and await self._fan_out(scope, send, name, version, body,
+                                                                              headers):
+                return
             await super().__call__(scope, _replay(body, receive), send)
             return
         await send({"type": "http.response.start", "status": 200,
@@ -103,6 +110,35 @@ class FastSearchAPI(FastAPI):
             return search_content(ctx, self.state.metrics, name, version, body, headers)
         except Exception:  # noqa: BLE001 - the route answers it again, errors in their proper shape
             return None
+
+    async def _fan_out(self, scope: Scope, send: Send, name: str, version: str, body: bytes,
+                       headers: dict[str, str]) -> bool:
+        """Answer a search of an index placed across nodes (shoal.api.fanout) here, at any consistency, when the
+        caller's key verdict is cached; False to let the route answer it (which fans out the same way)."""
+        fanout = self.state.fanout
+        tenants = getattr(self.state, "tenants", None)
+        if fanout is None or tenants is None or "x-shoal-shards" in headers:
+            return False
+        try:
+            ctx = context_from_cache(tenants, headers.get("authorization"), Role.READ)
+        except Exception:  # noqa: BLE001 - the route answers it, in its proper shape
+            return False
+        if ctx is None or not fanout.spans(ctx.tenant, name, version):
+            return False
+        try:
+            response: Any = await fanout.search(
+                ctx, name, version, body, headers,
+                partial(local_part, ctx, self.state.metrics, name, version, body, headers),
+                inline=plain_search(headers) and ctx.handle.searcher.loaded(name, version))
+        except Exception as exc:  # noqa: BLE001 - answered as the routes' handlers answer it
+            core = core_error(exc)
+            if not isinstance(core, ShoalError):
+                log.error("fanned-out search of %s/%s failed", name, version, exc_info=exc)
+                response = vektonn_error(500, ["internal error"])
+            else:
+                response = vektonn_response(core)
+        await response(scope, _nothing, send)
+        return True
 
     async def _too_large(self, scope: Scope, send: Send, what: str) -> None:
         """Answer 413 naming the limit and its setting, in the error shape of the route asked for. The body

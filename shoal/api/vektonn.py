@@ -221,7 +221,7 @@ def _search_answer(
         return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
 
 
-def _local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
+def local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
                 headers: Mapping[str, str], shards: list[int]) -> LocalPart:
     """This process's part of a fanned-out search (shoal.api.fanout)."""
     content, k = _search_answer(ctx, metrics, name, version, body, headers, shards)
@@ -247,7 +247,7 @@ async def _search(request: Request, name: str, version: str) -> Response:
         return await run_in_threadpool(_search_blocking, request, name, version, body, ctx)
     metrics = request.app.state.metrics
     return await fanout.search(ctx, name, version, body, request.headers,
-                               partial(_local_part, ctx, metrics, name, version, body, request.headers))
+                               partial(local_part, ctx, metrics, name, version, body, request.headers))
 
 
 SEARCH = "/search/{indexName}/{indexVersion}"
