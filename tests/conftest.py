@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,20 +33,24 @@ S3_BUCKET = "shoal-test"
 
 
 @pytest.fixture(scope="session")
-def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_url() -> Iterator[str]:
     """A real Postgres: SHOAL_TEST_DATABASE_URL if given, else an embedded one stopped after the session."""
     given = os.environ.get("SHOAL_TEST_DATABASE_URL")
     if given:
         migrate(given)  # a configured catalog is migrated explicitly (`shoal migrate`), as in production
         yield given
         return
-    data_dir = tmp_path_factory.mktemp("pg")
+    # Not under pytest's own temp root: every pytest session that starts takes group and other access away from
+    # /tmp/pytest-of-<user>, and the embedded Postgres runs as another user, so a second session on the machine
+    # (a developer's, beside a CI run) would leave this server unable to reach its own data directory.
+    data_dir = Path(tempfile.mkdtemp(prefix="shoal-test-pg-"))
     try:
         url = ensure_postgres(data_dir)
         migrate(url)
         yield url
     finally:
         stop_embedded(data_dir)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,7 +10,10 @@ checks again.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -209,3 +212,16 @@ def test_a_placement_names_each_nodes_shards_and_replicas() -> None:
     assert placement.local_shards("t", "Other", "1") is None  # not placed: served whole
     placed = placement.of("t", "I", "1")
     assert placed is not None and placed.nodes[2] == ("a", "b")  # a replica, tried in the order listed
+
+
+def test_shoal_api_refuses_a_bad_placement_file_before_it_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "placement.yaml"
+    bad.write_text("nodes: {a: http://127.0.0.1:1}\nindexes: [{tenant: t, index: I, version: '1', shards: {b: [0]}}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_")}
+    env |= {"SHOAL_DATA_DIR": str(tmp_path / "data"), "SHOAL_PLACEMENT_FILE": str(bad), "SHOAL_NODE": "a"}
+    run = subprocess.run([sys.executable, "-m", "shoal.cli", "api", "--port", str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"{bad}: indexes[0]: node 'b' is not among `nodes`" in run.stdout + run.stderr
+    assert "Traceback" not in run.stdout + run.stderr
+    assert not (tmp_path / "data").exists()  # refused before any server or file was started

@@ -30,11 +30,13 @@ def api(
     from shoal.api.app import create_app
     from shoal.api.security import check_exposure
     from shoal.api.serve import serve
+    from shoal.searcher.placement import Placement
 
     settings = load_settings()
     if allow_anonymous_writes:
         settings = settings.model_copy(update={"allow_anonymous_writes": True})
     check_exposure(settings, host)  # before anything starts: a refusal must cost nothing and say why
+    placement = Placement.load(settings.placement_file, settings.node)  # a bad file: its error, no traceback
     anonymous = settings.resolved_anonymous_tenant
     if anonymous is None:
         who = "every request needs an API key"
@@ -42,5 +44,9 @@ def api(
         who = (f"requests without a key are tenant {anonymous!r} with role {settings.anonymous_role} "
                "(they never delete)")
     out.print(f"Shoal API on http://{host}:{port} (OpenAPI at /docs); {who}")
+    if placement.indexes:
+        here = f"node {placement.node}" if placement.node else "no node (a router: serves no placed shard)"
+        out.print(f"placement {settings.placement_file}: {len(placement.indexes)} placed index(es); this process is "
+                  f"{here}")
     serve(None if workers > 1 else create_app(settings), host=host, port=port, workers=workers,
           access_log=access_log)
