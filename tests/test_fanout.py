@@ -73,7 +73,7 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
                                      shard_count=4, payload_attributes=["section"]))
         shoal.create_index(IndexSpec("Pkg.Hnsw", "1", "Pkg", "1", algorithm="hnsw", metric="euclidean",
                                      shard_count=4, params={"M": 16, "ef_construction": 100, "ef_search": 64}))
-        shoal.producer("Pkg", "1").upload_columns(base, {"id": np.arange(ROWS), "section": section})
+        before = shoal.producer("Pkg", "1").upload_columns(base, {"id": np.arange(ROWS), "section": section}).seq
         builder = ShardBuilder(shoal.engine, shoal.storage)
         for name in ("Pkg.Flat", "Pkg.Hnsw"):
             for shard in shoal.get_index(name, "1").shards:
@@ -156,6 +156,14 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
                     got = search(node, name, body, **headers)
                     assert got.status_code == 200, got.text
                     assert got.content == want.content, (name, node, headers)
+            # Time travel too: as of the write's seq, and as of the one before it (the new points not yet there).
+            for seq in (written.seq, before):
+                as_of = {"X-Shoal-As-Of": str(seq)}
+                want = search(one, name, body, **as_of)
+                assert want.status_code == 200, want.text
+                for node in (a, router):
+                    assert search(node, name, body, **as_of).content == want.content, (name, node, seq)
+            assert _ids(search(a, name, body, **{"X-Shoal-As-Of": str(before)}).json())[0] != [ROWS]
 
         # The caller's own errors come back as they are: a bad query is a 400, a bad key a 401.
         bad = search(a, "Pkg.Hnsw", {"k": 1, "queryVectors": [{"isSparse": False, "coordinates": [1.0, 2.0]}]})
