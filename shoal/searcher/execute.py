@@ -6,78 +6,26 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from shoal.engines import Engine, get_engine
 from shoal.engines.metrics import Metric, from_products, worst_distance
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
-from shoal.index.sharding import shard_numbers, split_keys
-from shoal.log.reader import fold
 from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
-from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
+from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
+from shoal.searcher.tails import Tail, build_tails
 from shoal.searcher.views import IndexView
 
 __all__ = ["Hit", "Hits", "Tail", "attributes_of", "build_tails", "execute", "prepare_queries", "split_matcher"]
-
-
-@dataclass(frozen=True)
-class Tail:
-    """Log entries a shard's served version does not reflect yet: keys they touch, and their live upserts.
-
-    What queries derive from it (the segment rows it hides, exact engines over its upserts) is built on first
-    use and kept with it, so a searcher that reuses a tail pays for that once, not per query.
-    """
-
-    touched: frozenset[str]
-    upserts: pa.Table
-    _derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def hidden_rows(self, seg: LoadedSegment) -> np.ndarray | None:
-        """Bool per row of `seg`, true where the tail updates or deletes the row's key; None when none is."""
-        key = ("hidden", seg.id)
-        if key not in self._derived:
-            touched = pa.array(sorted(self.touched), pa.string())
-            mask = pc.is_in(seg.rows[KEY], value_set=touched).to_numpy(zero_copy_only=False)
-            self._derived[key] = mask if mask.any() else None
-        return self._derived[key]
-
-    def groups(self, spec: IndexSpec, source: DataSourceSpec) -> list[_TailGroup]:
-        """The live upserts per split (combination of split values), each with an exact engine."""
-        if "groups" not in self._derived:
-            table, groups = self.upserts, []
-            if table.num_rows:
-                keys = split_keys(table, spec.split_attributes).to_numpy(zero_copy_only=False)
-                engine_cls = get_engine("flat_sparse" if source.vectors_are_sparse else "flat")
-                for key in dict.fromkeys(keys.tolist()):
-                    part = table.filter(pa.array(keys == key)) if spec.split_attributes else table
-                    first = part.slice(0, 1).to_pylist()[0]
-                    vectors = vectors_of(part, source.vectors_are_sparse, source.vector_dimension)
-                    groups.append(
-                        _TailGroup(
-                            {a: json_value(first[a]) for a in spec.split_attributes},
-                            RowSource(part, spec.stored_attributes()),
-                            engine_cls.build(vectors, spec.metric, None),
-                        )
-                    )
-            self._derived["groups"] = groups
-        return self._derived["groups"]
-
-
-@dataclass(frozen=True)
-class _TailGroup:
-    values: dict[str, Any]  # the split's attribute values
-    source: RowSource  # the upserts
-    engine: Engine  # exact: the tail is small and must be answered exactly
 
 
 _F32 = np.dtype(np.float32)
@@ -164,24 +112,6 @@ def split_matcher(
             raise ValidationError(Problem(err, attribute=name))
         wanted[name] = json_value(value)
     return lambda values: all(values.get(k) == v for k, v in wanted.items())
-
-
-def build_tails(view: IndexView, entries: pa.Table) -> dict[int, Tail]:
-    """Split the log entries (served watermark, required seq] by shard, keeping for each shard only the
-    entries above that shard's own watermark; fold them."""
-    spec = view.index.spec
-    shard_of = (
-        shard_numbers(entries, spec.shard_attributes, spec.shard_count)
-        if entries.num_rows
-        else np.zeros(0, dtype=np.int64)
-    )
-    tails: dict[int, Tail] = {}
-    seqs = entries[SEQ].to_numpy() if entries.num_rows else np.zeros(0, dtype=np.int64)
-    for shard in view.shards:
-        mine = entries.filter(pa.array((shard_of == shard.shard_no) & (seqs > shard.watermark)))
-        if mine.num_rows:
-            tails[shard.shard_no] = Tail(frozenset(pc.unique(mine[KEY]).to_pylist()), fold(mine.to_batches()))
-    return tails
 
 
 @dataclass

@@ -33,16 +33,10 @@ from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
 from shoal.searcher.consistency import Consistency
-from shoal.searcher.execute import (
-    Hits,
-    Tail,
-    build_tails,
-    execute,
-    prepare_queries,
-    split_matcher,
-)
+from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
 from shoal.searcher.filters import Filter, parse_filter
 from shoal.searcher.placement import Placement
+from shoal.searcher.tails import Tail, build_tails
 from shoal.searcher.views import IndexView, ShardView, load_shard
 from shoal.searcher.young import TailCache, extend
 
@@ -391,6 +385,14 @@ class SearchService:
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
             self._fit_budget(key)
+        young = self._tails.get(index.id)
+        if old is not None and young is not None and young.versions != view.versions:
+            # Re-derive the young tier for the new versions here, in the loader, so that searches find it ready
+            # (only the shards whose version changed are derived again, from the entries already held).
+            try:
+                self._extend(view, young.end)
+            except Exception as exc:  # noqa: BLE001 - a search derives it itself then
+                log.debug("young tier of index %s not re-derived at load: %s", name, exc)
         for s in view.shards:
             if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards)):
                 self.shards.mark_served(s.shard_id, s.watermark)

@@ -3,10 +3,11 @@ exactly beside the built segments.
 
 A searcher keeps one `TailCache` per index: the entries (start, end] of the data source's log, where start
 is the lowest watermark the shards served when it was read. Log segments are immutable, so a newer tail
-extends an older one by reading only what was committed since, and a newly served version (a higher
-watermark) only filters the entries it already holds. Strong and at_least searches extend it to the seq
-they need; for eventual searches the searcher extends it in the background as commits announce new heads,
-up to SHOAL_YOUNG_TIER_MAX_SEQS entries past the served watermark.
+extends an older one by reading only what was committed since, and its shards' tails are extended with the new
+entries alone (shoal.searcher.tails: the engines over older upserts are kept); a newly served version (a
+higher watermark) only filters the entries it already holds, and derives its tails from them once. Strong and
+at_least searches extend it to the seq they need; for eventual searches the searcher extends it in the
+background as commits announce new heads, up to SHOAL_YOUNG_TIER_MAX_SEQS entries past the served watermark.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.log.validation import SEQ
-from shoal.searcher.execute import Tail, build_tails
+from shoal.searcher.tails import Tail, build_tails, extend_tails
 from shoal.searcher.views import IndexView
 
 # Reads the log entries (after, up_to] of the view's data source; None when there are none.
@@ -51,24 +52,36 @@ class TailCache:
 
 def extend(cache: TailCache | None, view: IndexView, required: int, read: LogRead | None, now: float) -> TailCache:
     """The young tier of `view` up to at least `required` (as far as `cache` already reaches, if further),
-    reusing what `cache` holds. With `read` None nothing is read: the result reaches only as far as `cache`."""
+    reusing what `cache` holds: its entries, and the tails of shards whose served version did not change (they
+    are extended by the new entries alone; a shard with a new version derives its tail from the entries held)."""
     versions = view.versions
     start = view.min_watermark
     entries: pa.Table | None = None
     end = start
     stamps: tuple[tuple[int, float], ...] = ()
+    kept: dict[int, Tail] = {}  # tails of the shards whose served version is the one they were derived for
+    unchanged: set[int] = set()
     if cache is not None and cache.start <= start <= cache.end:
         end, stamps = cache.end, tuple(s for s in cache.stamps if s[0] > start)
         entries = cache.entries
-        if entries is not None and cache.versions != versions and cache.start < start:
+        if entries is not None and cache.start < start:
             entries = entries.filter(pc.greater(entries[SEQ], start))  # what the new versions built is dropped
+        if len(cache.versions) == len(versions):
+            unchanged = {s.shard_no for s, old in zip(view.shards, cache.versions, strict=True) if old == s.version_id}
+            kept = {n: t for n, t in cache.tails.items() if n in unchanged}
+    new = None
     if required > end and read is not None:
         new = read(end, required)
         if new is not None and new.num_rows:
             entries = new if entries is None or not entries.num_rows else pa.concat_tables([entries, new])
         stamps = (*stamps, (required, now))
         end = required
-    tails = build_tails(view, entries) if entries is not None and entries.num_rows else {}
+    changed = {s.shard_no for s in view.shards} - unchanged
+    tails = dict(kept)
+    if changed and entries is not None and entries.num_rows:
+        tails.update(build_tails(view, entries, changed))
+    if unchanged and new is not None and new.num_rows:
+        tails = extend_tails(view, tails, new, unchanged)
     warm(view, tails)
     return TailCache(versions, start, end, entries, tails, stamps)
 
