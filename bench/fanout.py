@@ -42,11 +42,15 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from shoal import DataSourceSpec, Shoal
-from shoal.catalog.db import resolve_database_url
-from shoal.config.settings import Settings
-from shoal.index.builder import ShardBuilder
-from shoal.log.records import IndexSpec
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: reuse api.py's wrk script
+
+from api import WRK_LUA  # noqa: E402
+
+from shoal import DataSourceSpec, Shoal  # noqa: E402
+from shoal.catalog.db import resolve_database_url  # noqa: E402
+from shoal.config.settings import Settings  # noqa: E402
+from shoal.index.builder import ShardBuilder  # noqa: E402
+from shoal.log.records import IndexSpec  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"
                                 / "debian-packages"))
@@ -54,28 +58,6 @@ TENANT = "bench"
 INDEX = "Fan.Index"
 K = 10
 WRK = shutil.which("wrk")
-LUA = """
-function init(args)
-  reqs = {}
-  for line in io.lines(args[1]) do
-    reqs[#reqs + 1] = wrk.format("POST", nil, {["Content-Type"] = "application/json"}, line)
-  end
-  at = 0
-  bad = 0
-end
-function request()
-  at = at % #reqs + 1
-  return reqs[at]
-end
-function response(status, headers, body)
-  if status ~= 200 then bad = bad + 1 end
-end
-function done(summary, latency, requests)
-  io.write(string.format("SHOAL_WRK requests=%d duration_us=%d errors=%d p99_us=%d\\n", summary.requests,
-    summary.duration, summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.timeout,
-    latency:percentile(99)))
-end
-"""
 
 
 def free_port() -> int:
@@ -126,12 +108,13 @@ def wrk(port: int, path: str, clients: int, seconds: float, bodies: Path, script
     """(QPS, p99 ms) of one wrk run."""
     assert WRK is not None
     out = subprocess.run([WRK, "-t1", f"-c{clients}", f"-d{seconds:g}s", "--timeout", "10s", "-s", str(script),
-                          "--latency", f"http://127.0.0.1:{port}{path}", "--", str(bodies)],
+                          "--latency", f"http://127.0.0.1:{port}{path}", "--", str(bodies), "1"],
                          capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("SHOAL_WRK "))
     f = {k: int(v) for k, v in (x.split("=", 1) for x in line.split()[1:])}
-    if f["errors"]:
-        raise RuntimeError(f"wrk: {f['errors']} errors of {f['requests']} requests on port {port}")
+    errors = f["non200"] + f["connect"] + f["read"] + f["write"] + f["timeout"]
+    if errors:
+        raise RuntimeError(f"wrk: {errors} errors of {f['requests']} requests on port {port}")
     return f["requests"] / (f["duration_us"] / 1e6), f["p99_us"] / 1e3
 
 
@@ -219,7 +202,7 @@ def main() -> int:
         print(f"answers identical through single, a and b: {same}/200")
         body_file, script = tmp / "bodies.txt", tmp / "search.lua"
         body_file.write_bytes(b"\n".join(bodies) + b"\n")
-        script.write_text(LUA)
+        script.write_text(WRK_LUA)
         for port in ports.values():  # warm every connection path
             wrk(port, path, 2, 2, body_file, script)
         print(f"\n{'clients':>7}  {'single QPS':>10}  {'p99 ms':>7}  {'fan-out QPS':>11}  {'p99 ms':>7}  "
