@@ -179,6 +179,9 @@ def execute(
 # index 1,034 (the widened walk); below 5 % exact is 20-200x faster and recall 1.0 where the walk's drops.
 FILTER_EXACT_MAX_ROWS_X_FRACTION = 1_100
 _SUBSET_BYTES = 256 << 20  # matching rows' vectors kept per (segment, split, filter), least recently used out
+# A subset of at most this many rows also keeps its vectors in float64: when every row is a candidate anyway (a
+# filter passing few rows), the exact distances are computed at once, without the float32 pass that picks them.
+_WIDE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,12 @@ class _Subset:
     sq_norms: np.ndarray  # float64 [m]
     sq_norms32: np.ndarray  # float32 [m]
     inv_norms: np.ndarray  # float32 [m], 0 for a zero vector
+    vectors64: np.ndarray | None = None  # float64 [m, d] for a small subset, scanned in float64 directly
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows.nbytes + self.vectors.nbytes + 16 * len(self.rows))
+        wide = self.vectors64.nbytes if self.vectors64 is not None else 0
+        return int(self.rows.nbytes + self.vectors.nbytes + wide + 16 * len(self.rows))
 
 
 class _SubsetCache:
@@ -229,7 +234,8 @@ def _make_subset(rows: pa.Table, source: DataSourceSpec, start: int, local: np.n
     sq = np.einsum("ij,ij->i", vectors.astype(np.float64), vectors.astype(np.float64))
     norms = np.sqrt(sq)
     inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
-    return _Subset(local, vectors, sq, sq.astype(np.float32), inv)
+    wide = vectors.astype(np.float64) if len(local) <= _WIDE_ROWS else None
+    return _Subset(local, vectors, sq, sq.astype(np.float32), inv, wide)
 
 
 def _exact_subset(
@@ -245,6 +251,19 @@ def _exact_subset(
     worst = worst_distance(metric)
     out_d = np.full((len(queries), k), worst, dtype=np.float32)
     out_l = np.full((len(queries), k), -1, dtype=np.int64)
+    if kc == m and sub.vectors64 is not None:
+        # Every row is a candidate: the same float64 distances as below, without picking candidates first.
+        for i, q in enumerate(queries):
+            q64 = q.astype(np.float64)
+            dist = from_products(metric, sub.vectors64 @ q64, float(q64 @ q64), sub.sq_norms)
+            labels = sub.rows
+            if hidden is not None:
+                dist = np.where(hidden, worst, dist)
+                labels = np.where(hidden, -1, labels)
+            order = np.lexsort((labels, -dist if metric is Metric.DOT_PRODUCT else dist))[:k]
+            n = len(order)
+            out_d[i, :n], out_l[i, :n] = dist[order], labels[order]
+        return out_d, out_l
     for i, q in enumerate(queries):
         prod = sub.vectors @ q  # [m] float32
         if metric is Metric.DOT_PRODUCT:
