@@ -78,7 +78,7 @@ class FanOut:
     def spans(self, tenant: str, name: str, version: str) -> bool:
         """True when a search of the index needs shards this process does not serve."""
         placed = self.placement.of(tenant, name, version)
-        return placed is not None and placed.shards_of(self.placement.node) != set(placed.nodes)
+        return placed is not None and placed.spans
 
     async def search(
         self, ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
@@ -90,7 +90,7 @@ class FanOut:
         nodes' requests are out."""
         placed = self.placement.of(ctx.tenant, name, version)
         assert placed is not None
-        mine = sorted(placed.shards_of(self.placement.node))
+        mine = sorted(placed.local)
         remote_task = asyncio.ensure_future(self._remote(placed, name, version, body, headers, set(mine)))
         try:
             if inline:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
-from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,7 +26,7 @@ from starlette.routing import Match
 from shoal.api.datasets import router as dataset_router
 from shoal.api.errors import core_error, dataset_error, vektonn_error, vektonn_response
 from shoal.api.security import context_from_cache
-from shoal.api.vektonn import JSON, local_part, plain_search, search_content
+from shoal.api.vektonn import JSON, fanned_out, plain_search, search_content
 from shoal.auth import Role
 from shoal.errors import ShoalError
 
@@ -126,9 +125,8 @@ class FastSearchAPI(FastAPI):
         if ctx is None or not fanout.spans(ctx.tenant, name, version):
             return False
         try:
-            response: Any = await fanout.search(
-                ctx, name, version, body, headers,
-                partial(local_part, ctx, self.state.metrics, name, version, body, headers),
+            response: Any = await fanned_out(
+                fanout, ctx, self.state.metrics, name, version, body, headers,
                 inline=plain_search(headers) and ctx.handle.searcher.loaded(name, version))
         except Exception as exc:  # noqa: BLE001 - answered as the routes' handlers answer it
             core = core_error(exc)

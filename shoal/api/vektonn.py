@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
-from shoal.api.fanout import SHARDS_HEADER, LocalPart, parse_shards
+from shoal.api.fanout import SHARDS_HEADER, FanOut, LocalPart, parse_shards
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.errors import NotFoundError, QueryError, ValidationError
@@ -221,12 +221,19 @@ def _search_answer(
         return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
 
 
-def local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
+def _local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
                 headers: Mapping[str, str], shards: list[int]) -> LocalPart:
     """This process's part of a fanned-out search (shoal.api.fanout)."""
     content, k = _search_answer(ctx, metrics, name, version, body, headers, shards)
     view = ctx.handle.searcher.view(name, version)
     return LocalPart(orjson.loads(content), k, view.higher_is_nearer, len(view.index.shards))
+
+
+async def fanned_out(fanout: FanOut, ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
+                     headers: Mapping[str, str], *, inline: bool = False) -> Response:
+    """The answer to a Vektonn search of an index placed across nodes, this process's part included."""
+    local = partial(_local_part, ctx, metrics, name, version, body, headers)
+    return await fanout.search(ctx, name, version, body, headers, local, inline=inline)
 
 
 def _search_blocking(request: Request, name: str, version: str, body: bytes,
@@ -245,9 +252,7 @@ async def _search(request: Request, name: str, version: str) -> Response:
     ctx = await run_in_threadpool(reader_tenant, request)
     if not fanout.spans(ctx.tenant, name, version):
         return await run_in_threadpool(_search_blocking, request, name, version, body, ctx)
-    metrics = request.app.state.metrics
-    return await fanout.search(ctx, name, version, body, request.headers,
-                               partial(local_part, ctx, metrics, name, version, body, request.headers))
+    return await fanned_out(fanout, ctx, request.app.state.metrics, name, version, body, request.headers)
 
 
 SEARCH = "/search/{indexName}/{indexVersion}"

@@ -23,14 +23,16 @@ IndexKey = tuple[str, str, str]  # (tenant, index name, index version)
 
 @dataclass(frozen=True)
 class IndexPlacement:
-    """One index's shards by node: `nodes[shard]` lists the nodes serving it, in the order they are tried."""
+    """One index's shards by node: `nodes[shard]` lists the nodes serving it, in the order they are tried; and
+    the shards placed on this process's node (none for a process that is no node), read by every search."""
 
-    key: IndexKey
     nodes: Mapping[int, tuple[str, ...]]
+    local: frozenset[int]
 
-    def shards_of(self, node: str | None) -> frozenset[int]:
-        """The shards placed on `node` (none for a process that is no node)."""
-        return frozenset(shard for shard, names in self.nodes.items() if node in names)
+    @property
+    def spans(self) -> bool:
+        """True when a search of the index needs shards this process does not serve."""
+        return len(self.local) < len(self.nodes)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ class Placement:
                     raise bad(f"indexes[{i}].shards.{name} must be a list of shard numbers (integers from 0)")
                 for n in numbers:
                     by_shard.setdefault(n, []).append(name)
-            indexes[key] = IndexPlacement(key, {n: tuple(names) for n, names in sorted(by_shard.items())})
+            local = frozenset(n for n, names in by_shard.items() if node in names)
+            indexes[key] = IndexPlacement({n: tuple(names) for n, names in sorted(by_shard.items())}, local)
         return cls(dict(nodes), node, indexes)
 
     def of(self, tenant: str, name: str, version: str) -> IndexPlacement | None:
@@ -105,4 +108,4 @@ class Placement:
     def local_shards(self, tenant: str, name: str, version: str) -> frozenset[int] | None:
         """The shards of the index this process loads: None for all of them (the index is not placed)."""
         placed = self.of(tenant, name, version)
-        return None if placed is None else placed.shards_of(self.node)
+        return None if placed is None else placed.local

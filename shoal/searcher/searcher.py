@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import redis
 
+from shoal.catalog.indexes import IndexRecord
 from shoal.catalog.repo import head_of
 from shoal.errors import (
     CapacityError,
@@ -37,7 +38,7 @@ from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
 from shoal.searcher.filters import Filter, parse_filter
 from shoal.searcher.placement import Placement
 from shoal.searcher.tails import Tail, build_tails
-from shoal.searcher.views import IndexView, ShardView, load_shard
+from shoal.searcher.views import IndexView, load_shard
 from shoal.searcher.young import TailCache, extend
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,26 @@ class SearchService:
         """The part of a served view that a search may use: `shards` (None: every shard of the index), each of
         which this process must serve (ShardsUnavailableError names the others, and who serves them)."""
         held = view.shard_numbers
-        wanted = frozenset(range(len(view.index.shards))) if shards is None else frozenset(shards)
+        wanted = self._wanted(view.index, tenant, held, shards)
+        if wanted == held:
+            return view
+        parts = view.parts
+        part = parts.get(wanted)
+        if part is None:
+            part = IndexView(view.index, view.source, tuple(s for s in view.shards if s.shard_no in wanted))
+            if len(parts) < 64:
+                parts[wanted] = part
+        return part
+
+    def _wanted(
+        self, index: IndexRecord, tenant: str, held: frozenset[int], shards: Collection[int] | None
+    ) -> frozenset[int]:
+        """The shards a search asks for (None: every shard of the index), all of them among `held` (the shards
+        this process serves), else ShardsUnavailableError naming the others and where they are placed."""
+        wanted = frozenset(range(len(index.shards))) if shards is None else frozenset(shards)
         missing = sorted(wanted - held)
         if missing:
-            spec = view.index.spec
+            spec = index.spec
             placed = self.placement.of(tenant, spec.name, spec.version)
             where = ""
             if placed is not None:
@@ -217,15 +234,7 @@ class SearchService:
             raise ShardsUnavailableError(
                 f"{me} does not serve shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
                 f"index {spec.name}/{spec.version}{where}", missing)
-        if wanted == held:
-            return view
-        parts = view.parts
-        part = parts.get(wanted)
-        if part is None:
-            part = IndexView(view.index, view.source, tuple(s for s in view.shards if s.shard_no in wanted))
-            if len(parts) < 64:
-                parts[wanted] = part
-        return part
+        return wanted
 
     def _strong_head(self, source_id: int) -> int:
         """The data source's head as of now: announced on Redis (no catalog round trip) once announcements
@@ -270,14 +279,13 @@ class SearchService:
             versions = history.versions_as_of(self.engine, index.id, as_of)
         source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
         local = self.placement.local_shards(scope.tenant, name, version)
-        held = [s for s in index.shards if local is None or s.shard_no in local]
         # The same rules as a search of the active versions: only shards this process serves, all unless asked.
-        self._part(IndexView(index, source, tuple(ShardView(s.id, s.shard_no, None, 0, ()) for s in held)),
-                   scope.tenant, wanted)
-        picked = wanted if wanted is not None else [s.shard_no for s in index.shards]
+        picked = self._wanted(index, scope.tenant,
+                              frozenset(s.shard_no for s in index.shards if local is None or s.shard_no in local),
+                              wanted)
         shards = tuple(
             load_shard(self.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
-            for s in held if s.shard_no in picked
+            for s in index.shards if s.shard_no in picked
         )
         view = IndexView(index, source, shards)
         if not shards:

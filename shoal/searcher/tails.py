@@ -123,9 +123,6 @@ class Tail:
         keys = new_keys.to_pylist()
         return Tail(self.touched.union(keys), _chunks(chunks), {}, (masks, keys))
 
-    def __len__(self) -> int:
-        return len(self.touched)
-
 
 def _chunks(chunks: list[TailChunk]) -> tuple[TailChunk, ...]:
     """Drop empty chunks (keeping one when all are: it carries the table's schema); merge the newest two while the
