@@ -95,50 +95,69 @@ def test_real_data_1000_points_of_384_dimensions() -> None:
     assert_same_upload(spec, json.dumps(odd).encode(), 1000)
 
 
-def _dense_body(coordinates: str, prefix: bytes = b"", extra: str = "") -> bytes:
-    """A one-point ALL_TYPES body with the coordinates given as raw JSON text."""
+def _dense_body(coordinates: str, prefix: bytes = b"", extra: str = "", points: int = 1, second: str = "") -> bytes:
+    """An ALL_TYPES body of `points` points with the coordinates given as raw JSON text (`second` for the points
+    after the first, when given)."""
     attributes = ('[{"key":"id","value":{"int64":1}},{"key":"tag","value":{"string":"t"}},'
                   '{"key":"score","value":{"float64":0.5}},{"key":"flag","value":{"bool":true}},'
                   '{"key":"uid","value":{"guid":"8d0b6b8e-0c3a-4b8e-9a43-6f1f4d2c2f10"}},'
                   '{"key":"at","value":{"dateTime":"2024-01-02T03:04:05Z"}}]')
-    vector = f'{{"isSparse":false,"coordinates":{coordinates}}}'
-    return prefix + f'[{{"attributes":{attributes},"vector":{vector}{extra}}}]'.encode()
+    items = []
+    for i in range(points):
+        vector = f'{{"isSparse":false,"coordinates":{second if i and second else coordinates}}}'
+        items.append(f'{{"attributes":{attributes},"vector":{vector}{extra}}}')
+    return prefix + f'[{",".join(items)}]'.encode()
 
 
 @pytest.mark.parametrize("body", [
     _dense_body("[0.1,-2.5e-3,3]"),                       # the simdjson path takes it
     _dense_body("[1,2,3]"),                               # integers only
+    _dense_body("[-0.0, 1E5 ,\n3]"),                      # whitespace inside, an exponent, a negative zero
+    _dense_body("[0.1,-2.5e-3,3]").replace(b'"coordinates":', b'"coordinates" :\n '),  # whitespace around ':'
+    _dense_body("[1,2,3]", points=3),
     _dense_body("[9007199254740993,0.5,18446744073709551615]"),  # beyond a double's integers, beyond int64
     _dense_body("[[1],2,3]"),                             # as_buffer would flatten a nested array
     _dense_body("[[1,2],3]"),
+    _dense_body("[1,[2],3]"),
+    _dense_body("[]"),
     _dense_body("[true,2,3]"),                            # a boolean reads as 1 (the DTO rule)
     _dense_body("[null,2,3]"),
     _dense_body('["1",2,3]'),
+    _dense_body('[1,2,"]"]'),
     _dense_body("[1e400,2,3]"),                           # beyond a double: Python's json reads inf
     _dense_body("[123456789012345678901234567890,2,3]"),  # a big integer
+    _dense_body("0"),                                     # a number where the array belongs (the placeholder 0)
+    _dense_body("0", points=2, second="[1,2,3]"),         # ... before an array whose placeholder is 0
+    _dense_body("[1,2,3]", points=2, second="1"),
+    _dense_body("[1,2,3]", points=2, second="[1,2]"),     # arrays of two lengths
     _dense_body("[1,2,3]", prefix=b"\xef\xbb\xbf"),        # a byte order mark
     _dense_body("[1,2,3]", prefix=b" \n\t"),
     _dense_body("[1,2,3]", extra=',"vector":{"isSparse":false,"coordinates":[4,5,6]}'),  # a key twice: last wins
+    _dense_body("[1,2,3]", extra=',"vector":{"isSparse":false,"coordinates":[4,5,6]}', points=2),
     _dense_body("[1,2,3]", extra=',"isDeleted":false'),
+    _dense_body("[1,2,3]", extra=',"x\\"coordinates":[4,5,6]'),  # a key that ends in coordinates
     _dense_body("[1,2,3,4]"),                             # the wrong dimension
     _dense_body("[1,2,3]").replace(b'"t"', b'"[t]"'),     # a bracket inside a string
+    _dense_body("[1,2,3]").replace(b'"t"', b'"\\"coordinates\\":[1,2,3]"'),  # the key's text inside a string
+    _dense_body("[1,2,3]").replace(b'"t"', b'"\\\\"'),  # a string ending in a backslash
     _dense_body("[1,2,3]").replace(b'"t"', b'"\\ud83d\\ude00"'),  # an escaped surrogate pair
     _dense_body("[1,2,3]").replace(b'"t"', b'"\\ud800"'),  # a lone surrogate
     _dense_body("[1,2,3]") + b" x",                       # trailing garbage
 ])
 def test_the_simdjson_reader_changes_no_outcome(body: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     with_reader = outcome_of(lambda: decode_upload(ALL_TYPES, body, 10))
-    monkeypatch.setattr(upload_json, "load_dense_items", lambda body: None)
+    monkeypatch.setattr(upload_json, "load_dense", lambda body: None)
     without = outcome_of(lambda: decode_upload(ALL_TYPES, body, 10))
     assert with_reader == without
-    items = simd_upload.load_dense_items(body)
-    if items is not None:
-        # Whatever the simdjson reader takes equals orjson's reading, coordinates as arrays of the same doubles.
+    read = simd_upload.load_dense(body)
+    if read is not None and upload_json._fast_batch(ALL_TYPES, read[0], 10, read[1]) is not None:
+        # Whatever the fast path takes from the reader is orjson's reading, coordinates as the same doubles.
+        items, matrix = read
         loaded = orjson.loads(body)
-        vectors = [np.asarray(item.pop("vector")["coordinates"], dtype=np.float64) for item in loaded]
-        read = [item.pop("vector")["coordinates"] for item in items]
+        expected = [np.asarray(item.pop("vector")["coordinates"], dtype=np.float64) for item in loaded]
+        got = [matrix[item.pop("vector")["coordinates"]] for item in items]
         assert items == loaded
-        assert all(np.array_equal(a, b) for a, b in zip(read, vectors, strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def outcome_of(decode: Any) -> tuple[str, Any]:
@@ -150,12 +169,17 @@ def outcome_of(decode: Any) -> tuple[str, Any]:
     return "table", table.to_pydict()
 
 
-def test_clean_dense_batches_are_read_by_simdjson() -> None:
-    body = _dense_body("[0.1,-2.5e-3,3]")
-    assert simd_upload.load_dense_items(body) is not None
+def test_clean_dense_batches_take_the_simdjson_reader() -> None:
+    for body in (_dense_body("[0.1,-2.5e-3,3]"), _dense_body("[1, 2, 3]", points=3),
+                 json.dumps(orjson.loads(_dense_body("[0.1,-2.5e-3,3]", points=2)), indent=2).encode()):
+        read = simd_upload.load_dense(body)
+        assert read is not None and upload_json._fast_batch(ALL_TYPES, read[0], 10, read[1]) is not None
     # Nested arrays would flatten, and a byte order mark is orjson's refusal: the usual way reads both.
-    assert simd_upload.load_dense_items(_dense_body("[[1],2,3]")) is None
-    assert simd_upload.load_dense_items(_dense_body("[1,2,3]", prefix=b"\xef\xbb\xbf")) is None
+    assert simd_upload.load_dense(_dense_body("[[1],2,3]")) is None
+    assert simd_upload.load_dense(_dense_body("[1,2,3]", prefix=b"\xef\xbb\xbf")) is None
+    # A number standing where the first array belongs is no placeholder: the fast path refuses the reading.
+    read = simd_upload.load_dense(_dense_body("0", points=2, second="[1,2,3]"))
+    assert read is not None and upload_json._fast_batch(ALL_TYPES, read[0], 10, read[1]) is None
 
 
 # -- upload: errors by name ---------------------------------------------------------------------------------------

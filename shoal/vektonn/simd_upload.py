@@ -1,14 +1,26 @@
-"""A Vektonn upload body read with simdjson, each dense vector's coordinates straight into a float64 array.
+"""A Vektonn upload body read in two parts: the dense coordinates by simdjson straight into one float64 matrix,
+everything else by orjson.
 
 Why: a 1,000-point 384-d body is about 7.5 MB, nearly all of it coordinates. orjson makes a Python float per
-coordinate (about 80 ns each, 30 ms a batch, more than the whole in-process write); simdjson parses the same body
-and copies each coordinate array out as doubles without making a Python object per number (about 3x faster,
-bench/api.py). Everything else in the body is small and is read into Python values as orjson would.
+coordinate (about 80 ns each, 30 ms a batch, more than the whole in-process write). simdjson parses numbers without
+making Python objects, but walking its document from Python costs a proxy object per item, key and value (about
+13 us a point, more than its parse). So the body is cut instead: each `"coordinates": [...]` array is found with
+`bytes.find` (memchr speed), parsed by simdjson on its own and copied out as one row of doubles; the rest of the
+body (a few percent of it), with each array replaced by its ordinal, is read by orjson, which reads every other
+body, so its rules (duplicate keys, strings, big integers) are the usual ones.
 
-This reader only ever speeds up the common case. It answers None whenever it cannot prove that its result is what
-orjson would have given (apart from the coordinate lists being arrays of the same doubles): any parse problem, any
-body whose first character is not the array's bracket, any array where a scalar should be. The caller then
-parses the body the usual way, which decides (and words) everything.
+This reader only ever speeds up the common case. It answers None whenever it cannot prove that its result is
+orjson's reading of the body (apart from the coordinates, which come as doubles): the caller then parses the body
+the usual way, which decides (and words) everything. How the proof goes:
+
+* a match of `"coordinates"` ends a JSON string (inside a string that quote would be escaped, preceded by a
+  backslash, not by `s`), so when `:` and `[` follow, that `[` opens the array value of a key ending in
+  `coordinates`;
+* an array holding no `"` and no `[` before its first `]` is flat and holds no string, so that `]` closes it; any
+  other is left to the usual way;
+* the arrays are numbered in body order, so the caller checks that the n-th dense upsert's `coordinates` is the
+  integer n and that there are as many arrays as upserts: a number that stood in the body, an array under another
+  key or a key given twice breaks that count, and the usual way reads the body instead.
 """
 
 from __future__ import annotations
@@ -18,108 +30,91 @@ import threading
 from typing import Any
 
 import numpy as np
+import orjson
 import simdjson
 
-# JSON's own whitespace, then the array: a byte order mark or anything else goes the usual way.
-_ARRAY_START = re.compile(rb"[ \t\r\n]*\[")
-_OBJECT, _ARRAY = simdjson.Object, simdjson.Array
-# Parsers kept for reuse: making one per body cost about a tenth of the parse (its buffers). A parser keeps
-# buffers of about twice the largest body it read, so only a few are kept, and only after bodies up to
-# _KEEP_BYTES; a parser holds one document at a time and is not thread safe, so each is lent to one thread.
-_KEEP = 2
-_KEEP_BYTES = 16 << 20
+_KEY = b'"coordinates"'
+# JSON's own whitespace around the colon, then the array's bracket.
+_OPENS = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
+# Parsers kept for reuse (making one costs its buffers); a parser holds one document at a time and is not thread
+# safe, so each is lent to one thread. Each reads one vector at a time, so its buffers stay small.
+_KEEP = 4
 _idle: list[simdjson.Parser] = []
 _idle_lock = threading.Lock()
 
 
-def load_dense_items(body: bytes) -> list[dict[str, Any]] | None:
-    """The body's JSON array of data points as orjson would load it, except that every `vector.coordinates`
-    array is a float64 ndarray of the same values; None when the body is anything else or cannot be read so
-    (the caller then parses it the usual way)."""
-    if not _ARRAY_START.match(body):
+def load_dense(body: bytes) -> tuple[Any, np.ndarray] | None:
+    """orjson's reading of the body with the n-th `coordinates` array (in body order) replaced by the integer n,
+    and those arrays as one float64 matrix, row n the n-th; None when the body has no such array, when they are
+    not all flat arrays of numbers of one length, or when either part cannot be read (the caller then parses the
+    body the usual way). The caller must check that each placeholder stands where a vector's coordinates do."""
+    spans = _coordinate_spans(body)
+    if not spans:
         return None
+    # Slices of bytes, not memoryviews: bytes.join took memoryviews at a third of the speed.
+    parts: list[bytes] = []
+    prev = 0
+    for n, (start, end) in enumerate(spans):
+        parts.append(body[prev:start])
+        parts.append(b"%d" % n)
+        prev = end
+    parts.append(body[prev:])
+    try:
+        rest = orjson.loads(b"".join(parts))
+    except orjson.JSONDecodeError:
+        return None
+    matrix = _parse_rows(body, spans)
+    return None if matrix is None else (rest, matrix)
+
+
+def _coordinate_spans(body: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every flat `coordinates` array: from its `[` to just past its `]`. Empty when an array
+    of that key is not flat (the usual way then reads the body)."""
+    find, opens = body.find, _OPENS.match
+    spans: list[tuple[int, int]] = []
+    at = find(_KEY)
+    while at != -1:
+        after = at + len(_KEY)
+        opened = opens(body, after)
+        if opened is None:  # a string value, or a key with a value of another kind: orjson reads it
+            at = find(_KEY, after)
+            continue
+        start = opened.end() - 1
+        end = find(b"]", start)
+        if end == -1 or find(b'"', start, end) != -1 or find(b"[", start + 1, end) != -1:
+            return []
+        spans.append((start, end + 1))
+        at = find(_KEY, end)
+    return spans
+
+
+def _parse_rows(body: bytes, spans: list[tuple[int, int]]) -> np.ndarray | None:
+    """The arrays at `spans` as a float64 [len(spans), width] matrix, or None unless each is a JSON array of
+    `width` numbers (the same width for all).
+
+    Each array is parsed on its own: a parse of a few kilobytes stays in the cache, and joining them into one
+    document first cost 1-4 ms of copying (a fresh 7 MB buffer) for the same parse time."""
     with _idle_lock:
         parser = _idle.pop() if _idle else None
     parser = parser or simdjson.Parser()
+    parse, frombuffer, double = parser.parse, np.frombuffer, np.float64
+    matrix: np.ndarray | None = None
     try:
-        document = parser.parse(body)
-    except (ValueError, RuntimeError, TypeError):  # invalid JSON, numbers it cannot hold, nesting too deep
+        for n, (start, end) in enumerate(spans):
+            document = parse(body[start:end])
+            # as_buffer would flatten a nested array: the spans hold none (simd_upload._coordinate_spans).
+            row = frombuffer(document.as_buffer(of_type="d"), dtype=double)
+            del document  # no proxy of a document outlives its parse, so the parser can read the next one
+            if matrix is None:
+                if not len(row):
+                    return None
+                matrix = np.empty((len(spans), len(row)), dtype=double)
+            elif len(row) != matrix.shape[1]:
+                return None
+            matrix[n] = row
+    except (ValueError, RuntimeError, TypeError):  # invalid JSON, a value that is not a number, a big integer
         return None  # the parser is dropped: it may be in any state
-    try:
-        read = _items(document)
-    except (ValueError, RuntimeError, TypeError):  # a coordinate that is not a number, a big integer
-        read = None
-    del document  # no proxy of the document outlives this function, so the parser can read the next body
-    if len(body) <= _KEEP_BYTES:
-        with _idle_lock:
-            if len(_idle) < _KEEP:
-                _idle.append(parser)
-    if read is None:
-        return None
-    items, arrays = read
-    # as_buffer flattens nested arrays ([[1], 2] reads as [1, 2]): prove there are none. Every item's attributes
-    # array, every coordinates array and the body's own array open with a bracket outside any string; one more
-    # bracket anywhere (a nested array, or one inside a string) sends the body the usual way.
-    if _brackets(body, 1 + arrays) != 1 + arrays:
-        return None
-    return items
-
-
-def _brackets(body: bytes, expected: int) -> int:
-    """How many '[' the body holds, counting no further than one past `expected`. A find per bracket (memchr)
-    skips the coordinates between them: 0.2 ms for a 7.5 MB body where bytes.count, a byte at a time, took 1.8."""
-    find = body.find
-    count = 0
-    at = find(b"[")
-    while at != -1 and count <= expected:
-        count += 1
-        at = find(b"[", at + 1)
-    return count
-
-
-def _items(document: Any) -> tuple[list[dict[str, Any]], int] | None:
-    """The items and the count of arrays read from them, or None when an item is not of the expected form."""
-    if type(document) is not _ARRAY:
-        return None
-    items: list[dict[str, Any]] = []
-    arrays = 0
-    frombuffer, double = np.frombuffer, np.float64
-    for raw in document:
-        if type(raw) is not _OBJECT:
-            return None
-        keys = list(raw.keys())
-        if len(keys) > 1 and len(set(keys)) != len(keys):
-            return None  # a key given twice: orjson keeps the last, simdjson's lookup the first
-        item: dict[str, Any] = {}
-        for key in keys:
-            value = raw[key]  # a container stays a proxy here (items() would convert it whole)
-            kind = type(value)
-            if kind is _OBJECT:
-                if key != "vector":
-                    return None
-                vector_keys = list(value.keys())
-                if len(vector_keys) > 1 and len(set(vector_keys)) != len(vector_keys):
-                    return None
-                vector: dict[str, Any] = {}
-                for vkey in vector_keys:
-                    vvalue = value[vkey]
-                    vkind = type(vvalue)
-                    if vkind is _ARRAY:
-                        if vkey != "coordinates":
-                            return None
-                        vector[vkey] = frombuffer(vvalue.as_buffer(of_type="d"), dtype=double)
-                        arrays += 1
-                    elif vkind is _OBJECT:
-                        return None
-                    else:
-                        vector[vkey] = vvalue
-                item[key] = vector
-            elif kind is _ARRAY:
-                if key != "attributes":
-                    return None
-                item[key] = value.as_list()
-                arrays += 1
-            else:
-                item[key] = value
-        items.append(item)
-    return items, arrays
+    with _idle_lock:
+        if len(_idle) < _KEEP:
+            _idle.append(parser)
+    return matrix

@@ -44,7 +44,7 @@ from shoal.vektonn.json_fields import (
     vector_value,
 )
 from shoal.vektonn.runs import runs
-from shoal.vektonn.simd_upload import load_dense_items
+from shoal.vektonn.simd_upload import load_dense
 
 _DATETIMES = pydantic.TypeAdapter(list[dt.datetime])
 _UNSET: Any = object()
@@ -74,11 +74,11 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
     beyond `max_points` (before any point is checked). Nothing is written by this function either way.
     """
     if not spec.vectors_are_sparse:
-        # The common case first: dense points read with simdjson, coordinates straight into arrays. Whatever it
-        # cannot take (or the fast path cannot prove valid) is parsed again below, which decides.
-        simd = load_dense_items(body)
-        if simd is not None and simd and len(simd) <= max_points:
-            table = _fast_batch(spec, simd, max_points)
+        # The common case first: dense points with their coordinates read by simdjson into one matrix. Whatever
+        # it cannot take (or the fast path cannot prove valid) is parsed again below, which decides.
+        dense = load_dense(body)
+        if dense is not None and type(dense[0]) is list and 0 < len(dense[0]) <= max_points:
+            table = _fast_batch(spec, dense[0], max_points, dense[1])
             if table is not None:
                 return table
     loaded = load(body, UploadBodyError)
@@ -106,9 +106,14 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
 # -- the fast path --------------------------------------------------------------------------------------------
 
 
-def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: int) -> pa.Table | None:
+def _fast_batch(
+    spec: DataSourceSpec, items: list[Any], max_points: int, matrix: np.ndarray | None = None
+) -> pa.Table | None:
     """The batch's table when every item is a well-formed dense upsert or tombstone that breaks no rule; None
-    otherwise (the exact path then decides, and reports what is wrong)."""
+    otherwise (the exact path then decides, and reports what is wrong).
+
+    With `matrix` (simd_upload.load_dense), the n-th upsert's coordinates must be the integer n, standing for
+    row n of `matrix`, and every row must be some upsert's."""
     n = len(items)
     if n > max_points:
         return None
@@ -118,9 +123,10 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
     columns: dict[str, tuple[str, list[Any]]] = {name: (SLOT[kind], [_UNSET] * n) for name, kind in types.items()}
     rows: list[Any] = [None] * n
     deleted = [False] * n
+    upserts = 0
     for pos, item in enumerate(items):
         # Exact key spelling only: any other case, or an extra key, takes the exact path (which canonicalises).
-        if not item.keys() <= _ITEM_KEYS:
+        if type(item) is not dict or not item.keys() <= _ITEM_KEYS:
             return None
         tombstone = item.get("isDeleted", False)
         vector = item.get("vector")
@@ -137,7 +143,13 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
         elif type(vector) is not dict or vector.get("isSparse", False) is not False or not vector.keys() <= _DENSE_KEYS:
             return None
         else:
-            rows[pos] = vector.get("coordinates")
+            coordinates = vector.get("coordinates")
+            if matrix is not None:
+                # The placeholder of the next array in body order, else the body is not what load_dense assumed.
+                if type(coordinates) is not int or coordinates != upserts:
+                    return None
+                upserts += 1
+            rows[pos] = coordinates
             expected = types
         attributes = item.get("attributes")
         if type(attributes) is not list or len(attributes) != len(expected):
@@ -154,6 +166,8 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
             if raw is None or values[pos] is not _UNSET:
                 return None
             values[pos] = raw
+    if matrix is not None and upserts != len(matrix):
+        return None
 
     # Runs of upserts and of tombstones, in order, each one columnar batch (as the Arrow form is decoded).
     parts: list[pa.Table] = []
@@ -171,7 +185,12 @@ def _fast_batch(spec: DataSourceSpec, items: list[dict[str, Any]], max_points: i
                 given = [v for v in columns[name][1][start:end] if v is not _UNSET]
                 if given and _fast_column(types[name], given) is None:
                     return None
-        vectors = None if deleted[start] else _dense_matrix(rows[start:end], end - start, spec.vector_dimension)
+        if deleted[start]:
+            vectors = None
+        elif matrix is not None:
+            vectors = _finite32(matrix[rows[start]:rows[end - 1] + 1], spec.vector_dimension)
+        else:
+            vectors = _dense_matrix(rows[start:end], end - start, spec.vector_dimension)
         if vectors is None and not deleted[start]:
             return None
         try:
@@ -243,6 +262,13 @@ def _dense_matrix(rows: list[Any], n: int, dim: int) -> np.ndarray | None:
         return None
     if matrix.dtype.kind != "f":
         matrix = matrix.astype(np.float64)  # an int64 straight to float32 could round differently
+    return _finite32(matrix, dim)
+
+
+def _finite32(matrix: np.ndarray, dim: int) -> np.ndarray | None:
+    """A float64 [n, dim] matrix as float32, or None when it has another width or a value beyond float32."""
+    if matrix.shape[1] != dim:
+        return None
     with np.errstate(over="ignore"):
         vectors = matrix.astype(np.float32)
     # A double beyond float32's range becomes inf: the exact path names the point and index.
