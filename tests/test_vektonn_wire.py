@@ -61,6 +61,10 @@ def test_valid_dense_batches_take_the_fast_path_and_equal_the_dto_path(case: tup
     if kind == "table":
         # A clean batch that the DTO path takes, the fast path takes (no value outside int64, none non-finite).
         assert upload_json._fast_batch(spec, orjson.loads(body), max_points) is not None
+        if b'"vector"' in body:
+            # ... and with the coordinates read by simdjson, whatever strings the attributes hold.
+            read = simd_upload.load_dense(body)
+            assert read is not None and upload_json._fast_batch(spec, read[0], max_points, read[1]) is not None
 
 
 def test_real_data_1000_points_of_384_dimensions() -> None:
