@@ -252,6 +252,25 @@ def test_bad_filters_name_the_attribute(local_shoal: Shoal, filters: Any, attrib
     assert err.value.problems[0].attribute == attribute and says in str(err.value), str(err.value)
 
 
+def test_a_repeated_filter_is_judged_by_its_values_not_by_a_cached_look_alike(local_shoal: Shoal) -> None:
+    # Parsed filters are cached per view by their text: a value that prints like an accepted one (a datetime
+    # beside its string, on a string attribute) must still be refused, and an accepted one still answered.
+    s = Setup(local_shoal, "flat", 10)
+    q = np.zeros(DIM, np.float32)
+    s.search(q, 3, {"section": "2024-01-01 00:00:00"})
+    s.search(q, 3, {"section": "2024-01-01T00:00:00"})
+    with pytest.raises(QueryError) as err:
+        s.search(q, 3, {"section": dt.datetime(2024, 1, 1)})
+    assert "expected string" in str(err.value)
+    utils = s.search(q, 3, {"section": "utils"})
+    assert utils and s.search(q, 3, {"section": np.str_("utils")}) == utils
+    with pytest.raises(QueryError):
+        s.search(q, 3, {"score": {"$lt": float("nan")}})
+    s.search(q, 3, {"score": {"$lt": 1.5}})
+    with pytest.raises(QueryError):
+        s.search(q, 3, {"score": {"$lt": None}})
+
+
 def test_filter_on_an_attribute_the_index_does_not_store_is_refused(local_shoal: Shoal) -> None:
     tag = uuid.uuid4().hex[:8]
     source = DataSourceSpec(f"fp-{tag}", "1", 2, {"id": "int64", "secret": "string"}, ["id"])
