@@ -28,7 +28,11 @@ _MAX_CANDIDATES = 8192  # beyond this (or beyond a quarter of the rows) a float6
 # Up to this many rows a search is one float64 product against vectors converted once, then one stable sort:
 # exact with no certificate, and far fewer numpy calls per query (a small engine, such as the searcher's
 # young tier of a few hundred unindexed points, spent ~0.4 ms a query in the general path, ~0.05 ms here).
-_SMALL_ROWS = 2048
+# Beyond about a thousand rows the float64 product reads twice the bytes and the full sort outgrows the float32
+# pass: one 384-d query, cosine, us per engine (small path / general path), one engine in cache: 512 rows 50 / 91,
+# 1,024 rows 94 / 106, 2,048 rows 417 / 193; 40,000 rows over many engines (a busy young tier): 512 rows 107 /
+# 109, 1,024 rows 190 / 143, 2,048 rows 565 / 469.
+_SMALL_ROWS = 1024
 
 
 def _row_blocks(n: int, rows: int) -> list[tuple[int, int]]:
