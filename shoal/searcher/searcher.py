@@ -307,9 +307,9 @@ class SearchService:
             for s in index.shards if s.shard_no in picked
         )
         view = IndexView(index, source, shards)
+        q = prepare_queries(source.spec, queries)  # a bad query is refused even when no shard is searched
         if not shards:
-            return [Hits([], [], ()) for _ in range(len(prepare_queries(source.spec, queries)))]
-        q = prepare_queries(source.spec, queries)
+            return [Hits([], [], ()) for _ in range(len(q))]
         params = view.engine_class.check_search_params(search_params)
         matches = split_matcher(index.spec, source.spec, split_filter)
         flt = _checked_filter(view, filters) if filters is not None else None

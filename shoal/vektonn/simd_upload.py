@@ -97,24 +97,30 @@ def _parse_rows(body: bytes, spans: list[tuple[int, int]]) -> np.ndarray | None:
     with _idle_lock:
         parser = _idle.pop() if _idle else None
     parser = parser or simdjson.Parser()
-    parse, frombuffer, double = parser.parse, np.frombuffer, np.float64
-    matrix: np.ndarray | None = None
     try:
-        for n, (start, end) in enumerate(spans):
-            document = parse(body[start:end])
-            # as_buffer would flatten a nested array: the spans hold none (simd_upload._coordinate_spans).
-            row = frombuffer(document.as_buffer(of_type="d"), dtype=double)
-            del document  # no proxy of a document outlives its parse, so the parser can read the next one
-            if matrix is None:
-                if not len(row):
-                    return None
-                matrix = np.empty((len(spans), len(row)), dtype=double)
-            elif len(row) != matrix.shape[1]:
-                return None
-            matrix[n] = row
+        matrix = _rows(parser, body, spans)
     except (ValueError, RuntimeError, TypeError):  # invalid JSON, a value that is not a number, a big integer
         return None  # the parser is dropped: it may be in any state
     with _idle_lock:
         if len(_idle) < _KEEP:
             _idle.append(parser)
+    return matrix
+
+
+def _rows(parser: simdjson.Parser, body: bytes, spans: list[tuple[int, int]]) -> np.ndarray | None:
+    """_parse_rows's matrix, read with `parser`; None at the first array of no numbers or of another width."""
+    parse, frombuffer, double = parser.parse, np.frombuffer, np.float64
+    matrix: np.ndarray | None = None
+    for n, (start, end) in enumerate(spans):
+        document = parse(body[start:end])
+        # as_buffer would flatten a nested array: the spans hold none (simd_upload._coordinate_spans).
+        row = frombuffer(document.as_buffer(of_type="d"), dtype=double)
+        del document  # no proxy of a document outlives its parse, so the parser can read the next one
+        if matrix is None:
+            if not len(row):
+                return None
+            matrix = np.empty((len(spans), len(row)), dtype=double)
+        elif len(row) != matrix.shape[1]:
+            return None
+        matrix[n] = row
     return matrix
