@@ -187,7 +187,8 @@ class RecallSample:
     t: float  # seconds since ingest started when it began (the truth's snapshot)
     phase: str  # ingest | after
     recall: float
-    points: int  # points in the state the truth was computed over
+    points: int  # points in the state when its first query began
+    points_end: int  # points in the state when its last query began (each query is judged on its own state)
     lag_seqs: int  # head - served watermark (largest shard), from the last index_status sample
     built_lag_seqs: int
     t_end: float  # seconds since ingest started when its last query returned
@@ -279,6 +280,11 @@ class Truth:
     def snapshot(self) -> tuple[np.ndarray, int]:
         with self.lock:
             return self.ids.copy(), self.points
+
+    def row(self, i: int) -> tuple[np.ndarray, int]:
+        """Query i's exact top-K over the state now, and the number of points in that state."""
+        with self.lock:
+            return self.ids[i].copy(), self.points
 
 
 class Reader(threading.Thread):
@@ -412,7 +418,9 @@ class Watcher:
         self.res.max_built_lag_seqs = max(self.res.max_built_lag_seqs, self.built_lag_seqs)
 
     def start_sample(self, phase: str) -> None:
-        """A recall sample over the state now (truth snapshot), its queries spread over the next rounds."""
+        """A recall sample, its queries spread over the next rounds. Each query is judged against the exact top-K
+        over the state when that query starts (a sample spans seconds of ingest, so one snapshot for all of it
+        would count the points acknowledged meanwhile, and found, as misses)."""
         truth_ids, points = self.truth.snapshot()
         found = np.full(truth_ids.shape, -1, dtype=np.int64)
         self.sampling = (phase, time.time() - self.t_ingest, truth_ids, points, found, [0])
@@ -424,6 +432,7 @@ class Watcher:
         t0 = time.perf_counter()
         while nxt[0] < len(self.sample_q) and (time.perf_counter() - t0) < self.args.recall_slice_ms / 1e3:
             i = nxt[0]
+            truth_ids[i], now_points = self.truth.row(i)
             got = self.search_ids(self.sample_q[i : i + 1])
             found[i, : len(got)] = got
             nxt[0] += 1
@@ -431,11 +440,13 @@ class Watcher:
             return None
         self.sampling = None
         r = ib.recall(found, truth_ids)
-        s = RecallSample(t, phase, r, points, self.lag_seqs, self.built_lag_seqs, time.time() - self.t_ingest)
+        s = RecallSample(t, phase, r, points, now_points, self.lag_seqs, self.built_lag_seqs,
+                         time.time() - self.t_ingest)
         self.res.samples.append(s)
         console.print(
-            f"  t={s.t:6.1f}s {phase:6s} recall@{K} {r:.4f}  state {points:,} pts  probes in flight "
-            f"{len(self.pending)}  head-served {s.lag_seqs:,} seqs  head-built {s.built_lag_seqs:,} seqs"
+            f"  t={s.t:6.1f}-{s.t_end:.1f}s {phase:6s} recall@{K} {r:.4f}  state {points:,}-{now_points:,} pts  "
+            f"probes in flight {len(self.pending)}  head-served {s.lag_seqs:,} seqs  head-built "
+            f"{s.built_lag_seqs:,} seqs"
         )
         return s
 
@@ -878,11 +889,12 @@ def print_report(res: Result, args: argparse.Namespace) -> None:
         st.add_column("t s (from ingest start)", justify="right")
         st.add_column("phase")
         st.add_column("recall", justify="right")
-        st.add_column("state points", justify="right")
+        st.add_column("state points (first - last query)", justify="right")
         st.add_column("head - served", justify="right")
         st.add_column("head - built", justify="right")
         for s in res.samples:
-            st.add_row(f"{s.t:.1f}", s.phase, f"{s.recall:.4f}", f"{s.points:,}", f"{s.lag_seqs:,}",
+            st.add_row(f"{s.t:.1f}-{s.t_end:.1f}", s.phase, f"{s.recall:.4f}", f"{s.points:,}-{s.points_end:,}",
+                       f"{s.lag_seqs:,}",
                        f"{s.built_lag_seqs:,}")
         console.print(st)
 
@@ -909,9 +921,9 @@ def print_report(res: Result, args: argparse.Namespace) -> None:
     lines.append(
         f"4/5: recall samples every {args.recall_every}s: the first {args.recall_queries} held-out queries, one per "
         f"call (up to {args.recall_slice_ms:g} ms of them per probe round, so a sample spans rounds), vs exact "
-        f"cosine top-{K} (numpy) over the preload + every point acknowledged when the sample began, "
-        f"kept incrementally per acked batch. New points: a random shared base vector + Gaussian noise of norm "
-        f"{NOISE}, re-normalised; ids from {FRESH_ID_BASE:,}."
+        f"cosine top-{K} (numpy) over the preload + every point acknowledged when that query began (each query "
+        f"its own state; the truth is kept incrementally per acked batch). New points: a random shared base "
+        f"vector + Gaussian noise of norm {NOISE}, re-normalised; ids from {FRESH_ID_BASE:,}."
     )
     lines.append(
         f"6: T points (100-point uploads, ids from {TAIL_ID_BASE:,}) appended after the workers stopped; strong and "
