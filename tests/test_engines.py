@@ -407,6 +407,44 @@ def test_single_threaded_hnsw_build_is_reproducible() -> None:
     assert a == b
 
 
+@pytest.mark.parametrize("metric", sorted(ENGINES["hnsw"].supported_metrics))
+def test_hnsw_extended_with_rows_searches_like_a_graph_built_over_all(metric: Metric) -> None:
+    """A merge adds small segments' rows to the largest one's graph: labels continue after the base's rows,
+    the graph keeps the structure it was built with, and recall over base and added rows stays that of a
+    graph built over all of them."""
+    base, queries = real()
+    old, new = base[:3_000], base[3_000:4_000]
+    built = get_engine("hnsw").build(old, metric, {"M": 16, "ef_construction": 40, "ef_search": 64})
+    extended = get_engine("hnsw").extend_bytes(built.to_bytes(), new, metric,
+                                               {"M": 16, "ef_construction": 200, "ef_search": 64})
+    assert extended is not None and len(extended) == 4_000
+    assert extended.params == {"M": 16, "ef_construction": 40, "ef_search": 64}  # structure as built
+    _, own = extended.search(new[:200], 1)
+    assert (own[:, 0] == np.arange(3_000, 3_200)).all()  # the added rows answer under their new labels
+    both = np.vstack([old, new])
+    _, el = exact_top_k(metric, queries[:100], both, K)
+    whole = get_engine("hnsw").build(both, metric, {"M": 16, "ef_construction": 40, "ef_search": 64})
+    assert recall(extended.search(queries[:100], K)[1], el) >= recall(whole.search(queries[:100], K)[1], el) - 0.02
+    # It serializes like any engine.
+    again = get_engine("hnsw").from_bytes(extended.to_bytes(), metric, {"M": 16, "ef_construction": 40,
+                                                                        "ef_search": 64})
+    assert (again.search(queries[:20], K)[1] == extended.search(queries[:20], K)[1]).all()
+
+
+def test_only_hnsw_extends_and_a_wrong_header_builds_anew() -> None:
+    x, _ = random_dense(300, 8, 1)
+    for algorithm in ("flat", "ivf"):
+        engine = get_engine(algorithm).build(x, "cosine", {})
+        assert not get_engine(algorithm).extends
+        assert get_engine(algorithm).extend_bytes(engine.to_bytes(), x[:10], "cosine", {}) is None
+    hnsw = get_engine("hnsw").build(x, "cosine", {})
+    assert get_engine("hnsw").extend_bytes(hnsw.to_bytes(), x[:10], "euclidean", {}) is None  # not its metric
+    assert get_engine("hnsw").extend_bytes(get_engine("flat").build(x, "cosine", {}).to_bytes(), x[:10],
+                                           "cosine", {}) is None  # not its algorithm
+    with pytest.raises(ValidationError, match="dimension"):
+        get_engine("hnsw").extend_bytes(hnsw.to_bytes(), np.ones((2, 5), np.float32), "cosine", {})
+
+
 # ---- edge cases ---------------------------------------------------------------------------------------
 
 

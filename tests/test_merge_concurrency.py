@@ -14,7 +14,7 @@ import numpy as np
 from shoal import DataSourceSpec, Shoal
 from shoal.catalog.indexes import ShardCatalog
 from shoal.config.settings import Settings
-from shoal.index.builder import BuildResult, ShardBuilder
+from shoal.index.builder import BuildResult, MergePolicy, ShardBuilder
 from shoal.index.manifest import Manifest
 from shoal.log.records import IndexSpec
 
@@ -123,5 +123,72 @@ def test_quick_segments_under_a_backlog_are_rebuilt_once_it_is_gone(make_setting
         assert not any(s.quick for s in segments)
         assert sum(s.rows - s.deleted_count for s in segments) == 3_000
         assert not builder.needs_merge(shard_id)
+    finally:
+        shoal.close()
+
+
+def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callable[..., Settings]) -> None:
+    """The merged segment is the largest one's rows (dead ones kept under its deletions, same row numbers)
+    followed by the others' live rows, its graph extended rather than rebuilt; searches see exactly the
+    live points, before and after."""
+    shoal, index, shard_id, upload = _setup(make_settings("local"), f"{time.monotonic_ns() % 10**9}")
+    try:
+        builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=1))
+        upload(np.arange(0, 2_000))
+        builder.materialize(shard_id)
+        upload(np.arange(10, 20), salt=1)  # 10 keys of the large segment updated: its rows go dead
+        builder.materialize(shard_id)
+        upload(np.arange(2_000, 2_300))
+        builder.materialize(shard_id)
+        shoal.producer(shoal.get_index(index, "1").spec.source_name, "1").delete(
+            {"id": np.array([20, 2_000], dtype=np.int64)})  # one key of the large segment, one of a small one
+        builder.materialize(shard_id)
+        before = _segments(shoal, shard_id).segments
+        assert [s.rows for s in before] == [2_000, 10, 300]
+        assert [s.deleted_count for s in before] == [11, 0, 1]
+        large = builder.cache.load(shoal.storage, before[0], shoal.get_index(index, "1").spec)
+
+        assert builder.merge(shard_id).changed
+        (merged,) = _segments(shoal, shard_id).segments
+        assert merged.id not in {s.id for s in before} and not merged.quick
+        assert merged.rows == 2_000 + 10 + 299 and merged.deleted_count == 11  # the large one's dead rows
+        seg = builder.cache.load(shoal.storage, merged, shoal.get_index(index, "1").spec)
+        assert seg.keys[:2_000].tolist() == large.keys.tolist()  # its rows first, under the same numbers
+        assert len(seg.splits[0].engine) == merged.rows
+
+        searcher = shoal.searcher(follow=False)
+        try:
+            def own(ids: np.ndarray, salt: int = 0) -> list[int]:
+                hits = searcher.search(index, "1", _vectors(ids, salt), 1)
+                return [h[0].attributes["id"] for h in hits if h and h[0].distance < 1e-4]
+
+            live = np.setdiff1d(np.arange(2_300), [20, 2_000])
+            assert own(live[(live < 10) | (live >= 20)]) == live[(live < 10) | (live >= 20)].tolist()
+            assert own(np.arange(10, 20), salt=1) == list(range(10, 20))  # updated: the new vectors
+            assert own(np.arange(10, 20)) == []  # and not the old ones, which stay in the graph as dead rows
+            assert own(np.array([20, 2_000])) == []  # deleted
+        finally:
+            searcher.close()
+    finally:
+        shoal.close()
+
+
+def test_a_shard_stays_busy_for_the_hold_after_its_backlog(make_settings: Callable[..., Settings]) -> None:
+    """Under sustained ingest the backlog comes and goes with each build: a merge between two builds keeps the
+    quick segments quick while the hold lasts, and rebuilds them at full quality after it."""
+    shoal, _, shard_id, upload = _setup(make_settings("local"), f"{time.monotonic_ns() % 10**9}")
+    try:
+        holding = ShardBuilder(shoal.engine, shoal.storage, quick_backlog_seqs=1_000, quick_ef_construction=16,
+                               quick_hold_s=3_600.0)
+        upload(np.arange(0, 2_000))
+        holding.materialize(shard_id)
+        assert [s.quick for s in _segments(shoal, shard_id).segments] == [True]
+        assert not holding.needs_merge(shard_id)  # no backlog now, but within the hold: stays quick
+        # Another process (or this one after the hold) sees no backlog: the quick segment is due.
+        released = ShardBuilder(shoal.engine, shoal.storage, quick_backlog_seqs=1_000, quick_ef_construction=16,
+                                quick_hold_s=3_600.0)
+        assert released.needs_merge(shard_id)
+        assert released.merge(shard_id).changed
+        assert [s.quick for s in _segments(shoal, shard_id).segments] == [False]
     finally:
         shoal.close()

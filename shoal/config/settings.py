@@ -156,6 +156,11 @@ class Settings(BaseSettings):
     quick_ef_construction: int = Field(
         default=40, ge=1, description="ef_construction of quickly built HNSW segments (see the setting above)."
     )
+    quick_hold_s: float = Field(
+        default=10.0, ge=0,
+        description="A shard that had such a backlog counts as busy for this many seconds after: its builds and "
+        "merges stay quick meanwhile, and its quick segments are rebuilt at full quality only after.",
+    )
     max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
     merge_interval_s: float = Field(
         default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."

@@ -62,6 +62,8 @@ class Engine(ABC):
     may_miss: ClassVar[bool] = True
     # Parameters a single search may override (name -> inclusive integer range), e.g. HNSW's ef_search.
     search_params: ClassVar[dict[str, tuple[int, int]]] = {}
+    # Whether `extend_bytes` can add rows to a built engine (else callers build anew over all the rows).
+    extends: ClassVar[bool] = False
 
     def __init__(self, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         self.metric = metric
@@ -235,6 +237,22 @@ class Engine(ABC):
             )
         return cls._load(header, sections, m, cls.normalize_params(params))
 
+    @classmethod
+    def extend_bytes(
+        cls, data: bytes, vectors: Vectors, metric: Metric | str, params: Mapping[str, Any] | None, *,
+        threads: int | None = None,
+    ) -> Self | None:
+        """The engine `data` holds (as `to_bytes` wrote it) with `vectors` added after its rows (their labels
+        continue from its count), made by adding to it rather than building anew; None where this algorithm
+        cannot, or `data` is not this algorithm's and metric's (the caller then builds over all the rows)."""
+        header, sections = envelope.unpack(data)
+        m = cls.check_metric(metric)
+        if header.get("algorithm") != cls.algorithm or header.get("metric") != m.value:
+            return None
+        add = _sparse("vectors", vectors) if cls.sparse else _dense("vectors", vectors, int(header["dim"]))
+        return cls._extend(header, sections, m, cls.normalize_params(params), add,
+                           max(1, threads or available_cores()))
+
     # ---- hooks ------------------------------------------------------------------------------------------
 
     @classmethod
@@ -256,6 +274,12 @@ class Engine(ABC):
     @abstractmethod
     def _sections(self) -> list[bytes | memoryview]:
         """The binary payload."""
+
+    @classmethod
+    def _extend(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any],
+                vectors: Any, threads: int) -> Self | None:
+        """`_load`'s engine with checked `vectors` added after its rows; None: this algorithm builds anew."""
+        return None
 
     @classmethod
     @abstractmethod

@@ -53,6 +53,7 @@ class HnswEngine(Engine):
     # hnswlib raises rather than return fewer than k; _search then answers exactly: never a -1 label.
     may_miss = False
     search_params = {"ef_search": _LIMITS["ef_search"]}
+    extends = True
 
     def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
         super().__init__(metric, params, dim, count)
@@ -259,6 +260,12 @@ class HnswEngine(Engine):
 
     @classmethod
     def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
+        return cls._restore(header, sections, metric, params, room=0)
+
+    @classmethod
+    def _restore(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any],
+                 room: int) -> Self:
+        """The saved graph, with space for `room` more rows."""
         n, dim = int(header["count"]), int(header["dim"])
         # The graph's structure is what was built; only ef_search is taken from the caller's params.
         built = header["params"]
@@ -270,8 +277,21 @@ class HnswEngine(Engine):
                 path = os.path.join(tmp, "index.bin")
                 with open(path, "wb") as f:
                     f.write(sections[0])
-                index.load_index(path, max_elements=n)
+                index.load_index(path, max_elements=n + room)
         return cls(index, metric, effective, dim, n)
+
+    @classmethod
+    def _extend(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any],
+                vectors: Any, threads: int) -> Self | None:
+        """The saved graph with `vectors` inserted (labels from its count on), at the graph's own M and
+        ef_construction: inserting m rows into a graph of n costs about what building m alone does, where a
+        rebuild pays for all n + m (a merge of small segments into a larger one, bench/freshness.py)."""
+        base = cls._restore(header, sections, metric, params, room=len(vectors))
+        if base._index is None or not len(vectors):
+            return None  # nothing to add to, or nothing to add: a plain build is as cheap
+        n = len(base)
+        base._index.add_items(vectors, np.arange(n, n + len(vectors)), num_threads=threads)
+        return cls(base._index, metric, base._params, base.dim, n + len(vectors))
 
 
 def _has_ties(d: np.ndarray) -> bool:

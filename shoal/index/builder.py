@@ -24,7 +24,7 @@ from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
 from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
-from shoal.index.segment import build_segment, manifest_files, read_deletions, write_deletions
+from shoal.index.segment import build_segment, extend_segment, manifest_files, read_deletions, write_deletions
 from shoal.index.segment_cache import SegmentCache
 from shoal.index.sharding import shard_numbers
 from shoal.log.reader import fold, read_log
@@ -77,13 +77,14 @@ class ShardBuilder:
         on_publish: Callable[[int, int], None] | None = None,
         quick_backlog_seqs: int = 0,
         quick_ef_construction: int = 40,
+        quick_hold_s: float = 0.0,
     ) -> None:
         """`lease_seconds`: how long a build's lease lasts unrenewed. `heartbeat_s`: renew it that often while
         a build runs (workers do, with a short lease, so a dead worker's lease ends soon); None: never, the
         lease just lasts `lease_seconds` (builds run in-process, as tests and benches do).
         `quick_backlog_seqs`: a materialization with at least this many log entries to build makes a quick HNSW
-        segment (ef_construction `quick_ef_construction`), rebuilt by a merge once the backlog is gone (0:
-        never)."""
+        segment (ef_construction `quick_ef_construction`), rebuilt by a merge once the backlog has been gone for
+        `quick_hold_s` seconds (0: never)."""
         self.engine = engine
         self.storage = storage
         self.shards = ShardCatalog(engine)
@@ -97,6 +98,8 @@ class ShardBuilder:
         self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
         self.quick_backlog_seqs = quick_backlog_seqs
         self.quick_ef_construction = quick_ef_construction
+        self.quick_hold_s = quick_hold_s
+        self._busy_until: dict[int, float] = {}  # shard id -> time.monotonic() its last backlog holds until
         self.publish_wait_s = 120.0  # how long a merge waits for the lease to publish what it built
 
     # -- shared steps ---------------------------------------------------------------------------------
@@ -173,9 +176,18 @@ class ShardBuilder:
             return False
         return int(index.spec.params.get("ef_construction", 200)) > self.quick_ef_construction
 
-    def _busy(self, index: IndexRecord, watermark: int, head: int) -> bool:
-        """True when the shard has a backlog a quick build is for (ingest outruns the builds)."""
-        return self._can_build_quickly(index) and head - watermark >= self.quick_backlog_seqs
+    def _busy(self, index: IndexRecord, shard_id: int, watermark: int, head: int) -> bool:
+        """True when the shard has a backlog a quick build is for (ingest outruns the builds), or had one within
+        the last `quick_hold_s` seconds: under sustained ingest the backlog comes and goes with every build,
+        and a merge that caught the shard between two of them would rebuild its quick segments at full cost
+        while ingest goes on (a process remembers only what its own builds saw)."""
+        if not self._can_build_quickly(index):
+            return False
+        now = time.monotonic()
+        if head - watermark >= self.quick_backlog_seqs:
+            self._busy_until[shard_id] = now + self.quick_hold_s
+            return True
+        return now < self._busy_until.get(shard_id, 0.0)
 
     # -- materialize --------------------------------------------------------------------------------
 
@@ -194,7 +206,7 @@ class ShardBuilder:
 
         entries = self._shard_entries(index, shard, source, watermark, head)
         generation = active.generation if active else index.generation
-        quick = self._busy(index, watermark, head)
+        quick = self._busy(index, shard_id, watermark, head)
         if entries.num_rows:
             touched = pc.unique(entries[KEY])
             segments = [self._delete_keys(index, entry, touched) for entry in segments]
@@ -243,24 +255,60 @@ class ShardBuilder:
             return BuildResult(shard_id, None, 0, False, 0)
         segments = list(Manifest.of(active.manifest).segments)
         head, _ = head_of(self.engine, source.id)
-        busy = self._busy(index, active.watermark, head)
+        busy = self._busy(index, shard_id, active.watermark, head)
         chosen = self.pick_for_merge(segments, force, busy=busy)
         if not chosen:
             return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
         picked = [segments[i] for i in chosen]
-        live: list[pa.Table] = []
-        for entry in picked:
-            seg = self.cache.load(self.storage, entry, index.spec)
-            keep = np.ones(seg.rows.num_rows, dtype=bool)
-            keep[read_deletions(self.storage, entry)] = False
-            live.append(seg.rows.filter(pa.array(keep)))
-        rows = pa.concat_tables(live)
-        # Quick while the shard is busy (the merge only bounds the segment count then), else at full quality.
-        merged = None
-        if rows.num_rows:
-            merged = self._new_segment(index, shard, source, active.generation, rows, quick=busy)
+        t0 = time.monotonic()
+        merged = None if force else self._extended(index, shard, source, active.generation, picked, busy)
+        how = "extended"
+        if merged is None:
+            how = "rebuilt"
+            rows = pa.concat_tables([self._live_rows(index, entry) for entry in picked])
+            # Quick while the shard is busy (the merge only bounds the segment count then), else at full quality.
+            if rows.num_rows:
+                merged = self._new_segment(index, shard, source, active.generation, rows, quick=busy)
+        log.info("merge of shard %s: %d of %d segments (rows %s%s) %s into %s rows%s in %.2fs", shard_id,
+                 len(picked), len(segments), [e.rows for e in picked], ", busy" if busy else "", how,
+                 merged.rows if merged else 0, " (quick)" if merged and merged.quick else "", time.monotonic() - t0)
         return self._leased(shard_id, lambda: self._publish_merge(shard, index, active, picked, merged),
                             wait_s=self.publish_wait_s)
+
+    def _live_rows(self, index: IndexRecord, entry: SegmentEntry) -> pa.Table:
+        seg = self.cache.load(self.storage, entry, index.spec)
+        keep = np.ones(seg.rows.num_rows, dtype=bool)
+        keep[read_deletions(self.storage, entry)] = False
+        return seg.rows.filter(pa.array(keep))
+
+    def _extended(
+        self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int,
+        picked: list[SegmentEntry], busy: bool,
+    ) -> SegmentEntry | None:
+        """The merge of `picked` made by adding the others' live rows to the largest one's engine (which keeps
+        its rows, dead ones with their deletions), or None where a build over all the live rows is due: no
+        segment has few enough dead rows, or (the shard not busy) only quick ones qualify, whose rows must be
+        built anew at the index's own parameters. Merging small segments into a larger one then costs the
+        small ones' rows only, where a rebuild pays for every row again (bench/freshness.py)."""
+        candidates = [
+            e for e in picked
+            if e.rows and e.deleted_count <= self.policy.max_deleted_ratio * e.rows and (busy or not e.quick)
+        ]
+        if len(picked) < 2 or not candidates:
+            return None
+        base = max(candidates, key=lambda e: e.rows)
+        rest = [self._live_rows(index, e) for e in picked if e.id != base.id]
+        rows = pa.concat_tables(rest)
+        if not rows.num_rows:
+            return None
+        spec = source.spec
+        seg = self.cache.load(self.storage, base, index.spec)
+        entry = extend_segment(self.storage, shard_dir(index, shard, generation), index.spec,
+                               spec.vectors_are_sparse, spec.vector_dimension, base, seg.rows, rows)
+        if entry is None:
+            return None
+        entry = write_deletions(self.storage, entry, read_deletions(self.storage, base))
+        return replace(entry, quick=base.quick)
 
     def _publish_merge(
         self, shard: ShardRecord, index: IndexRecord, read: VersionRecord, picked: list[SegmentEntry],
@@ -332,5 +380,5 @@ class ShardBuilder:
         busy = False
         if any(s.quick for s in segments):
             _, index, source = self.shards.shard_context(shard_id)
-            busy = self._busy(index, active.watermark, head_of(self.engine, source.id)[0])
+            busy = self._busy(index, shard_id, active.watermark, head_of(self.engine, source.id)[0])
         return bool(self.pick_for_merge(segments, busy=busy))

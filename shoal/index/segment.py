@@ -15,7 +15,7 @@ import hashlib
 import io
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -81,14 +81,8 @@ def build_segment(
     """Write a segment for `rows` (live upserts: key, seq, attributes, vector) and return its manifest entry."""
     seg_id = uuid.uuid4()
     folder = layout.index_segment_dir(shard_dir, seg_id)
-    vector_cols = [SPARSE_INDICES, SPARSE_VALUES] if sparse else [VECTOR]
-    table = rows.select([KEY, SEQ, *index.stored_attributes(), *vector_cols])
-    table = table.append_column(SPLIT, split_keys(table, index.split_attributes))
-    table = table.take(pc.sort_indices(table, sort_keys=[(SPLIT, "ascending"), (SEQ, "ascending")]))
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], row_group_size=max(table.num_rows, 1))
-    rows_checksum = _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+    table = _segment_table(rows, index, sparse)
+    rows_checksum = _write_rows(storage, folder, table)
 
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
@@ -121,6 +115,63 @@ def build_segment(
         max_seq=int(seqs.max()) if len(seqs) else 0,
         rows_checksum=rows_checksum,
         splits=tuple(splits),
+        deleted=None,
+    )
+
+
+def _segment_table(rows: pa.Table, index: IndexSpec, sparse: bool) -> pa.Table:
+    """`rows` as a segment stores them: key, seq, stored attributes, vector, split; sorted by split, then seq."""
+    vector_cols = [SPARSE_INDICES, SPARSE_VALUES] if sparse else [VECTOR]
+    table = rows.select([KEY, SEQ, *index.stored_attributes(), *vector_cols])
+    table = table.append_column(SPLIT, split_keys(table, index.split_attributes))
+    return table.take(pc.sort_indices(table, sort_keys=[(SPLIT, "ascending"), (SEQ, "ascending")]))
+
+
+def _write_rows(storage: Storage, folder: str, table: pa.Table) -> str:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], row_group_size=max(table.num_rows, 1))
+    return _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+
+
+def extend_segment(
+    storage: Storage, shard_dir: str, index: IndexSpec, sparse: bool, dim: int, base: EntryLike,
+    base_rows: pa.Table, rows: pa.Table,
+) -> SegmentEntry | None:
+    """A new segment of `base`'s rows followed by `rows` (live upserts), its engine made by adding `rows` to
+    `base`'s (`Engine.extend_bytes`) rather than built over all of them; None, having written nothing, where
+    that cannot be done: an index with split attributes, an algorithm that builds anew, rows of another type.
+
+    `base_rows` is `base`'s rows table as loaded. Every row of `base` keeps its row number, dead ones too, so
+    the caller gives the new segment `base`'s deletions; the result has none."""
+    base = SegmentEntry.of(base)
+    engine_cls = get_engine(index.algorithm)
+    if not engine_cls.extends or index.split_attributes or len(base.splits) != 1 or not rows.num_rows:
+        return None
+    table = _segment_table(rows, index, sparse)
+    try:
+        table = table.cast(base_rows.schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+        return None  # a schema the base segment does not share: build anew
+    split = base.splits[0]
+    data = _read(storage, base.split_path(split), split.checksum).to_pybytes()
+    combined = pa.concat_tables([base_rows, table])
+    seg_id = uuid.uuid4()
+    folder = layout.index_segment_dir(shard_dir, seg_id)
+    # The rows first, the engine after, as build_segment writes them.
+    rows_checksum = _write_rows(storage, folder, combined)
+    engine = engine_cls.extend_bytes(data, vectors_of(table, sparse, dim), index.metric, index.params)
+    if engine is None:
+        return None  # not expected after the checks above; the rows file is unreferenced garbage for GC
+    name = "split-0.bin"
+    checksum = _write(storage, f"{folder}/{name}", engine.to_bytes())
+    return SegmentEntry(
+        id=str(seg_id),
+        dir=folder,
+        rows=combined.num_rows,
+        min_seq=min(base.min_seq, int(pc.min(table[SEQ]).as_py())),
+        max_seq=max(base.max_seq, int(pc.max(table[SEQ]).as_py())),
+        rows_checksum=rows_checksum,
+        splits=(replace(split, end=combined.num_rows, file=name, checksum=checksum),),
         deleted=None,
     )
 
