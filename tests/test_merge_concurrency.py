@@ -128,12 +128,14 @@ def test_quick_segments_under_a_backlog_are_rebuilt_once_it_is_gone(make_setting
 
 
 def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callable[..., Settings]) -> None:
-    """The merged segment is the largest one's rows (dead ones kept under its deletions, same row numbers)
-    followed by the others' live rows, its graph extended rather than rebuilt; searches see exactly the
-    live points, before and after."""
+    """Under ingest, the merged segment is the largest one's rows (dead ones kept under its deletions, same row
+    numbers) followed by the others' live rows, its graph extended rather than rebuilt; at rest a merge leaves
+    no dead rows. Searches see exactly the live points throughout."""
     shoal, index, shard_id, upload = _setup(make_settings("local"), f"{time.monotonic_ns() % 10**9}")
     try:
-        builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=1))
+        # Busy throughout: every build has a backlog of at least one entry, and the hold outlasts the test.
+        builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=1),
+                               quick_backlog_seqs=1, quick_ef_construction=16, quick_hold_s=3_600.0)
         upload(np.arange(0, 2_000))
         builder.materialize(shard_id)
         upload(np.arange(10, 20), salt=1)  # 10 keys of the large segment updated: its rows go dead
@@ -150,25 +152,34 @@ def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callabl
 
         assert builder.merge(shard_id).changed
         (merged,) = _segments(shoal, shard_id).segments
-        assert merged.id not in {s.id for s in before} and not merged.quick
+        assert merged.id not in {s.id for s in before} and merged.quick  # quick like the segment it extends
         assert merged.rows == 2_000 + 10 + 299 and merged.deleted_count == 11  # the large one's dead rows
         seg = builder.cache.load(shoal.storage, merged, shoal.get_index(index, "1").spec)
         assert seg.keys[:2_000].tolist() == large.keys.tolist()  # its rows first, under the same numbers
         assert len(seg.splits[0].engine) == merged.rows
 
-        searcher = shoal.searcher(follow=False)
-        try:
-            def own(ids: np.ndarray, salt: int = 0) -> list[int]:
-                hits = searcher.search(index, "1", _vectors(ids, salt), 1)
-                return [h[0].attributes["id"] for h in hits if h and h[0].distance < 1e-4]
+        def check_searches() -> None:
+            searcher = shoal.searcher(follow=False)
+            try:
+                def own(ids: np.ndarray, salt: int = 0) -> list[int]:
+                    hits = searcher.search(index, "1", _vectors(ids, salt), 1)
+                    return [h[0].attributes["id"] for h in hits if h and h[0].distance < 1e-4]
 
-            live = np.setdiff1d(np.arange(2_300), [20, 2_000])
-            assert own(live[(live < 10) | (live >= 20)]) == live[(live < 10) | (live >= 20)].tolist()
-            assert own(np.arange(10, 20), salt=1) == list(range(10, 20))  # updated: the new vectors
-            assert own(np.arange(10, 20)) == []  # and not the old ones, which stay in the graph as dead rows
-            assert own(np.array([20, 2_000])) == []  # deleted
-        finally:
-            searcher.close()
+                live = np.setdiff1d(np.arange(2_300), [20, 2_000])
+                assert own(live[(live < 10) | (live >= 20)]) == live[(live < 10) | (live >= 20)].tolist()
+                assert own(np.arange(10, 20), salt=1) == list(range(10, 20))  # updated: the new vectors
+                assert own(np.arange(10, 20)) == []  # and not the old ones (dead rows in the extended graph)
+                assert own(np.array([20, 2_000])) == []  # deleted
+            finally:
+                searcher.close()
+
+        check_searches()
+        # At rest (a builder that never finds the shard busy), the merge rebuilds: no dead rows, full quality.
+        at_rest = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=1))
+        assert at_rest.merge(shard_id, force=False).changed
+        (clean,) = _segments(shoal, shard_id).segments
+        assert (clean.rows, clean.deleted_count, clean.quick) == (2_298, 0, False)
+        check_searches()
     finally:
         shoal.close()
 

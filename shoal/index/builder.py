@@ -286,13 +286,17 @@ class ShardBuilder:
         picked: list[SegmentEntry], busy: bool,
     ) -> SegmentEntry | None:
         """The merge of `picked` made by adding the others' live rows to the largest one's engine (which keeps
-        its rows, dead ones with their deletions), or None where a build over all the live rows is due: no
-        segment has few enough dead rows, or (the shard not busy) only quick ones qualify, whose rows must be
-        built anew at the index's own parameters. Merging small segments into a larger one then costs the
-        small ones' rows only, where a rebuild pays for every row again (bench/freshness.py)."""
+        its rows, dead ones with their deletions), or None where a build over all the live rows is due. Merging
+        small segments into a larger one then costs the small ones' rows only, where a rebuild pays for every
+        row again (bench/freshness.py).
+
+        The base may not be a segment with too many dead rows. While the shard is not busy it may not be a quick
+        one (its graph is due for the index's own parameters) nor hold dead rows at all: a merge at rest leaves
+        clean segments, which a search of a one-segment shard answers without masks."""
         candidates = [
             e for e in picked
-            if e.rows and e.deleted_count <= self.policy.max_deleted_ratio * e.rows and (busy or not e.quick)
+            if e.rows and e.deleted_count <= self.policy.max_deleted_ratio * e.rows
+            and (busy or not (e.quick or e.deleted_count))
         ]
         if len(picked) < 2 or not candidates:
             return None
