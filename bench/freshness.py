@@ -230,6 +230,7 @@ class Result:
     recovered_after: float | None = None  # s from the last ack to the first recall sample back at baseline
     recovery_waited: float = 0.0
     last_ack_t: float = 0.0  # seconds from ingest start to the last ack
+    t_ingest: float = 0.0  # time.time() when ingest started
     max_lag_seqs: int = 0
     max_built_lag_seqs: int = 0
     caught_up_after: float | None = None  # s from the last ack until served watermark == head (before part 6)
@@ -766,6 +767,7 @@ def run(settings: Settings, data: ib.Data, args: argparse.Namespace, res: Result
         watcher.run(reader, lambda: time.time() >= drain_end or caught_up(), "drain", check)
     watcher.poll_probes(everything=True)
     res.probes = watcher.all_probes
+    res.t_ingest = watcher.t_ingest
     res.rest_recall, _ = watcher.recall_now()
     for p in watcher.pending:  # never seen: an approximate miss at the index's ef_search, or really absent?
         hits = searcher.search(name, "1", p.vector, K, consistency=EVENTUAL, search_params={"ef_search": WIDE_EF})
@@ -898,6 +900,20 @@ def print_report(res: Result, args: argparse.Namespace) -> None:
                        f"{s.built_lag_seqs:,}")
         console.print(st)
 
+    if res.probes:
+        vt = Table(title="write -> visible by ack time (s from ingest start; never-visible points as infinite)")
+        for col in ("acked in", "points", "p50 s", "p99 s", "max s"):
+            vt.add_column(col, justify="right")
+        lags = res.lags()
+        at = np.array([p.acked - res.t_ingest for p in res.probes])
+        step = 10.0
+        for lo in np.arange(0.0, max(float(at.max()), 0.0) + step, step):
+            sel = lags[(at >= lo) & (at < lo + step)]
+            if len(sel):
+                vt.add_row(f"{lo:.0f}-{lo + step:.0f}", f"{len(sel)}", f"{ib.percentile(sel, 50):.3f}",
+                           f"{ib.percentile(sel, 99):.3f}", f"{float(sel.max()):.3f}")
+        console.print(vt)
+
     gaps = res.found_gaps
     lines = list(res.notes)
     lines.append(
@@ -975,6 +991,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="20 s at 2000 pts/s, 300 queries, shorter waits")
     p.add_argument("--storage", default=None, help="storage root (default: in the temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the temp data dir (servers are still stopped)")
+    p.add_argument("--searcher-stats", action="store_true",
+                   help="time the searcher's version loads and young-tier extensions by thread (wall and CPU)")
     args = p.parse_args(argv)
     if args.quick:
         args.rate = args.rate or 2000.0
@@ -994,6 +1012,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def versions() -> str:
     names = ("hnswlib", "numpy", "pyarrow", "celery", "redis")
     return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names)
+
+
+SEARCHER_CALLS: list[tuple[str, str, float, float]] = []  # (what, thread, wall s, thread CPU s), --searcher-stats
+
+
+def trace_searcher() -> None:
+    """Time every version load and young-tier extension of this process's searchers, by thread (--searcher-stats):
+    a search thread that extends the young tier itself pays for it in its latency, and wall time far above CPU
+    time is time spent waiting, mostly for the GIL."""
+    from shoal.searcher.searcher import SearchService
+
+    def timed(what: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                SEARCHER_CALLS.append((what, threading.current_thread().name, time.perf_counter() - t0,
+                                       time.thread_time() - c0))
+        return wrapper
+
+    SearchService._load = timed("load a version", SearchService._load)  # type: ignore[method-assign]
+    SearchService._extend = timed("extend the young tier", SearchService._extend)  # type: ignore[method-assign]
+
+
+def print_searcher_stats() -> None:
+    if not SEARCHER_CALLS:
+        return
+    t = Table(title="Searcher background work, by thread (the whole run; --searcher-stats)")
+    for col in ("what", "thread", "calls", "wall s", "thread CPU s", "wall p50 ms", "wall p99 ms"):
+        t.add_column(col, justify="left" if col in ("what", "thread") else "right")
+    for what, thread in sorted({(c[0], c[1]) for c in SEARCHER_CALLS}):
+        wall = [c[2] for c in SEARCHER_CALLS if c[:2] == (what, thread)]
+        cpu = sum(c[3] for c in SEARCHER_CALLS if c[:2] == (what, thread))
+        t.add_row(what, thread, f"{len(wall)}", f"{sum(wall):.1f}", f"{cpu:.1f}",
+                  f"{1e3 * ib.percentile(wall, 50):.1f}", f"{1e3 * ib.percentile(wall, 99):.1f}")
+    console.print(t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1032,6 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         data, note = ib.load_data(args.queries)
         res.notes.append(note)
+        if args.searcher_stats:
+            trace_searcher()
         run(settings, data, args, res, cleanup)
         finished = True
     finally:
@@ -1049,6 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if finished:
         print_report(res, args)
+        print_searcher_stats()
     console.print(f"total bench time {time.perf_counter() - t_start:.0f}s, load average after {ib._load()}")
     return 0
 

@@ -103,6 +103,31 @@ def test_eventual_shows_a_write_no_worker_built_within_a_second(setup: Callable[
     assert rows[(s.index, 0)][4] == 20
 
 
+def test_a_new_version_is_served_with_its_young_tier_and_a_stale_extension_does_not_replace_it(
+    setup: Callable[..., Setup],
+) -> None:
+    """The loader derives the young tier for a new version before serving it, so no search has to; an extension
+    made for the version served before (the follower's, racing the load) does not replace it."""
+    s = setup()
+    s.upload(np.arange(1_000, 1_050))
+    wait_for(lambda: s.searcher.visible_watermarks(s.index, "1")[0] == s.built + 50, 10,
+             "the young tier to hold the 50 new entries")
+    service = s.searcher.service
+    old_view = s.searcher.view(s.index, "1")
+    index_id = old_view.index.id
+    s.upload(np.arange(1_050, 1_060))
+    ShardBuilder(s.shoal.engine, s.shoal.storage).materialize(old_view.shards[0].shard_id)  # builds the 60
+    s.searcher.refresh()
+    new_view = s.searcher.view(s.index, "1")
+    assert new_view.versions != old_view.versions
+    young = service._tails[index_id]
+    assert young.versions == new_view.versions  # derived with the load, before any search
+    # The follower's extension for the old view, finishing after the load: the served view keeps its tails.
+    service._extend(old_view, young.end)
+    assert service._tails[index_id].versions == new_view.versions
+    assert all(s.nearest(p) == p for p in range(1_000, 1_060, 3))
+
+
 def test_the_young_tier_is_bounded_and_strong_still_sees_everything(setup: Callable[..., Setup]) -> None:
     s = setup(young_tier_max_seqs=50)
     token = s.upload(np.arange(1_000, 1_120))  # 120 entries past the served watermark, one commit

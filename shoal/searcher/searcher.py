@@ -335,8 +335,16 @@ class SearchService:
                       time.monotonic())
         with self._lock:
             current = self._tails.get(view.index.id)
-            # Keep the newer of two racing extensions (the views they were made for, then how far they reach).
-            if current is None or current.versions != view.versions or current.end <= made.end:
+            # Of two racing extensions keep the one made for the view served now (a loader may have swapped in
+            # a newer view, with its tails, while this one was made for the older), then the one reaching further.
+            served = next((v.versions for v in self._views.values() if v.index.id == view.index.id), None)
+            if current is None:
+                keep = True
+            elif (made.versions == served) != (current.versions == served):
+                keep = made.versions == served
+            else:  # both for the served view, or neither: the further of the same, else the one made last
+                keep = current.versions != made.versions or current.end <= made.end
+            if keep:
                 self._tails[view.index.id] = made
         return made
 
@@ -407,15 +415,26 @@ class SearchService:
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
             self._saw_head(source.id, source.head_seq)
+            # The young tier for the new versions, derived here before the view is served, so that no search
+            # derives it (only the shards whose version changed are, from the entries already held: no I/O).
+            young = self._tails.get(index.id)
+            made = None
+            if old is not None and young is not None and young.versions != view.versions:
+                try:
+                    made = extend(young, view, young.end, None, time.monotonic())
+                except Exception as exc:  # noqa: BLE001 - derived after the swap, or by a search, then
+                    log.debug("young tier of index %s not derived at load: %s", name, exc)
             with self._lock:
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
+                current = self._tails.get(index.id)
+                # Served together with its view, unless the follower read further meanwhile (then below).
+                if made is not None and current is young:
+                    self._tails[index.id] = made
+                    young = made
             self._fit_budget(key)
-        young = self._tails.get(index.id)
         if old is not None and young is not None and young.versions != view.versions:
-            # Re-derive the young tier for the new versions here, in the loader, so that searches find it ready
-            # (only the shards whose version changed are derived again, from the entries already held).
             try:
                 self._extend(view, young.end)
             except Exception as exc:  # noqa: BLE001 - a search derives it itself then
