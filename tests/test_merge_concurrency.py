@@ -133,9 +133,9 @@ def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callabl
     no dead rows. Searches see exactly the live points throughout."""
     shoal, index, shard_id, upload = _setup(make_settings("local"), f"{time.monotonic_ns() % 10**9}")
     try:
-        # Busy throughout: every build has a backlog of at least one entry, and the hold outlasts the test.
+        # Busy throughout: every build has a backlog of at least one entry, and the window outlasts the test.
         builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=1),
-                               quick_backlog_seqs=1, quick_ef_construction=16, quick_hold_s=3_600.0)
+                               quick_backlog_seqs=1, quick_ef_construction=16, quick_window_s=3_600.0)
         upload(np.arange(0, 2_000))
         builder.materialize(shard_id)
         upload(np.arange(10, 20), salt=1)  # 10 keys of the large segment updated: its rows go dead
@@ -184,22 +184,30 @@ def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callabl
         shoal.close()
 
 
-def test_a_shard_stays_busy_for_the_hold_after_its_backlog(make_settings: Callable[..., Settings]) -> None:
+def test_a_shard_with_quick_segments_stays_busy_while_ingest_goes_on(make_settings: Callable[..., Settings]) -> None:
     """Under sustained ingest the backlog comes and goes with each build: a merge between two builds keeps the
-    quick segments quick while the hold lasts, and rebuilds them at full quality after it."""
+    quick segments quick while the data source still takes enough entries per window (by the catalog's commit
+    times, the same for every worker process), and rebuilds them at full quality once it takes fewer."""
     shoal, _, shard_id, upload = _setup(make_settings("local"), f"{time.monotonic_ns() % 10**9}")
     try:
-        holding = ShardBuilder(shoal.engine, shoal.storage, quick_backlog_seqs=1_000, quick_ef_construction=16,
-                               quick_hold_s=3_600.0)
+        def builder(window_s: float) -> ShardBuilder:
+            return ShardBuilder(shoal.engine, shoal.storage, quick_backlog_seqs=1_000, quick_ef_construction=16,
+                                quick_window_s=window_s)
+
         upload(np.arange(0, 2_000))
-        holding.materialize(shard_id)
+        builder(3_600.0).materialize(shard_id)
         assert [s.quick for s in _segments(shoal, shard_id).segments] == [True]
-        assert not holding.needs_merge(shard_id)  # no backlog now, but within the hold: stays quick
-        # Another process (or this one after the hold) sees no backlog: the quick segment is due.
-        released = ShardBuilder(shoal.engine, shoal.storage, quick_backlog_seqs=1_000, quick_ef_construction=16,
-                                quick_hold_s=3_600.0)
-        assert released.needs_merge(shard_id)
-        assert released.merge(shard_id).changed
-        assert [s.quick for s in _segments(shoal, shard_id).segments] == [False]
+        # No backlog now, but 2,000 entries within the window: busy, so the quick segment is not due.
+        assert not builder(3_600.0).needs_merge(shard_id)
+        upload(np.arange(2_000, 2_100))  # a build under ingest stays quick even without a backlog
+        builder(3_600.0).materialize(shard_id)
+        assert [s.quick for s in _segments(shoal, shard_id).segments] == [True, True]
+        # Seen through a window those commits are older than, ingest has slowed: the quick segments are due.
+        slowed = builder(0.001)
+        assert slowed.needs_merge(shard_id)
+        assert slowed.merge(shard_id).changed
+        segments = _segments(shoal, shard_id).segments
+        assert [s.quick for s in segments] == [False]
+        assert sum(s.rows - s.deleted_count for s in segments) == 2_100
     finally:
         shoal.close()

@@ -296,3 +296,48 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
         [len({h.attributes["id"] for h in hits[q]} & set(ids[labels[q]].tolist())) / 10 for q in range(len(queries))]
     )
     assert recall >= 0.95
+
+
+def test_quick_segments_are_rebuilt_at_full_quality_soon_after_ingest_stops(make_settings, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    """A burst past the backlog threshold is built quickly; once the data source has taken fewer entries than
+    the threshold for a quick window, the worker rebuilds those segments at the index's own parameters by
+    itself: no further commit, and no merge sweep by beat (off here), has to come first."""
+    settings = make_settings("local", redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0.0,
+                             pending_ttl_s=2.0, quick_build_backlog_seqs=500, quick_ef_construction=16,
+                             quick_window_s=2.0)
+    shoal = Shoal(settings)
+    spec = _source(uuid.uuid4().hex[:8])
+    shoal.create_data_source(spec)
+    index = f"{spec.name}-hnsw"
+    shoal.create_index(IndexSpec(index, "1", spec.name, "1", algorithm="hnsw", metric="euclidean",
+                                 params={"M": 16, "ef_construction": 200, "ef_search": 200}))
+    shard_id = shoal.get_index(index, "1").shards[0].id
+    worker = start_worker(settings, beat=True)
+    try:
+        rng = np.random.default_rng(5)
+        _upload(shoal, spec, np.arange(2_000), rng)  # one commit: a backlog of 2,000 entries
+
+        def manifests() -> list[list[dict]]:  # type: ignore[type-arg]
+            with Session(shoal.engine) as s:
+                rows = s.scalars(select(IndexVersion).where(IndexVersion.shard_id == shard_id)
+                                 .order_by(IndexVersion.id)).all()
+                return [list(v.manifest["segments"]) for v in rows]
+
+        wait_for(lambda: _caught_up(shoal, index), 90, "the worker to build the burst")
+        first = next(m for m in manifests() if m)
+        assert [bool(s.get("quick")) for s in first] == [True]  # the burst was built quickly
+        wait_for(lambda: not any(s.get("quick") for s in manifests()[-1]), 60,
+                 "the quick segment to be rebuilt at full quality")
+        (rebuilt,) = manifests()[-1]
+        assert rebuilt["rows"] == 2_000
+        folded = shoal.fold(spec.name, "1")
+        vectors = np.asarray(folded["__vector"].to_pylist(), dtype=np.float32).reshape(-1, DIM)
+        searcher = shoal.searcher(follow=False)
+        try:
+            hits = searcher.search(index, "1", vectors[:200], 1)
+        finally:
+            searcher.close()
+        assert [h[0].attributes["id"] for h in hits] == folded["id"].to_pylist()[:200]
+    finally:
+        stop_process(worker)
+        shoal.close()

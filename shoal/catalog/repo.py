@@ -6,7 +6,7 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -154,6 +154,19 @@ def list_segments(
         if up_to_seq is not None:
             q = q.where(LogSegment.first_seq <= up_to_seq)
         return [_segment(r) for r in s.scalars(q.order_by(LogSegment.first_seq))]
+
+
+def seqs_committed_within(engine: Engine, source_id: int, seconds: float) -> int:
+    """How many seqs the data source's commits added in the last `seconds`, by the catalog's clock (the one its
+    commits are stamped with; compacted segments keep their oldest stamp, so they do not count as new)."""
+    with Session(engine) as s:
+        total = s.execute(
+            select(func.coalesce(func.sum(LogSegment.last_seq - LogSegment.first_seq + 1), 0)).where(
+                LogSegment.data_source_id == source_id,
+                LogSegment.committed_at > func.clock_timestamp() - dt.timedelta(seconds=seconds),
+            )
+        ).scalar_one()
+        return int(total)
 
 
 def head_of(engine: Engine, source_id: int) -> tuple[int, dt.datetime | None]:

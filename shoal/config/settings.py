@@ -156,10 +156,11 @@ class Settings(BaseSettings):
     quick_ef_construction: int = Field(
         default=40, ge=1, description="ef_construction of quickly built HNSW segments (see the setting above)."
     )
-    quick_hold_s: float = Field(
+    quick_window_s: float = Field(
         default=10.0, ge=0,
-        description="A shard that had such a backlog counts as busy for this many seconds after: its builds and "
-        "merges stay quick meanwhile, and its quick segments are rebuilt at full quality only after.",
+        description="A shard with quick segments stays busy (its builds and merges stay quick) while its data "
+        "source took at least SHOAL_QUICK_BUILD_BACKLOG_SEQS entries in the last this many seconds; its quick "
+        "segments are rebuilt at full quality once it takes fewer (0: as soon as there is no backlog).",
     )
     max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
     merge_interval_s: float = Field(

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from sqlalchemy import Engine
 
 from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
-from shoal.catalog.repo import SourceRecord, head_of
+from shoal.catalog.repo import SourceRecord, head_of, seqs_committed_within
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
 from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
@@ -77,14 +77,15 @@ class ShardBuilder:
         on_publish: Callable[[int, int], None] | None = None,
         quick_backlog_seqs: int = 0,
         quick_ef_construction: int = 40,
-        quick_hold_s: float = 0.0,
+        quick_window_s: float = 0.0,
     ) -> None:
         """`lease_seconds`: how long a build's lease lasts unrenewed. `heartbeat_s`: renew it that often while
         a build runs (workers do, with a short lease, so a dead worker's lease ends soon); None: never, the
         lease just lasts `lease_seconds` (builds run in-process, as tests and benches do).
         `quick_backlog_seqs`: a materialization with at least this many log entries to build makes a quick HNSW
-        segment (ef_construction `quick_ef_construction`), rebuilt by a merge once the backlog has been gone for
-        `quick_hold_s` seconds (0: never)."""
+        segment (ef_construction `quick_ef_construction`), and so does every build of a shard with quick
+        segments while its data source took at least that many entries in the last `quick_window_s` seconds;
+        merges rebuild quick segments at the index's own parameters after that (0: never build quickly)."""
         self.engine = engine
         self.storage = storage
         self.shards = ShardCatalog(engine)
@@ -98,8 +99,7 @@ class ShardBuilder:
         self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
         self.quick_backlog_seqs = quick_backlog_seqs
         self.quick_ef_construction = quick_ef_construction
-        self.quick_hold_s = quick_hold_s
-        self._busy_until: dict[int, float] = {}  # shard id -> time.monotonic() its last backlog holds until
+        self.quick_window_s = quick_window_s
         self.publish_wait_s = 120.0  # how long a merge waits for the lease to publish what it built
 
     # -- shared steps ---------------------------------------------------------------------------------
@@ -176,18 +176,20 @@ class ShardBuilder:
             return False
         return int(index.spec.params.get("ef_construction", 200)) > self.quick_ef_construction
 
-    def _busy(self, index: IndexRecord, shard_id: int, watermark: int, head: int) -> bool:
-        """True when the shard has a backlog a quick build is for (ingest outruns the builds), or had one within
-        the last `quick_hold_s` seconds: under sustained ingest the backlog comes and goes with every build,
-        and a merge that caught the shard between two of them would rebuild its quick segments at full cost
-        while ingest goes on (a process remembers only what its own builds saw)."""
+    def _busy(self, index: IndexRecord, source_id: int, segments: Sequence[SegmentEntry], watermark: int,
+              head: int) -> bool:
+        """True when the shard has a backlog a quick build is for (ingest outruns the builds), or has quick
+        segments while its data source still takes at least `quick_backlog_seqs` entries per `quick_window_s`.
+        Under sustained ingest the backlog comes and goes with every build; a merge that caught the shard
+        between two of them would rebuild its quick segments at full cost while ingest goes on. Both signals
+        live in the catalog (manifests, commit times), so every worker process judges a shard alike."""
         if not self._can_build_quickly(index):
             return False
-        now = time.monotonic()
         if head - watermark >= self.quick_backlog_seqs:
-            self._busy_until[shard_id] = now + self.quick_hold_s
             return True
-        return now < self._busy_until.get(shard_id, 0.0)
+        if self.quick_window_s <= 0 or not any(s.quick for s in segments):
+            return False
+        return seqs_committed_within(self.engine, source_id, self.quick_window_s) >= self.quick_backlog_seqs
 
     # -- materialize --------------------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class ShardBuilder:
 
         entries = self._shard_entries(index, shard, source, watermark, head)
         generation = active.generation if active else index.generation
-        quick = self._busy(index, shard_id, watermark, head)
+        quick = self._busy(index, source.id, segments, watermark, head)
         if entries.num_rows:
             touched = pc.unique(entries[KEY])
             segments = [self._delete_keys(index, entry, touched) for entry in segments]
@@ -255,7 +257,7 @@ class ShardBuilder:
             return BuildResult(shard_id, None, 0, False, 0)
         segments = list(Manifest.of(active.manifest).segments)
         head, _ = head_of(self.engine, source.id)
-        busy = self._busy(index, shard_id, active.watermark, head)
+        busy = self._busy(index, source.id, segments, active.watermark, head)
         chosen = self.pick_for_merge(segments, force, busy=busy)
         if not chosen:
             return BuildResult(shard_id, active.id, active.watermark, False, len(segments))
@@ -290,13 +292,15 @@ class ShardBuilder:
         small segments into a larger one then costs the small ones' rows only, where a rebuild pays for every
         row again (bench/freshness.py).
 
-        The base may not be a segment with too many dead rows. While the shard is not busy it may not be a quick
-        one (its graph is due for the index's own parameters) nor hold dead rows at all: a merge at rest leaves
-        clean segments, which a search of a one-segment shard answers without masks."""
+        The base is never a segment with too many dead rows. While the shard is busy it is a quick one: rows
+        added to a graph are inserted at that graph's own ef_construction, and under a backlog only the quick
+        one is cheap enough. At rest it is a full-quality one (quick graphs are due for the index's own
+        parameters) without dead rows: a merge at rest leaves clean segments, which a search of a one-segment
+        shard answers without masks."""
         candidates = [
             e for e in picked
             if e.rows and e.deleted_count <= self.policy.max_deleted_ratio * e.rows
-            and (busy or not (e.quick or e.deleted_count))
+            and (e.quick if busy else not (e.quick or e.deleted_count))
         ]
         if len(picked) < 2 or not candidates:
             return None
@@ -375,6 +379,12 @@ class ShardBuilder:
             return []
         return sorted(chosen)
 
+    def owes_rebuild(self, shard_id: int) -> bool:
+        """True when the shard's active version holds quick segments: a merge rebuilds them at the index's own
+        parameters once the shard is no longer busy (a worker looks again `quick_window_s` later)."""
+        active = self.shards.active_version(shard_id)
+        return bool(active) and any(s.quick for s in Manifest.of(active.manifest).segments)
+
     def needs_merge(self, shard_id: int) -> bool:
         """True when the merge policy would pick segments in the shard's active version."""
         active = self.shards.active_version(shard_id)
@@ -384,5 +394,5 @@ class ShardBuilder:
         busy = False
         if any(s.quick for s in segments):
             _, index, source = self.shards.shard_context(shard_id)
-            busy = self._busy(index, shard_id, active.watermark, head_of(self.engine, source.id)[0])
+            busy = self._busy(index, source.id, segments, active.watermark, head_of(self.engine, source.id)[0])
         return bool(self.pick_for_merge(segments, busy=busy))

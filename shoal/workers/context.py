@@ -35,7 +35,7 @@ class WorkerContext:
             policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
             quick_backlog_seqs=settings.quick_build_backlog_seqs,
             quick_ef_construction=settings.quick_ef_construction,
-            quick_hold_s=settings.quick_hold_s,
+            quick_window_s=settings.quick_window_s,
             on_publish=lambda shard, version: announce_version(broker, shard, version),
         )
         return cls(runtime, builder)

@@ -14,6 +14,8 @@ _TASKS = "shoal.workers.tasks."
 # Index work, one shard id per task.
 MATERIALIZE_SHARD = _TASKS + "materialize_shard"
 MERGE_SHARD = _TASKS + "merge_shard"
+# Looks, a while after ingest, whether a shard's quick segments are due for their full-quality rebuild.
+CHECK_REBUILD = _TASKS + "check_rebuild"
 # Beat's sweeps that queue the index work above.
 SWEEP = _TASKS + "sweep"
 SWEEP_MERGES = _TASKS + "sweep_merges"
@@ -28,6 +30,6 @@ REINDEX = _TASKS + "reindex"  # one reindex job id
 SWEEP_GENERATIONS = _TASKS + "sweep_generations"
 
 ALL = (
-    MATERIALIZE_SHARD, MERGE_SHARD, SWEEP, SWEEP_MERGES, PURGE_TRASH, COMPACT_LOG, SWEEP_COMPACTION,
+    MATERIALIZE_SHARD, MERGE_SHARD, CHECK_REBUILD, SWEEP, SWEEP_MERGES, PURGE_TRASH, COMPACT_LOG, SWEEP_COMPACTION,
     APPLY_RETENTION, COLLECT_GARBAGE, REINDEX, SWEEP_GENERATIONS,
 )

@@ -12,8 +12,10 @@ from shoal.log import compaction, retention
 from shoal.upkeep import gc
 from shoal.workers.app import app
 from shoal.workers.base import ShoalTask
+from shoal.workers.context import WorkerContext
 from shoal.workers.names import (
     APPLY_RETENTION,
+    CHECK_REBUILD,
     COLLECT_GARBAGE,
     COMPACT_LOG,
     MATERIALIZE_SHARD,
@@ -46,19 +48,56 @@ def materialize_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
         return {"shard": shard_id, "dropped": True}
     if ctx.builder.needs_merge(shard_id):
         enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
+    else:
+        _look_again_for_rebuild(ctx, shard_id)
     return {"shard": shard_id, "version": result.version_id, "watermark": result.watermark, "changed": result.changed}
+
+
+def _look_again_for_rebuild(ctx: WorkerContext, shard_id: int) -> None:
+    """Queue a rebuild check `quick_window_s` from now when the shard holds quick segments (coalesced: one per
+    shard): once ingest slows, no build runs to notice that they are due."""
+    rt = ctx.runtime
+    if rt.settings.quick_window_s > 0 and ctx.builder.owes_rebuild(shard_id):
+        enqueue(rt.redis(), app, CHECK_REBUILD, shard_id, rt.settings.pending_ttl_s,
+                countdown=rt.settings.quick_window_s)
+
+
+@app.task(base=ShoalTask, bind=True, name=CHECK_REBUILD)
+def check_rebuild(self: ShoalTask, shard_id: int) -> dict[str, Any]:
+    """Queue the merge that rebuilds the shard's quick segments at full quality once they are due (ingest
+    slowed below the quick window's rate); while they are not, look again a window later. Without it the
+    rebuild would wait for beat's merge sweep."""
+    ctx = self.context
+    rt = ctx.runtime
+    started(rt.redis(), CHECK_REBUILD, shard_id)
+    try:
+        due = ctx.builder.needs_merge(shard_id)
+    except NotFoundError:
+        return {"shard": shard_id, "dropped": True}
+    if due:
+        enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
+    else:
+        _look_again_for_rebuild(ctx, shard_id)
+    return {"shard": shard_id, "merge": due}
 
 
 @app.task(base=ShoalTask, bind=True, name=MERGE_SHARD)
 def merge_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
-    """Merge the segments the policy picks in one index shard."""
+    """Merge the segments the policy picks in one index shard; queue the next merge if one is due after it."""
     ctx = self.context
     rt = ctx.runtime
-    started(rt.redis(), MERGE_SHARD, shard_id)
+    # The pending mark stays set until the merge ends (not cleared as it starts, as other tasks do): a merge
+    # queued meanwhile would build the same segments again, only to lose the publish. So this task queues
+    # what is due after it itself.
     try:
         result = ctx.builder.merge(shard_id)
     except NotFoundError:
         return {"shard": shard_id, "dropped": True}
+    finally:
+        started(rt.redis(), MERGE_SHARD, shard_id)
+    if result.changed and ctx.builder.needs_merge(shard_id):
+        enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
+    _look_again_for_rebuild(ctx, shard_id)  # a quick merge under ingest: the rebuild is still owed
     return {"shard": shard_id, "version": result.version_id, "segments": result.segments, "changed": result.changed}
 
 
