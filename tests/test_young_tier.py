@@ -20,6 +20,7 @@ from conftest import wait_for
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
+from shoal.errors import ValidationError
 from shoal.index.builder import ShardBuilder
 from shoal.log.heads import read_head
 from shoal.log.records import IndexSpec
@@ -181,6 +182,20 @@ def test_strong_never_misses_a_write_acknowledged_before_it_began(setup: Callabl
     head = s.shoal.get_data_source(s.source.name, "1").head_seq
     assert read_head(s.shoal.runtime.redis(), s.shoal.get_data_source(s.source.name, "1").id) == head
     print(f"{checked} strong queries raced commits; none missed an acknowledged write")
+
+
+def test_a_refused_strong_query_leaves_the_head_reads_working(setup: Callable[..., Setup]) -> None:
+    """A strong search sends its head read before it searches; a query refused meanwhile gives the connection
+    back unread (dropped), and the strong searches after it still see every acknowledged write."""
+    s = setup()
+    wait_for(lambda: s.searcher.service.heads_followed, 15, "the searcher to follow announced heads")
+    bad = np.full((1, DIM), np.nan, dtype=np.float32)
+    for _ in range(3):
+        with pytest.raises(ValidationError, match="finite"):
+            s.searcher.search(s.index, "1", bad, 1, consistency=Consistency.strong())
+    for point in range(2_000, 2_010):
+        s.upload(np.array([point]))
+        assert s.nearest(point, Consistency.strong()) == point
 
 
 @pytest.fixture

@@ -59,6 +59,45 @@ def read_head(client: redis.Redis, source_id: int) -> int | None:
     return None if value is None else int(value)
 
 
+class HeadRead:
+    """A read of the newest head announced for a data source, sent at once and answered later, so that a
+    `strong` search can run over what it already holds while the round trip is under way. `result()` takes
+    the answer (once); `close()` gives the connection back unread (dropping it) when the answer is not
+    wanted. Raises redis.RedisError (or OSError) when Redis does not answer, from either."""
+
+    def __init__(self, client: redis.Redis, source_id: int) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = self._pool.get_connection()
+        try:
+            self._conn.send_command("GET", head_key(source_id))
+        except BaseException:
+            self._give_back(drop=True)
+            raise
+
+    def result(self) -> int | None:
+        """The announced head (None when none is known), waiting for it if need be."""
+        if self._conn is None:
+            raise RuntimeError("the head read was already answered or closed")
+        try:
+            value: Any = self._conn.read_response()
+        except BaseException:
+            self._give_back(drop=True)
+            raise
+        self._give_back(drop=False)
+        return None if value is None else int(value)
+
+    def close(self) -> None:
+        """Give the connection back if its answer was never read: dropped, since a reply is still due on it."""
+        if self._conn is not None:
+            self._give_back(drop=True)
+
+    def _give_back(self, drop: bool) -> None:
+        conn, self._conn = self._conn, None
+        if drop:
+            conn.disconnect()
+        self._pool.release(conn)
+
+
 class HeadAnnouncer:
     """Announces heads on one Redis client; what fails is owed and retried until it lands. Thread-safe."""
 

@@ -30,7 +30,7 @@ from shoal.errors import (
     ShoalError,
     ValidationError,
 )
-from shoal.log.heads import HEADS_CHANNEL, parse_announcement, read_head
+from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement, read_head
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
@@ -185,7 +185,34 @@ class SearchService:
         elif consistency.level == "at_least":
             required = consistency.seq
         else:
-            required = self._strong_head(view.source.id)
+            read = self._head_read(view.source.id)
+            if read is None:
+                required = self._strong_head(view.source.id)
+            else:
+                # The head is on its way; meanwhile answer over what the young tier covers now. Nothing
+                # missing (the common case): that is the answer, and the round trip cost no extra time.
+                young = self._tails.get(view.index.id)
+                covered = young.end if young is not None and young.versions == served.versions else 0
+                covered = max(covered, served.min_watermark)
+                try:
+                    answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
+                                          search_params, filters)
+                    head = self._read_head(read, view.source.id)
+                finally:
+                    read.close()
+                if head <= covered:
+                    return answer
+                required = head
+        return self._answer(view, served, queries, k, split_filter, retrieve_vectors, required, search_params,
+                            filters)
+
+    def _answer(
+        self, view: IndexView, served: IndexView, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
+        retrieve_vectors: bool, required: int, search_params: Mapping[str, int] | None,
+        filters: Mapping[str, Any] | Filter | None,
+    ) -> list[Hits]:
+        """The search over `view` (a part of `served`, or itself) and its young tier, covering the log up to
+        `required` at least."""
         params = view.engine_class.check_search_params(search_params) if search_params else None
         # The young tier as far as it reaches (no I/O), or further when the consistency level needs more.
         # (The young tier is kept for the served view; a part of it takes its own shards' tails.)
@@ -254,6 +281,32 @@ class SearchService:
                 f"{me} does not serve shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
                 f"index {spec.name}/{spec.version}{where}", missing)
         return wanted
+
+    def _head_read(self, source_id: int) -> HeadRead | None:
+        """The announced head's read, sent now, when announcements are trusted for the data source (as
+        `_strong_head` decides); None when they are not, or Redis does not take the read."""
+        subscription = self._subscription
+        if not subscription:
+            return None
+        floor = self._floors.get(source_id)
+        if floor is None or floor[0] != subscription:
+            return None
+        try:
+            return HeadRead(self.runtime.redis(), source_id)
+        except (redis.RedisError, OSError, ShoalError):
+            return None
+
+    def _read_head(self, read: HeadRead, source_id: int) -> int:
+        """The head `read` answers when it can be trusted (at least the head the catalog confirmed), else the
+        head as `_strong_head` finds it now."""
+        try:
+            head = read.result()
+        except (redis.RedisError, OSError, ShoalError):
+            head = None
+        floor = self._floors.get(source_id)
+        if head is not None and floor is not None and head >= floor[1]:
+            return head
+        return self._strong_head(source_id)
 
     def _strong_head(self, source_id: int) -> int:
         """The data source's head as of now: announced on Redis (no catalog round trip) once announcements
