@@ -46,11 +46,17 @@ def materialize_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     except NotFoundError:
         log.info("shard %s is gone (index dropped); nothing to do", shard_id)
         return {"shard": shard_id, "dropped": True}
-    if ctx.builder.needs_merge(shard_id):
-        enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
-    else:
-        _look_again_for_rebuild(ctx, shard_id)
+    _queue_merge_if_due(ctx, shard_id)
     return {"shard": shard_id, "version": result.version_id, "watermark": result.watermark, "changed": result.changed}
+
+
+def _queue_merge_if_due(ctx: WorkerContext, shard_id: int) -> bool:
+    """Queue a merge of the shard when the policy asks for one now (True), else a rebuild check for later."""
+    if ctx.builder.needs_merge(shard_id):
+        enqueue(ctx.runtime.redis(), app, MERGE_SHARD, shard_id, ctx.runtime.settings.pending_ttl_s)
+        return True
+    _look_again_for_rebuild(ctx, shard_id)
+    return False
 
 
 def _look_again_for_rebuild(ctx: WorkerContext, shard_id: int) -> None:
@@ -71,14 +77,9 @@ def check_rebuild(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     rt = ctx.runtime
     started(rt.redis(), CHECK_REBUILD, shard_id)
     try:
-        due = ctx.builder.needs_merge(shard_id)
+        return {"shard": shard_id, "merge": _queue_merge_if_due(ctx, shard_id)}
     except NotFoundError:
         return {"shard": shard_id, "dropped": True}
-    if due:
-        enqueue(rt.redis(), app, MERGE_SHARD, shard_id, rt.settings.pending_ttl_s)
-    else:
-        _look_again_for_rebuild(ctx, shard_id)
-    return {"shard": shard_id, "merge": due}
 
 
 @app.task(base=ShoalTask, bind=True, name=MERGE_SHARD)
