@@ -138,8 +138,9 @@ def extend_segment(
     base_rows: pa.Table, rows: pa.Table,
 ) -> SegmentEntry | None:
     """A new segment of `base`'s rows followed by `rows` (live upserts), its engine made by adding `rows` to
-    `base`'s (`Engine.extend_bytes`) rather than built over all of them; None, having written nothing, where
-    that cannot be done: an index with split attributes, an algorithm that builds anew, rows of another type.
+    `base`'s (`Engine.extend_bytes`) rather than built over all of them; None where that cannot be done (an
+    index with split attributes, an algorithm that builds anew, rows of another type), found out before
+    anything is written.
 
     `base_rows` is `base`'s rows table as loaded. Every row of `base` keeps its row number, dead ones too, so
     the caller gives the new segment `base`'s deletions; the result has none."""
