@@ -30,7 +30,7 @@ from shoal.errors import (
     ShoalError,
     ValidationError,
 )
-from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement, read_head
+from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
@@ -187,7 +187,7 @@ class SearchService:
         else:
             read = self._head_read(view.source.id)
             if read is None:
-                required = self._strong_head(view.source.id)
+                required = self._catalog_head(view.source.id)
             else:
                 # The head is on its way; meanwhile answer over what the young tier covers now. Nothing
                 # missing (the common case): that is the answer, and the round trip cost no extra time.
@@ -283,8 +283,9 @@ class SearchService:
         return wanted
 
     def _head_read(self, source_id: int) -> HeadRead | None:
-        """The announced head's read, sent now, when announcements are trusted for the data source (as
-        `_strong_head` decides); None when they are not, or Redis does not take the read."""
+        """The read of the head announced on Redis, sent now, when announcements are trusted for the data
+        source (the searcher follows them, and the catalog confirmed a head once since it (re)subscribed);
+        None when they are not, or Redis does not take the read: the catalog answers then."""
         subscription = self._subscription
         if not subscription:
             return None
@@ -297,8 +298,8 @@ class SearchService:
             return None
 
     def _read_head(self, read: HeadRead, source_id: int) -> int:
-        """The head `read` answers when it can be trusted (at least the head the catalog confirmed), else the
-        head as `_strong_head` finds it now."""
+        """The head `read` answers when it can be trusted (at least the head the catalog confirmed; no catalog
+        round trip), else the catalog's."""
         try:
             head = read.result()
         except (redis.RedisError, OSError, ShoalError):
@@ -306,21 +307,12 @@ class SearchService:
         floor = self._floors.get(source_id)
         if head is not None and floor is not None and head >= floor[1]:
             return head
-        return self._strong_head(source_id)
+        return self._catalog_head(source_id)
 
-    def _strong_head(self, source_id: int) -> int:
-        """The data source's head as of now: announced on Redis (no catalog round trip) once announcements
-        are trusted, else read from the catalog."""
+    def _catalog_head(self, source_id: int) -> int:
+        """The data source's head as the catalog has it now; while following announcements, it is also the
+        floor a head read from Redis must reach to be trusted (Redis may come back from a restart older)."""
         subscription = self._subscription
-        if subscription:
-            floor = self._floors.get(source_id)
-            if floor is not None and floor[0] == subscription:
-                try:
-                    head = read_head(self.runtime.redis(), source_id)
-                except (redis.RedisError, OSError, ShoalError):
-                    head = None
-                if head is not None and head >= floor[1]:
-                    return head
         head = head_of(self.engine, source_id)[0]
         if subscription:
             self._floors[source_id] = (subscription, head)
