@@ -231,6 +231,49 @@ def test_flat_near_ties_fall_back_to_exact(monkeypatch: pytest.MonkeyPatch) -> N
                 assert bool(scans) == scanned
 
 
+def _joined(
+    metric: Metric, parts: list[tuple[np.ndarray, np.ndarray]], sizes: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """search_together's per-engine answers as one top k over the rows of all engines in turn."""
+    offsets = np.cumsum([0, *sizes])
+    d = np.hstack([p[0] for p in parts]).astype(np.float64)
+    lab = np.hstack([np.where(p[1] >= 0, p[1] + off, -1) for p, off in zip(parts, offsets, strict=False)])
+    for dist, labels in parts:  # each engine's share is nearest first (the searcher merges shares so)
+        assert dist.shape == labels.shape == (len(d), K)
+        for row_d, row_l in zip(dist.astype(np.float64), labels, strict=True):
+            kept = row_d[row_l >= 0] * (-1 if metric is Metric.DOT_PRODUCT else 1)
+            assert (np.diff(kept) >= 0).all()
+    assert ((lab >= 0).sum(axis=1) == K).all(), "the engines' shares together hold exactly k rows"
+    return top_k_of(metric, d, np.where(lab >= 0, lab, np.iinfo(np.int64).max), K)
+
+
+@pytest.mark.parametrize("metric", [m for m in Metric if m is not Metric.MANHATTAN])
+def test_flat_engines_searched_together_answer_as_one_engine_over_all_their_rows(metric: Metric) -> None:
+    """The young tier's many exact engines, searched in one pass: the joint top k is the exact top k over all
+    their rows (real data, single queries and a batch, near-ties across engines and a zero query)."""
+    from shoal.engines.flat import search_together
+
+    base, q = real()
+    x = base[:6_000].copy()
+    x[5_990:] = x[10]  # ten copies of one row, in another engine than the row itself: ties across engines
+    queries = np.vstack([q[:40], x[10:11], np.zeros((1, x.shape[1]), np.float32)])
+    sizes = [2_500, 1_200, 900, 700, 400, 200, 60, 30, 10]
+    assert sum(sizes) == len(x)
+    flat = get_engine("flat")
+    bounds = np.cumsum([0, *sizes])
+    engines = [flat.build(x[a:b], metric, {}) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    full = exact_distances(metric, queries, x)
+    ed, el = top_k_of(metric, full, np.broadcast_to(np.arange(len(x)), full.shape), K)
+    d, lab = _joined(metric, search_together(engines, queries, K), sizes)
+    assert_exact(metric, full, d, lab, ed, el)
+    for i in range(len(queries)):
+        d1, l1 = _joined(metric, search_together(engines, queries[i : i + 1], K), sizes)
+        np.testing.assert_array_equal(l1[0], lab[i])
+        np.testing.assert_array_equal(d1[0], d[i])
+    if metric is not Metric.DOT_PRODUCT:  # the row's own query: the row and its ten copies tie at the front
+        np.testing.assert_array_equal(lab[40, :K], [10, *range(5_990, 5_999)])
+
+
 def test_hnsw_answers_exactly_when_the_graph_cannot_reach_k_rows() -> None:
     x, q = random_dense(300, 8, 4, seed=11)
     engine = get_engine("hnsw").build(x, "dot_product", {})

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from shoal.engines import Engine, get_engine
+from shoal.engines.flat import FlatEngine, search_together
 from shoal.engines.metrics import Metric, from_products, worst_distance
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
@@ -22,7 +23,7 @@ from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
 from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
-from shoal.searcher.tails import Tail, build_tails
+from shoal.searcher.tails import Tail, TailGroup, build_tails
 from shoal.searcher.views import IndexView
 
 __all__ = ["Hit", "Hits", "Tail", "attributes_of", "build_tails", "execute", "prepare_queries", "split_matcher"]
@@ -161,13 +162,21 @@ def execute(
                 if hidden is not None:
                     rows = np.where((rows >= 0) & ~hidden[np.maximum(rows, 0)], rows, -1)
                 blocks.append(_Block(dist, rows, seg_view.source))
-    for tail in tails.values():
-        for group in tail.groups(spec, source):
-            if matches(group.values):
-                dist, rows = group.engine.search(queries, min(k, len(group.engine)), checked=True)
-                blocks.append(_Block(dist, rows, group.source))
-
+    groups = [g for tail in tails.values() for g in tail.groups(spec, source) if matches(g.values)]
+    blocks.extend(_young_blocks(groups, queries, k))
     return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
+
+
+def _young_blocks(groups: list[TailGroup], queries: np.ndarray | SparseRows, k: int) -> list[_Block]:
+    """The tail's candidates: the exact k nearest of all its groups' upserts together (one pass when they are
+    dense exact engines, as the young tier's are), as one block per group that holds any."""
+    engines = [g.engine for g in groups]
+    if len(engines) > 1 and isinstance(queries, np.ndarray) and all(type(e) is FlatEngine for e in engines):
+        found = search_together(engines, queries, k)
+    else:
+        found = [g.engine.search(queries, min(k, len(g.engine)), checked=True) for g in groups]
+    return [_Block(dist, rows, g.source) for g, (dist, rows) in zip(groups, found, strict=True)
+            if (rows >= 0).any()]
 
 
 # Where a filtered search of an ANN split (HNSW, IVF) scans the matching rows exactly instead of searching the
