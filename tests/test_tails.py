@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +73,42 @@ def test_a_long_stream_of_new_keys_keeps_few_chunks_and_reuses_them() -> None:
         seq += 50
     assert len(tail.upserts) == 1 + 199 * 50
     assert len(tail.chunks) <= 10, [c.upserts.num_rows for c in tail.chunks]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(ENTRY, min_size=1, max_size=60), cuts=st.lists(st.integers(1, 59), max_size=6),
+       mark=st.integers(0, 60), old_keys=st.lists(st.sampled_from(KEYS), unique=True, max_size=12),
+       new_keys=st.lists(st.sampled_from(KEYS), unique=True, max_size=12), warm=st.booleans())
+def test_a_tail_cut_at_a_new_watermark_equals_the_tail_of_the_entries_above_it(
+    ops: list[tuple[str, bool]], cuts: list[int], mark: int, old_keys: list[str], new_keys: list[str],
+    warm: bool,
+) -> None:
+    """A shard's new version reflects the entries up to `mark`: the tail cut there touches the same keys and
+    holds the same live upserts as the tail of the entries above it. A segment the old version already had
+    keeps its hidden rows (a superset: the rest are rows of keys rewritten up to the mark, which the new version
+    deletes); a segment new in this version hides exactly what the remaining entries touch."""
+    bounds = sorted({c for c in cuts if c < len(ops)} | {0, len(ops)})
+    tail = None
+    for lo, hi in zip(bounds, bounds[1:], strict=False):  # built in pieces, as the follower does: many chunks
+        piece = _entries(ops[lo:hi], 1 + lo)
+        tail = Tail.of(piece) if tail is None else tail.extended(piece)
+    assert tail is not None
+    kept = _segment(old_keys, "old")
+    if warm:
+        tail.hidden_rows(kept)
+    entries = _entries(ops, 1)
+    above = entries.filter(pc.greater(entries[SEQ], mark))
+    cut = tail.cut(mark, above)
+    whole = Tail.of(above) if above.num_rows else None
+    assert cut.touched == (whole.touched if whole else frozenset())
+    assert _live(cut) == (_live(whole) if whole else [])
+    new = _segment(new_keys, "new")
+    hidden = cut.hidden_rows(new)
+    expected = np.array([k in cut.touched for k in new_keys], dtype=bool)
+    assert np.array_equal(np.zeros(len(new_keys), bool) if hidden is None else hidden, expected)
+    old_hidden = cut.hidden_rows(kept)
+    got = np.zeros(len(old_keys), bool) if old_hidden is None else old_hidden
+    at_least = np.array([k in cut.touched for k in old_keys], dtype=bool)
+    assert not (at_least & ~got).any(), "a key the remaining entries touch is not hidden"
+    rewritten = {k for k, _ in ops[:mark]} | set(tail.touched)
+    assert all(k in rewritten for k, h in zip(old_keys, got, strict=True) if h)

@@ -129,6 +129,53 @@ def test_a_new_version_is_served_with_its_young_tier_and_a_stale_extension_does_
     assert all(s.nearest(p) == p for p in range(1_000, 1_060, 3))
 
 
+def test_searches_answer_from_the_young_tiers_own_view_until_the_new_versions_tier_is_derived(
+    setup: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A version swapped in before its young tier is derived (the follower's extension for the old view won
+    the race): eventual and strong searches answer from the view that tier was derived for, consistently
+    (new points shown, a deleted one hidden, an updated one once), and never derive it themselves."""
+    import shoal.searcher.searcher as searcher_module
+
+    s = setup()
+    s.upload(np.arange(1_000, 1_040))
+    s.producer.delete({"id": np.array([5], dtype=np.int64)})  # built: its row hides under the young tier
+    moved = np.array([7], dtype=np.int64)
+    token = s.producer.upload_columns(_vectors(np.array([5_007])), {"id": moved}).seq  # point 7 moves
+    wait_for(lambda: s.searcher.visible_watermarks(s.index, "1")[0] == token, 10,
+             "the young tier to hold the 42 new entries")
+    service = s.searcher.service
+    old_view = s.searcher.view(s.index, "1")
+    ShardBuilder(s.shoal.engine, s.shoal.storage).materialize(old_view.shards[0].shard_id)
+    s.searcher.refresh()
+    new_view = s.searcher.view(s.index, "1")
+    assert new_view.versions != old_view.versions
+    # The race, made to happen: the young tier served is the one derived for the old view.
+    service._tails.pop(old_view.index.id)
+    service._extend(old_view, token)
+    assert service._tails[old_view.index.id].versions == old_view.versions
+
+    derived_here: list[str] = []
+    real_extend = searcher_module.extend
+
+    def watched_extend(*args: object, **kwargs: object) -> object:
+        if threading.current_thread() is threading.main_thread():
+            derived_here.append("extend")
+        return real_extend(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(searcher_module, "extend", watched_extend)
+    for level in (None, Consistency.strong()):
+        assert all(s.nearest(p, level) == p for p in range(1_000, 1_040, 3))
+        assert s.nearest(5, level) != 5
+        hits = s.searcher.search(s.index, "1", _vectors(np.array([5_007])), 3, consistency=level)[0]
+        ids = [h.attributes["id"] for h in hits]
+        assert ids[0] == 7 and ids.count(7) == 1
+    assert derived_here == [], "a search derived the young tier itself"
+    service.follow_heads()  # the follower's next pass derives the new version's tier
+    assert service._tails[old_view.index.id].versions == new_view.versions
+    assert s.nearest(5) != 5 and s.nearest(1_039) == 1_039
+
+
 def test_the_young_tier_is_bounded_and_strong_still_sees_everything(setup: Callable[..., Setup]) -> None:
     s = setup(young_tier_max_seqs=50)
     token = s.upload(np.arange(1_000, 1_120))  # 120 entries past the served watermark, one commit

@@ -192,8 +192,7 @@ class SearchService:
                 # The head is on its way; meanwhile answer over what the young tier covers now. Nothing
                 # missing (the common case): that is the answer, and the round trip cost no extra time.
                 young = self._tails.get(view.index.id)
-                covered = young.end if young is not None and young.versions == served.versions else 0
-                covered = max(covered, served.min_watermark)
+                covered = max(young.end if young is not None else 0, served.min_watermark)
                 try:
                     answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
                                           search_params, filters)
@@ -219,8 +218,16 @@ class SearchService:
         young = self._tails.get(view.index.id)
         if young is None:
             tails = self._tail(served, required) if required > served.min_watermark else {}
-        elif young.versions == served.versions and young.end >= required:
+        elif young.end >= required:
             tails = young.tails
+            if young.versions != served.versions:
+                # A newer version was swapped in and its young tier is still being derived (by the loader or
+                # the follower): answer from the view the young tier was derived for. That pair is consistent
+                # and covers the log as far, so no search waits for a derivation (up to a second on a busy box).
+                shards = view.shard_numbers
+                served = young.view
+                view = served if len(shards) == len(served.shards) else IndexView(
+                    served.index, served.source, tuple(s for s in served.shards if s.shard_no in shards))
         else:
             tails = self._tail(served, required)
         if view is not served and tails:

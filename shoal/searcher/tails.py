@@ -123,6 +123,19 @@ class Tail:
         keys = new_keys.to_pylist()
         return Tail(self.touched.union(keys), _chunks(chunks), {}, (masks, keys))
 
+    def cut(self, watermark: int, entries: pa.Table) -> Tail:
+        """This tail without what a newly served version of its shard reflects, the entries up to `watermark`:
+        `entries` are the shard's entries above it, all of them held by this tail. What `Tail.of(entries)`
+        gives, reusing this tail's work: its chunks above the watermark keep their engines, and segments it
+        hid rows of keep those masks. A mask may now hide more than the remaining entries touch; those rows'
+        keys were rewritten at or below the watermark, so the new version deletes those rows anyway."""
+        keep = [TailChunk(c.upserts.filter(pc.greater(c.upserts[SEQ], watermark)))
+                if pc.min(c.upserts[SEQ]).as_py() <= watermark else c
+                for c in self.chunks if c.upserts.num_rows]
+        masks = {k[1]: v for k, v in self._derived.items() if type(k) is tuple and k[0] == "hidden"}
+        chunks = _chunks(keep) if keep else (TailChunk(self.chunks[-1].upserts.slice(0, 0)),)
+        return Tail(frozenset(pc.unique(entries[KEY]).to_pylist()), chunks, {}, (masks, []))
+
 
 def _chunks(chunks: list[TailChunk]) -> tuple[TailChunk, ...]:
     """Drop empty chunks (keeping one when all are: it carries the table's schema); merge the newest two while the
@@ -156,7 +169,7 @@ def _rows_of(seg: LoadedSegment, keys: list[str]) -> np.ndarray | None:
     return mask
 
 
-def _per_shard(view: IndexView, entries: pa.Table, only: Collection[int] | None = None,
+def per_shard(view: IndexView, entries: pa.Table, only: Collection[int] | None = None,
                ) -> Iterable[tuple[int, pa.Table]]:
     """The entries of each shard of the view (of `only` these) above that shard's own watermark (shards without
     any left out)."""
@@ -176,7 +189,7 @@ def build_tails(view: IndexView, entries: pa.Table, only: Collection[int] | None
     each shard only the entries above that shard's own watermark; fold them."""
     if not entries.num_rows:
         return {}
-    return {shard_no: Tail.of(mine) for shard_no, mine in _per_shard(view, entries, only)}
+    return {shard_no: Tail.of(mine) for shard_no, mine in per_shard(view, entries, only)}
 
 
 def extend_tails(view: IndexView, tails: dict[int, Tail], entries: pa.Table, only: Collection[int] | None = None,
@@ -186,7 +199,7 @@ def extend_tails(view: IndexView, tails: dict[int, Tail], entries: pa.Table, onl
     out = dict(tails)
     if not entries.num_rows:
         return out
-    for shard_no, mine in _per_shard(view, entries, only):
+    for shard_no, mine in per_shard(view, entries, only):
         old = out.get(shard_no)
         out[shard_no] = Tail.of(mine) if old is None else old.extended(mine)
     return out

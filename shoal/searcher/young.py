@@ -13,13 +13,13 @@ background as commits announce new heads, up to SHOAL_YOUNG_TIER_MAX_SEQS entrie
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.log.validation import SEQ
-from shoal.searcher.tails import Tail, build_tails, extend_tails
+from shoal.searcher.tails import Tail, build_tails, extend_tails, per_shard
 from shoal.searcher.views import IndexView
 
 # Reads the log entries (after, up_to] of the view's data source; None when there are none.
@@ -36,6 +36,9 @@ class TailCache:
     entries: pa.Table | None
     tails: dict[int, Tail]  # shard number -> what that shard's served version does not reflect
     stamps: tuple[tuple[int, float], ...]  # (last seq of a read, when it was read), oldest first
+    # The served view the tails were derived for: with them, a consistent answer even after a newer version
+    # was swapped in and before its own tails are derived.
+    view: IndexView = field(compare=False, repr=False)
 
     def size(self, shard_no: int) -> int:
         """Keys the shard's young tier touches (upserts and deletions not yet built)."""
@@ -69,6 +72,7 @@ def extend(cache: TailCache | None, view: IndexView, required: int, read: LogRea
         if len(cache.versions) == len(versions):
             unchanged = {s.shard_no for s, old in zip(view.shards, cache.versions, strict=True) if old == s.version_id}
             kept = {n: t for n, t in cache.tails.items() if n in unchanged}
+    held = entries  # what the cache held that the new versions still need
     new = None
     if required > end and read is not None:
         new = read(end, required)
@@ -78,12 +82,16 @@ def extend(cache: TailCache | None, view: IndexView, required: int, read: LogRea
         end = required
     changed = {s.shard_no for s in view.shards} - unchanged
     tails = dict(kept)
-    if changed and entries is not None and entries.num_rows:
-        tails.update(build_tails(view, entries, changed))
-    if unchanged and new is not None and new.num_rows:
-        tails = extend_tails(view, tails, new, unchanged)
+    cut = _cut(cache, view, changed, held) if cache is not None and cache.start <= start <= cache.end else {}
+    tails.update({n: t for n, t in cut.items() if t is not None})
+    rebuild = changed - cut.keys()
+    if rebuild and entries is not None and entries.num_rows:
+        tails.update(build_tails(view, entries, rebuild))
+    grow = unchanged | cut.keys()
+    if grow and new is not None and new.num_rows:
+        tails = extend_tails(view, tails, new, grow)
     warm(view, tails)
-    return TailCache(versions, start, end, entries, tails, stamps)
+    return TailCache(versions, start, end, entries, tails, stamps, view)
 
 
 def warm(view: IndexView, tails: dict[int, Tail]) -> None:
@@ -97,3 +105,22 @@ def warm(view: IndexView, tails: dict[int, Tail]) -> None:
         for seg_view in shard.segments:
             tail.hidden_rows(seg_view.segment)
         tail.groups(spec, source)
+
+
+def _cut(cache: TailCache, view: IndexView, changed: set[int], held: pa.Table | None) -> dict[int, Tail | None]:
+    """The tails of the `changed` shards whose new version moved their watermark up, cut from the cache's
+    (`Tail.cut`; None: no entry above the new watermark). A shard whose watermark went down (a version built
+    anew) is left out: its tail is derived from the entries again."""
+    before = {s.shard_no: s.watermark for s in cache.view.shards}
+    up = {s.shard_no for s in view.shards if s.shard_no in changed and before.get(s.shard_no, s.watermark + 1)
+          <= s.watermark}
+    out: dict[int, Tail | None] = dict.fromkeys(up)
+    if up and held is not None and held.num_rows:
+        marks = {s.shard_no: s.watermark for s in view.shards}
+        for n, mine in per_shard(view, held, up):
+            old = cache.tails.get(n)
+            if old is None:
+                del out[n]  # entries its old tail should have held: derive it anew rather than trust it
+            else:
+                out[n] = old.cut(marks[n], mine)
+    return out
