@@ -16,6 +16,7 @@ from shoal.catalog.indexes import ShardCatalog
 from shoal.config.settings import Settings
 from shoal.index.builder import BuildResult, MergePolicy, ShardBuilder
 from shoal.index.manifest import Manifest
+from shoal.index.segment import load_segment
 from shoal.log.records import IndexSpec
 
 DIM = 32
@@ -148,13 +149,13 @@ def test_a_merge_adds_the_smaller_segments_to_the_largest(make_settings: Callabl
         before = _segments(shoal, shard_id).segments
         assert [s.rows for s in before] == [2_000, 10, 300]
         assert [s.deleted_count for s in before] == [11, 0, 1]
-        large = builder.cache.load(shoal.storage, before[0], shoal.get_index(index, "1").spec)
+        large = load_segment(shoal.storage, before[0], shoal.get_index(index, "1").spec)
 
         assert builder.merge(shard_id).changed
         (merged,) = _segments(shoal, shard_id).segments
         assert merged.id not in {s.id for s in before} and merged.quick  # quick like the segment it extends
         assert merged.rows == 2_000 + 10 + 299 and merged.deleted_count == 11  # the large one's dead rows
-        seg = builder.cache.load(shoal.storage, merged, shoal.get_index(index, "1").spec)
+        seg = load_segment(shoal.storage, merged, shoal.get_index(index, "1").spec)
         assert seg.keys[:2_000].tolist() == large.keys.tolist()  # its rows first, under the same numbers
         assert len(seg.splits[0].engine) == merged.rows
 

@@ -24,8 +24,15 @@ from shoal.catalog.repo import SourceRecord, head_of, seqs_committed_within
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
 from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
-from shoal.index.segment import build_segment, extend_segment, manifest_files, read_deletions, write_deletions
-from shoal.index.segment_cache import SegmentCache
+from shoal.index.segment import (
+    build_segment,
+    extend_segment,
+    load_rows,
+    manifest_files,
+    read_deletions,
+    write_deletions,
+)
+from shoal.index.segment_cache import KeyCache
 from shoal.index.sharding import shard_numbers
 from shoal.log.reader import fold, read_log
 from shoal.log.validation import KEY
@@ -96,7 +103,7 @@ class ShardBuilder:
         self._heartbeats: dict[int, LeaseHeartbeat] = {}
         self.policy = policy or MergePolicy()
         self.on_publish = on_publish  # called with (shard id, version id) after a publish committed
-        self.cache = SegmentCache(keep_unheld=True)  # segments a later build or merge reads again
+        self.keys = KeyCache()  # keys of the shards' segments: a later build marks rows by them
         self.quick_backlog_seqs = quick_backlog_seqs
         self.quick_ef_construction = quick_ef_construction
         self.quick_window_s = quick_window_s
@@ -232,8 +239,8 @@ class ShardBuilder:
         return table
 
     def _delete_keys(self, index: IndexRecord, entry: SegmentEntry, touched: pa.Array) -> SegmentEntry:
-        seg = self.cache.load(self.storage, entry, index.spec)
-        hit = np.flatnonzero(pc.is_in(pa.array(seg.keys, pa.string()), value_set=touched).to_numpy(False))
+        keys = self.keys.get(self.storage, entry)
+        hit = np.flatnonzero(pc.is_in(keys, value_set=touched).to_numpy(zero_copy_only=False))
         if not len(hit):
             return entry
         old = read_deletions(self.storage, entry)
@@ -278,10 +285,10 @@ class ShardBuilder:
                             wait_s=self.publish_wait_s)
 
     def _live_rows(self, index: IndexRecord, entry: SegmentEntry) -> pa.Table:
-        seg = self.cache.load(self.storage, entry, index.spec)
-        keep = np.ones(seg.rows.num_rows, dtype=bool)
+        rows = load_rows(self.storage, entry)
+        keep = np.ones(rows.num_rows, dtype=bool)
         keep[read_deletions(self.storage, entry)] = False
-        return seg.rows.filter(pa.array(keep))
+        return rows.filter(pa.array(keep))
 
     def _extended(
         self, index: IndexRecord, shard: ShardRecord, source: SourceRecord, generation: int,
@@ -310,9 +317,9 @@ class ShardBuilder:
         if not rows.num_rows:
             return None
         spec = source.spec
-        seg = self.cache.load(self.storage, base, index.spec)
         entry = extend_segment(self.storage, shard_dir(index, shard, generation), index.spec,
-                               spec.vectors_are_sparse, spec.vector_dimension, base, seg.rows, rows)
+                               spec.vectors_are_sparse, spec.vector_dimension, base, load_rows(self.storage, base),
+                               rows)
         if entry is None:
             return None
         entry = write_deletions(self.storage, entry, read_deletions(self.storage, base))
@@ -350,8 +357,7 @@ class ShardBuilder:
                 continue
             fresh = np.setdiff1d(read_deletions(self.storage, new), read_deletions(self.storage, old))
             if len(fresh):
-                keys = self.cache.load(self.storage, new, index.spec).keys
-                gone.extend(str(keys[int(i)]) for i in fresh)
+                gone.extend(self.keys.get(self.storage, new).take(pa.array(fresh, pa.int64())).to_pylist())
         if not gone:
             return merged
         return self._delete_keys(index, merged, pa.array(gone, pa.string()))

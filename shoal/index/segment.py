@@ -224,6 +224,13 @@ class LoadedSegment:
     nbytes: int = field(default=0, compare=False)
 
 
+def load_rows(storage: Storage, entry: EntryLike, columns: list[str] | None = None) -> pa.Table:
+    """A segment's rows (only `columns` when given), checksum verified; its engines are not read. What a build
+    needs of the segments it rewrites or marks rows of: restoring their graphs would cost more than the rest."""
+    entry = SegmentEntry.of(entry)
+    return pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)), columns=columns)
+
+
 def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
     """Read and verify a segment's rows and engines."""
     entry = SegmentEntry.of(entry)

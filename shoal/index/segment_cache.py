@@ -13,8 +13,9 @@ from typing import Any
 import pyarrow as pa
 
 from shoal.index.manifest import SegmentEntry
-from shoal.index.segment import EntryLike, LoadedSegment, load_segment
+from shoal.index.segment import EntryLike, LoadedSegment, load_rows, load_segment
 from shoal.log.records import IndexSpec
+from shoal.log.validation import KEY
 from shoal.storage import Storage
 
 
@@ -98,6 +99,35 @@ class SegmentCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+class KeyCache:
+    """The keys of segments by id, in row order, read from the rows file alone; least recently used dropped past
+    `budget` bytes. A build marks the rows of its shard's older segments whose keys newer entries replace: it
+    needs their keys, never their engines (segments are immutable, so a key list never goes stale)."""
+
+    def __init__(self, budget: int = 256 << 20) -> None:
+        self.budget = budget
+        self._items: OrderedDict[str, pa.Array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def get(self, storage: Storage, entry: EntryLike) -> pa.Array:
+        """The keys of `entry`'s segment, row by row (checksum verified when read)."""
+        entry = SegmentEntry.of(entry)
+        with self._lock:
+            hit = self._items.get(entry.id)
+            if hit is not None:
+                self._items.move_to_end(entry.id)
+                return hit
+        keys = load_rows(storage, entry, [KEY])[KEY].combine_chunks()
+        with self._lock:
+            if entry.id not in self._items:
+                self._items[entry.id] = keys
+                self.bytes += keys.nbytes
+                while self.bytes > self.budget and len(self._items) > 1:
+                    self.bytes -= self._items.popitem(last=False)[1].nbytes
+        return keys
 
 
 def release_free_memory() -> None:
