@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -429,6 +430,32 @@ def test_from_bytes_checks_what_it_reads() -> None:
         get_engine("flat").from_bytes(data[:-4], "cosine", {})
     with pytest.raises(ValidationError, match="bad magic"):
         get_engine("flat").from_bytes(b"PK\x03\x04" + data, "cosine", {})
+
+
+def test_hnsw_graphs_stored_in_the_earlier_layout_still_load_and_extend(tmp_path: Path) -> None:
+    """Segments written before graphs were stored as hnswlib's state hold hnswlib's save_index file: they load,
+    search and extend as the graph they hold; a malformed state is refused with a clear error."""
+    from shoal.engines import envelope
+
+    hnsw = get_engine("hnsw")
+    x, q = random_dense(800, 16, 20, seed=9)
+    engine = hnsw.build(x[:600], Metric.COSINE, {})
+    header, _ = envelope.unpack(engine.to_bytes())
+    assert header.pop("layout") == "state"
+    engine._index.save_index(str(tmp_path / "graph.bin"))  # the earlier layout's one section
+    old = envelope.pack(header, [(tmp_path / "graph.bin").read_bytes()])
+    loaded = hnsw.from_bytes(old, Metric.COSINE, engine.params)
+    for k in (1, K):
+        np.testing.assert_array_equal(loaded.search(q, k)[1], engine.search(q, k)[1])
+    again = hnsw.from_bytes(loaded.to_bytes(), Metric.COSINE, engine.params)  # stored again, in the new layout
+    np.testing.assert_array_equal(again.search(q, K)[1], engine.search(q, K)[1])
+    grown = hnsw.extend_bytes(old, x[600:], Metric.COSINE, engine.params, threads=1)
+    assert grown is not None and len(grown) == 800
+    assert recall(grown.search(x[600:], 1)[1], np.arange(600, 800)[:, None]) > 0.95
+    header, sections = envelope.unpack(engine.to_bytes())
+    broken = envelope.pack(header, [bytes(sections[0]), *(bytes(s) for s in sections[1:-1])])
+    with pytest.raises(ValidationError, match="serialized HNSW graph is malformed"):
+        hnsw.from_bytes(broken, Metric.COSINE, engine.params)
 
 
 def test_query_time_params_come_from_the_caller_on_load() -> None:

@@ -7,6 +7,7 @@ the square root). Manhattan has no hnswlib space and is refused.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -17,6 +18,7 @@ from typing import Any, Self
 import numpy as np
 
 from shoal.engines.base import Engine, register
+from shoal.engines.envelope import array_section
 from shoal.engines.flat import FlatEngine
 from shoal.engines.metrics import Metric, top_k_of
 from shoal.engines.params import int_param, reject_unknown
@@ -34,6 +36,14 @@ SEED = 20261122
 # and keeps the matching results: at 50 % on the bench set (bench/filters.py) it costs about what an unfiltered
 # search does, while hnswlib's filter callback costs a Python call per visited node (3x slower there).
 POSTFILTER_MIN_FRACTION = 0.25
+
+
+# A graph is stored as hnswlib's own pickled state: its scalars as JSON in the first section, then its arrays,
+# restored in memory (`Index.__setstate__`). Graphs stored before that ("layout" absent: hnswlib's save_index
+# file) still load, through a temporary file; that write, read and removal cost a version load 4x the restore.
+_STATE = "state"
+_STATE_ARRAYS = (("label_lookup_external", "<u8"), ("label_lookup_internal", "<u4"), ("element_levels", "<i4"),
+                 ("data_level0", "<i1"), ("link_lists", "<i1"))
 
 
 def _hnswlib() -> Any:
@@ -247,16 +257,25 @@ class HnswEngine(Engine):
         return FlatEngine(stored.reshape(len(self), self.dim), self.metric, {})._search(queries, k, 1)
 
     def _header(self) -> dict[str, Any]:
-        return {"space": _SPACES[self.metric]}
+        return {"space": _SPACES[self.metric], "layout": _STATE}
 
     def _sections(self) -> list[bytes | memoryview]:
         if self._index is None:
             return []
-        with tempfile.TemporaryDirectory(prefix="shoal-hnsw-") as tmp:
-            path = os.path.join(tmp, "index.bin")
-            self._index.save_index(path)
-            with open(path, "rb") as f:
-                return [f.read()]
+        state = dict(self._index.__getstate__()[0])
+        # Only the rows there are: room reserved for more is not stored (a restore makes its own).
+        count, per_row = state["cur_element_count"], state["size_data_per_element"]
+        state["data_level0"] = state["data_level0"][: count * per_row]
+        state["element_levels"] = state["element_levels"][:count]
+        state["max_elements"] = count
+        # Stored alike however the graph came to be: the label map in row order (hnswlib dumps a hash map), ef
+        # fixed (a query-time setting, set again before each search).
+        order = np.argsort(state["label_lookup_internal"], kind="stable")
+        state["label_lookup_internal"] = state["label_lookup_internal"][order]
+        state["label_lookup_external"] = state["label_lookup_external"][order]
+        state["ef"] = 10
+        scalars = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
+        return [json.dumps(scalars).encode(), *(array_section(state[name], dtype) for name, dtype in _STATE_ARRAYS)]
 
     @classmethod
     def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
@@ -271,7 +290,9 @@ class HnswEngine(Engine):
         built = header["params"]
         effective = {"M": built["M"], "ef_construction": built["ef_construction"], "ef_search": params["ef_search"]}
         index = None
-        if n:
+        if n and header.get("layout") == _STATE:
+            index = _from_state(sections, n, room)
+        elif n:
             index = _hnswlib().Index(space=header["space"], dim=dim)
             with tempfile.TemporaryDirectory(prefix="shoal-hnsw-") as tmp:
                 path = os.path.join(tmp, "index.bin")
@@ -292,6 +313,23 @@ class HnswEngine(Engine):
         n = len(base)
         base._index.add_items(vectors, np.arange(n, n + len(vectors)), num_threads=threads)
         return cls(base._index, metric, base._params, base.dim, n + len(vectors))
+
+
+def _from_state(sections: list[memoryview], count: int, room: int) -> Any:
+    """The graph `_sections` stored, with space for `room` more rows (ValidationError when malformed)."""
+    try:
+        state = json.loads(bytes(sections[0]))
+        for (name, dtype), section in zip(_STATE_ARRAYS, sections[1:], strict=True):
+            state[name] = np.frombuffer(section, dtype=dtype)
+        if state["cur_element_count"] != count:
+            raise ValueError(f"{state['cur_element_count']} rows, the header says {count}")
+        index = _hnswlib().Index.__new__(_hnswlib().Index)
+        index.__setstate__((state,))
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
+        raise ValidationError(f"serialized HNSW graph is malformed: {exc}") from None
+    if room:
+        index.resize_index(count + room)
+    return index
 
 
 def _has_ties(d: np.ndarray) -> bool:
