@@ -11,7 +11,7 @@ candidates and finally fall back to a streaming float64 scan, so the answer alwa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -173,19 +173,8 @@ class FlatEngine(Engine):
             for a, b in _row_blocks(e - s, sub):
                 out[:, a:b] = np.abs(q[:, None, :] - v[None, a:b, :]).sum(axis=2)
             return out
-        prod = q @ v.T
-        if m is Metric.DOT_PRODUCT:
-            np.negative(prod, out=prod)
-        elif m is Metric.COSINE:
-            q_norms = np.linalg.norm(q.astype(np.float64), axis=1)
-            inv_q = np.divide(1.0, q_norms, out=np.zeros(len(q)), where=q_norms > 0).astype(np.float32)
-            prod *= -inv_q[:, None]
-            prod *= self._inv_norms32[None, s:e]
-        else:  # squared L2 for both L2 metrics: |q|^2 + |v|^2 - 2 q.v
-            prod *= -2.0
-            prod += self._sq_norms32[None, s:e]
-            prod += np.einsum("ij,ij->i", q, q)[:, None]
-        return prod
+        norms = self._inv_norms32 if m is Metric.COSINE else self._sq_norms32
+        return _to_keys(m, q @ v.T, q, lambda: norms[s:e])
 
     def _margins(self, q: np.ndarray) -> np.ndarray:
         """Per query, a bound on |float32 key - exact key| over all rows."""
@@ -311,16 +300,23 @@ def _keys_together(engines: Sequence[FlatEngine], offsets: np.ndarray, q: np.nda
     keys = np.empty((len(q), int(offsets[-1])), dtype=np.float32)
     for i, eng in enumerate(engines):
         np.matmul(q, eng._vectors.T, out=keys[:, offsets[i] : offsets[i + 1]])
-    metric = engines[0].metric
+    cosine = engines[0].metric is Metric.COSINE
+    return _to_keys(engines[0].metric, keys, q,
+                    lambda: np.concatenate([e._inv_norms32 if cosine else e._sq_norms32 for e in engines]))
+
+
+def _to_keys(metric: Metric, prod: np.ndarray, q: np.ndarray, row_norms: Callable[[], np.ndarray]) -> np.ndarray:
+    """float32 products q.v [queries, rows] made, in place, the keys `_approx_keys` promises (smaller is nearer).
+    `row_norms` gives the rows' float32 inverse norms for cosine, squared norms for the L2 metrics."""
     if metric is Metric.DOT_PRODUCT:
-        np.negative(keys, out=keys)
+        np.negative(prod, out=prod)
     elif metric is Metric.COSINE:
         q_norms = np.linalg.norm(q.astype(np.float64), axis=1)
         inv_q = np.divide(1.0, q_norms, out=np.zeros(len(q)), where=q_norms > 0).astype(np.float32)
-        keys *= -inv_q[:, None]
-        keys *= np.concatenate([eng._inv_norms32 for eng in engines])[None, :]
-    else:  # squared L2, as _approx_keys
-        keys *= -2.0
-        keys += np.concatenate([eng._sq_norms32 for eng in engines])[None, :]
-        keys += np.einsum("ij,ij->i", q, q)[:, None]
-    return keys
+        prod *= -inv_q[:, None]
+        prod *= row_norms()[None, :]
+    else:  # squared L2 for both L2 metrics: |q|^2 + |v|^2 - 2 q.v
+        prod *= -2.0
+        prod += row_norms()[None, :]
+        prod += np.einsum("ij,ij->i", q, q)[:, None]
+    return prod

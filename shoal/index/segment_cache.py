@@ -8,7 +8,7 @@ import ctypes.util
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
@@ -17,6 +17,8 @@ from shoal.index.segment import EntryLike, LoadedSegment, load_rows, load_segmen
 from shoal.log.records import IndexSpec
 from shoal.log.validation import KEY
 from shoal.storage import Storage
+
+_T = TypeVar("_T")
 
 
 class SegmentCache:
@@ -40,11 +42,9 @@ class SegmentCache:
     def load(self, storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
         """The segment of `entry`, from cache or storage (checksums verified)."""
         entry = SegmentEntry.of(entry)
-        with self._lock:
-            hit = self._items.get(entry.id)
-            if hit is not None:
-                self._items.move_to_end(entry.id)
-                return hit
+        hit = _recent(self._lock, self._items, entry.id)
+        if hit is not None:
+            return hit
         loaded = load_segment(storage, entry, index)
         with self._lock:
             kept = self._items.setdefault(entry.id, loaded)
@@ -115,11 +115,9 @@ class KeyCache:
     def get(self, storage: Storage, entry: EntryLike) -> pa.Array:
         """The keys of `entry`'s segment, row by row (checksum verified when read)."""
         entry = SegmentEntry.of(entry)
-        with self._lock:
-            hit = self._items.get(entry.id)
-            if hit is not None:
-                self._items.move_to_end(entry.id)
-                return hit
+        hit = _recent(self._lock, self._items, entry.id)
+        if hit is not None:
+            return hit
         keys = load_rows(storage, entry, [KEY])[KEY].combine_chunks()
         with self._lock:
             if entry.id not in self._items:
@@ -128,6 +126,15 @@ class KeyCache:
                 while self.bytes > self.budget and len(self._items) > 1:
                     self.bytes -= self._items.popitem(last=False)[1].nbytes
         return keys
+
+
+def _recent(lock: threading.Lock, items: OrderedDict[str, _T], key: str) -> _T | None:
+    """The item cached under `key`, now the most recently used; None when there is none."""
+    with lock:
+        hit = items.get(key)
+        if hit is not None:
+            items.move_to_end(key)
+        return hit
 
 
 def release_free_memory() -> None:
