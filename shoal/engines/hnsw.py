@@ -323,7 +323,8 @@ def _from_state(sections: list[memoryview], count: int, room: int) -> Any:
             state[name] = np.frombuffer(section, dtype=dtype)
         if state["cur_element_count"] != count:
             raise ValueError(f"{state['cur_element_count']} rows, the header says {count}")
-        index = _hnswlib().Index.__new__(_hnswlib().Index)
+        index_cls = _hnswlib().Index
+        index = index_cls.__new__(index_cls)
         index.__setstate__((state,))
     except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as exc:
         raise ValidationError(f"serialized HNSW graph is malformed: {exc}") from None

@@ -218,7 +218,7 @@ class ShardBuilder:
         quick = self._busy(index, source.id, segments, watermark, head)
         if entries.num_rows:
             touched = pc.unique(entries[KEY])
-            segments = [self._delete_keys(index, entry, touched) for entry in segments]
+            segments = [self._delete_keys(entry, touched) for entry in segments]
             upserts = fold(entries.to_batches())
             if upserts.num_rows:
                 segments.append(self._new_segment(index, shard, source, generation, upserts, quick))
@@ -238,7 +238,7 @@ class ShardBuilder:
             table = table.filter(pa.array(mine))
         return table
 
-    def _delete_keys(self, index: IndexRecord, entry: SegmentEntry, touched: pa.Array) -> SegmentEntry:
+    def _delete_keys(self, entry: SegmentEntry, touched: pa.Array) -> SegmentEntry:
         keys = self.keys.get(self.storage, entry)
         hit = np.flatnonzero(pc.is_in(keys, value_set=touched).to_numpy(zero_copy_only=False))
         if not len(hit):
@@ -274,7 +274,7 @@ class ShardBuilder:
         how = "extended"
         if merged is None:
             how = "rebuilt"
-            rows = pa.concat_tables([self._live_rows(index, entry) for entry in picked])
+            rows = pa.concat_tables([self._live_rows(entry) for entry in picked])
             # Quick while the shard is busy (the merge only bounds the segment count then), else at full quality.
             if rows.num_rows:
                 merged = self._new_segment(index, shard, source, active.generation, rows, quick=busy)
@@ -284,7 +284,7 @@ class ShardBuilder:
         return self._leased(shard_id, lambda: self._publish_merge(shard, index, active, picked, merged),
                             wait_s=self.publish_wait_s)
 
-    def _live_rows(self, index: IndexRecord, entry: SegmentEntry) -> pa.Table:
+    def _live_rows(self, entry: SegmentEntry) -> pa.Table:
         rows = load_rows(self.storage, entry)
         keep = np.ones(rows.num_rows, dtype=bool)
         keep[read_deletions(self.storage, entry)] = False
@@ -312,7 +312,7 @@ class ShardBuilder:
         if len(picked) < 2 or not candidates:
             return None
         base = max(candidates, key=lambda e: e.rows)
-        rest = [self._live_rows(index, e) for e in picked if e.id != base.id]
+        rest = [self._live_rows(e) for e in picked if e.id != base.id]
         rows = pa.concat_tables(rest)
         if not rows.num_rows:
             return None
@@ -339,7 +339,7 @@ class ShardBuilder:
             if any(p.id not in current for p in picked):
                 raise LeaseBusyError(f"index shard {shard.id}: its segments were merged meanwhile; retry")
             if merged is not None:
-                merged = self._carry_deletions(index, picked, [current[p.id] for p in picked], merged)
+                merged = self._carry_deletions(picked, [current[p.id] for p in picked], merged)
         ids = {p.id for p in picked}
         rest = [s for s in Manifest.of(active.manifest).segments if s.id not in ids]
         if merged is not None:
@@ -347,7 +347,7 @@ class ShardBuilder:
         return self._publish(shard, active, active.generation, active.watermark, rest)
 
     def _carry_deletions(
-        self, index: IndexRecord, before: list[SegmentEntry], after: list[SegmentEntry], merged: SegmentEntry
+        self, before: list[SegmentEntry], after: list[SegmentEntry], merged: SegmentEntry
     ) -> SegmentEntry:
         """`merged` with the rows deleted, since the merge read them, from the segments it was made of (a
         materialization updated or deleted their keys meanwhile)."""
@@ -360,7 +360,7 @@ class ShardBuilder:
                 gone.extend(self.keys.get(self.storage, new).take(pa.array(fresh, pa.int64())).to_pylist())
         if not gone:
             return merged
-        return self._delete_keys(index, merged, pa.array(gone, pa.string()))
+        return self._delete_keys(merged, pa.array(gone, pa.string()))
 
     def pick_for_merge(
         self, segments: Sequence[SegmentEntry], force: bool = False, *, busy: bool = False

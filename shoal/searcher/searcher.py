@@ -467,30 +467,19 @@ class SearchService:
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
             self._saw_head(source.id, source.head_seq)
-            # The young tier for the new versions, derived here before the view is served, so that no search
-            # derives it (only the shards whose version changed are, from the entries already held: no I/O).
-            young = self._tails.get(index.id)
-            made = None
-            if old is not None and young is not None and young.versions != view.versions:
-                try:
-                    made = extend(young, view, young.end, None, time.monotonic())
-                except Exception as exc:  # noqa: BLE001 - derived after the swap, or by a search, then
-                    log.debug("young tier of index %s not derived at load: %s", name, exc)
             with self._lock:
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
-                current = self._tails.get(index.id)
-                # Served together with its view, unless the follower read further meanwhile (then below).
-                if made is not None and current is young:
-                    self._tails[index.id] = made
-                    young = made
             self._fit_budget(key)
+        # The young tier for the new versions, derived now in the loader (only the shards whose version changed
+        # are, cut from what is held: no I/O). Until it is served, searches answer from the young tier's own view.
+        young = self._tails.get(index.id)
         if old is not None and young is not None and young.versions != view.versions:
             try:
                 self._extend(view, young.end)
-            except Exception as exc:  # noqa: BLE001 - a search derives it itself then
-                log.debug("young tier of index %s not re-derived at load: %s", name, exc)
+            except Exception as exc:  # noqa: BLE001 - the follower derives it then
+                log.debug("young tier of index %s not derived at load: %s", name, exc)
         for s in view.shards:
             if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards)):
                 self.shards.mark_served(s.shard_id, s.watermark)

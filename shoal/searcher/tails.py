@@ -109,6 +109,10 @@ class Tail:
             self._derived["groups"] = [g for c in self.chunks for g in c.groups(spec, source)]
         return self._derived["groups"]
 
+    def _masks(self) -> dict[str, np.ndarray | None]:
+        """The hidden-row masks derived so far, by segment id: a tail made from this one starts from them."""
+        return {k[1]: v for k, v in self._derived.items() if type(k) is tuple and k[0] == "hidden"}
+
     def extended(self, entries: pa.Table) -> Tail:
         """This tail followed by newer entries of the same shard (all above every seq this tail holds)."""
         new_keys = pc.unique(entries[KEY])
@@ -119,9 +123,8 @@ class Tail:
                 chunk = TailChunk(chunk.upserts.filter(pc.invert(gone)))
             chunks.append(chunk)
         chunks.append(TailChunk(fold(entries.to_batches())))
-        masks = {k[1]: v for k, v in self._derived.items() if type(k) is tuple and k[0] == "hidden"}
         keys = new_keys.to_pylist()
-        return Tail(self.touched.union(keys), _chunks(chunks), {}, (masks, keys))
+        return Tail(self.touched.union(keys), _chunks(chunks), {}, (self._masks(), keys))
 
     def cut(self, watermark: int, entries: pa.Table) -> Tail:
         """This tail without what a newly served version of its shard reflects, the entries up to `watermark`:
@@ -132,9 +135,8 @@ class Tail:
         keep = [TailChunk(c.upserts.filter(pc.greater(c.upserts[SEQ], watermark)))
                 if pc.min(c.upserts[SEQ]).as_py() <= watermark else c
                 for c in self.chunks if c.upserts.num_rows]
-        masks = {k[1]: v for k, v in self._derived.items() if type(k) is tuple and k[0] == "hidden"}
         chunks = _chunks(keep) if keep else (TailChunk(self.chunks[-1].upserts.slice(0, 0)),)
-        return Tail(frozenset(pc.unique(entries[KEY]).to_pylist()), chunks, {}, (masks, []))
+        return Tail(frozenset(pc.unique(entries[KEY]).to_pylist()), chunks, {}, (self._masks(), []))
 
 
 def _chunks(chunks: list[TailChunk]) -> tuple[TailChunk, ...]:
