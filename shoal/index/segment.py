@@ -129,8 +129,45 @@ def _segment_table(rows: pa.Table, index: IndexSpec, sparse: bool) -> pa.Table:
 
 def _write_rows(storage: Storage, folder: str, table: pa.Table) -> str:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], row_group_size=max(table.num_rows, 1))
+    table = _packed(table)
+    stats = [name for name in table.column_names if name != VECTOR]
+    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], write_statistics=stats,
+                   row_group_size=max(table.num_rows, 1))
     return _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+
+
+def _packed(table: pa.Table) -> pa.Table:
+    """`table` with its dense vectors as one fixed-size binary value per row (the float32 bytes), as a segment
+    stores them. Parquet keeps a list column with a level per float, so a 384-d vector column decodes about
+    12x slower than the same bytes stored whole (90,000 rows: 115 ms against 9, and writes 170 ms against 39);
+    the searcher reads every new segment in full. Columns with nulls (never written) stay as they are."""
+    i = table.schema.get_field_index(VECTOR)
+    col = table.column(i) if i >= 0 else None
+    if col is None or not pa.types.is_fixed_size_list(col.type) or col.null_count:
+        return table
+    width = col.type.list_size * 4
+    chunks = []
+    for chunk in col.chunks:
+        flat = np.ascontiguousarray(chunk.flatten().to_numpy(zero_copy_only=False), dtype=np.float32)
+        chunks.append(pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(chunk), [None, pa.py_buffer(flat)]))
+    return table.set_column(i, pa.field(VECTOR, pa.binary(width)), pa.chunked_array(chunks, pa.binary(width)))
+
+
+def _unpacked(table: pa.Table) -> pa.Table:
+    """A segment's rows table with its vectors as the log's fixed-size float32 lists again (no copy); tables
+    written before vectors were packed come back unchanged."""
+    i = table.schema.get_field_index(VECTOR)
+    if i < 0 or not pa.types.is_fixed_size_binary(table.schema.field(i).type):
+        return table
+    col = table.column(i)
+    dim = col.type.byte_width // 4
+    chunks = []
+    for chunk in col.chunks:
+        values = pa.Array.from_buffers(pa.float32(), (chunk.offset + len(chunk)) * dim, [None, chunk.buffers()[1]])
+        whole = pa.FixedSizeListArray.from_arrays(values, dim)
+        chunks.append(whole.slice(chunk.offset, len(chunk)))
+    kind = pa.list_(pa.float32(), dim)
+    return table.set_column(i, pa.field(VECTOR, kind), pa.chunked_array(chunks, kind))
 
 
 def extend_segment(
@@ -228,13 +265,14 @@ def load_rows(storage: Storage, entry: EntryLike, columns: list[str] | None = No
     """A segment's rows (only `columns` when given), checksum verified; its engines are not read. What a build
     needs of the segments it rewrites or marks rows of: restoring their graphs would cost more than the rest."""
     entry = SegmentEntry.of(entry)
-    return pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)), columns=columns)
+    return _unpacked(pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)),
+                                   columns=columns))
 
 
 def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
     """Read and verify a segment's rows and engines."""
     entry = SegmentEntry.of(entry)
-    rows = pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)))
+    rows = _unpacked(pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum))))
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
     splits = []
