@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, or_, select, update
+from sqlalchemy import BigInteger, Connection, Engine, column, delete, func, or_, select, update, values
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -162,6 +162,21 @@ class IndexCatalog:
         """The index, or NotFoundError."""
         with Session(self.engine) as s:
             return _index(s, self._row(s, name, version), self.tenant)
+
+    def serving(
+        self, name: str, version: str, held: Collection[int] = ()
+    ) -> tuple[IndexRecord, SourceRecord, dict[int, VersionRecord]]:
+        """What a searcher needs to serve the index, read over one connection: the index with its shards, its
+        data source, and the active versions of its shards but those in `held` (version ids it has loaded) by
+        id. NotFoundError when the index or its data source is gone or in the trash."""
+        with Session(self.engine) as s:
+            index = _index(s, self._row(s, name, version), self.tenant)
+            source = s.get(DataSource, index.source_id)  # _index read it: no round trip
+            if source is None or source.deleted_at is not None:
+                raise NotFoundError(f"the data source of index {name!r} version {version!r} is gone")
+            wanted = {sh.active_version_id for sh in index.shards if sh.active_version_id is not None} - set(held)
+            rows = s.scalars(select(IndexVersion).where(IndexVersion.id.in_(wanted))) if wanted else ()
+            return index, _record(source, self.tenant), {r.id: _version(r) for r in rows}
 
     def list_indexes(self, source_id: int | None = None) -> list[IndexRecord]:
         """The tenant's live indexes (of one data source when `source_id` is given), by name and version."""
@@ -462,11 +477,19 @@ class ShardCatalog:
 
     def mark_served(self, shard_id: int, watermark: int) -> None:
         """Record that a searcher now serves the shard at `watermark` (never moves it backwards)."""
+        self.mark_served_many({shard_id: watermark})
+
+    def mark_served_many(self, watermarks: Mapping[int, int]) -> None:
+        """`mark_served` for several shards (shard id: watermark) in one statement."""
+        if not watermarks:
+            return
+        served = values(column("shard_id", BigInteger), column("watermark", BigInteger), name="served").data(
+            sorted(watermarks.items()))  # sorted: concurrent markers lock rows in one order
         with Session(self.engine) as s, s.begin():
             s.execute(
                 update(IndexShard)
-                .where(IndexShard.id == shard_id, IndexShard.served_watermark <= watermark)
-                .values(served_watermark=watermark, served_at=func.clock_timestamp())
+                .where(IndexShard.id == served.c.shard_id, IndexShard.served_watermark <= served.c.watermark)
+                .values(served_watermark=served.c.watermark, served_at=func.clock_timestamp())
             )
 
 

@@ -447,9 +447,9 @@ class SearchService:
         key = (scope.tenant_id, name, version)
         # One loader at a time: two racing loads would do the same I/O twice.
         with self._load_lock:
-            index = scope.indexes.get_index(name, version)
-            source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
             old = self._views.get(key)
+            held = [s.version_id for s in old.shards if s.version_id is not None] if old else []
+            index, source, versions = scope.indexes.serving(name, version, held)
             shards = []
             local = self.placement.local_shards(scope.tenant, name, version)
             if local is not None and (beyond := sorted(n for n in local if n >= len(index.shards))):
@@ -463,7 +463,7 @@ class SearchService:
                 if current is not None and current.version_id == shard.active_version_id:
                     shards.append(current)
                     continue
-                record = self.shards.version(shard.active_version_id) if shard.active_version_id else None
+                record = versions[shard.active_version_id] if shard.active_version_id else None
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
             self._saw_head(source.id, source.head_seq)
@@ -480,9 +480,10 @@ class SearchService:
                 self._extend(view, young.end)
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
-        for s in view.shards:
-            if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards)):
-                self.shards.mark_served(s.shard_id, s.watermark)
+        self.shards.mark_served_many({
+            s.shard_id: s.watermark for s in view.shards
+            if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards))
+        })
         return view
 
     def _retain(self) -> None:
