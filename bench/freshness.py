@@ -180,6 +180,7 @@ class Probe:
     visible: float | None = None  # time.time() here right after the search that first returned it
     last_poll: float | None = None  # time.monotonic() of its last search
     received: float = 0.0  # time.monotonic() when its ack reached the measuring thread
+    found_began: float | None = None  # time.time() when the search that first returned it began
 
 
 @dataclass
@@ -375,14 +376,14 @@ class Watcher:
         while start < len(self.pending):
             chunk = self.pending[start : start + size]
             start += len(chunk)
-            now = time.monotonic()
+            now, began = time.monotonic(), time.time()
             hits = self.searcher.search(self.name, "1", np.vstack([p.vector for p in chunk]), K,
                                         consistency=EVENTUAL)
             found = time.time()
             any_found = False
             for p, h in zip(chunk, hits, strict=True):
                 if p.id in h.column("id"):
-                    p.visible = found
+                    p.visible, p.found_began = found, began
                     seen.add(p.id)
                     any_found = True
                     # It became visible after the previous search of it (or its ack reached us): the error bound.
@@ -1015,6 +1016,8 @@ def versions() -> str:
 
 
 SEARCHER_CALLS: list[tuple[str, str, float, float]] = []  # (what, thread, wall s, thread CPU s), --searcher-stats
+HEARD: list[tuple[int, float]] = []  # (head the searcher learned, time.time()), --searcher-stats
+COVERED: list[tuple[int, float]] = []  # (seq a young tier or served view now reaches, time.time()), --searcher-stats
 
 
 def trace_searcher() -> None:
@@ -1033,8 +1036,56 @@ def trace_searcher() -> None:
                                        time.thread_time() - c0))
         return wrapper
 
-    SearchService._load = timed("load a version", SearchService._load)  # type: ignore[method-assign]
-    SearchService._extend = timed("extend the young tier", SearchService._extend)  # type: ignore[method-assign]
+    def covering(fn: Callable[..., Any], end_of: Callable[[Any], int]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            out = fn(*a, **k)
+            COVERED.append((end_of(out), time.time()))
+            return out
+        return wrapper
+
+    def saw_head(self: Any, source_id: int, head: int) -> None:
+        HEARD.append((head, time.time()))
+        seen_head(self, source_id, head)
+
+    seen_head = SearchService._saw_head
+    SearchService._saw_head = saw_head  # type: ignore[method-assign]
+    # A point is searchable once a young tier or a served view reaching its seq is in place (the bench has one
+    # index: the ends are its).
+    SearchService._load = timed("load a version", covering(  # type: ignore[method-assign]
+        SearchService._load, lambda view: view.min_watermark))
+    SearchService._extend = timed("extend the young tier", covering(  # type: ignore[method-assign]
+        SearchService._extend, lambda cache: cache.end))
+
+
+def print_visibility_parts(res: Result) -> None:
+    """Where write -> visible goes (--searcher-stats): per sampled point, from its ack to the searcher hearing a
+    head at or past its seq, to a young tier or served view covering it, and to the search that found it."""
+    if not res.probes or not COVERED or not HEARD:
+        return
+    heard = sorted(HEARD, key=lambda h: h[1])
+    covered = sorted(COVERED, key=lambda c: c[1])
+
+    def first(events: list[tuple[int, float]], seq: int, after: float) -> float:
+        return next((t for end, t in events if end >= seq and t >= after), np.inf)
+
+    parts: dict[str, list[float]] = {"ack -> head heard": [], "ack -> covered": [], "covered -> found": [],
+                                     "  covered -> finding search began": [], "  the finding search itself": []}
+    for p in res.probes:
+        if p.visible is None or p.found_began is None:
+            continue
+        since = p.acked - 5.0  # heard or covered before the ack reached the producer's clock read: count it as 0
+        h, c = first(heard, p.seq, since), first(covered, p.seq, since)
+        parts["ack -> head heard"].append(max(0.0, h - p.acked))
+        parts["ack -> covered"].append(max(0.0, c - p.acked))
+        parts["covered -> found"].append(max(0.0, p.visible - c) if np.isfinite(c) else np.inf)
+        parts["  covered -> finding search began"].append(max(0.0, p.found_began - c) if np.isfinite(c) else np.inf)
+        parts["  the finding search itself"].append(p.visible - p.found_began)
+    t = Table(title="write -> visible, in parts (found points; --searcher-stats)")
+    for col in ("part", "p50 s", "p90 s", "p99 s"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+    for name, values in parts.items():
+        t.add_row(name, *(f"{ib.percentile(values, q):.3f}" for q in (50, 90, 99)))
+    console.print(t)
 
 
 def print_searcher_stats() -> None:
@@ -1107,6 +1158,7 @@ def main(argv: list[str] | None = None) -> int:
     if finished:
         print_report(res, args)
         print_searcher_stats()
+        print_visibility_parts(res)
     console.print(f"total bench time {time.perf_counter() - t_start:.0f}s, load average after {ib._load()}")
     return 0
 
