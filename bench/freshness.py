@@ -215,12 +215,14 @@ class Result:
     workers: int = 1
     materialize_s: float = 0.0
     base_qps: float = float("nan")
+    base_cpu_s: float = float("nan")  # the search thread's CPU seconds per query, no ingest
     base_recall: float = float("nan")  # vs the shared ground truth, every held-out query used
     base_sample_recall: float = float("nan")  # the recall sample's queries vs the brute force: the steady state
     rate_asked: float = 0.0
     batch: int = 0
     produced: dict[str, Any] = field(default_factory=dict)
     ingest_qps_s: float = 0.0
+    ingest_qps_cpu_s: float = 0.0  # the search thread's CPU seconds in those calls
     ingest_qps_n: int = 0
     after_qps_s: float = 0.0
     after_qps_n: int = 0
@@ -396,13 +398,14 @@ class Watcher:
         if seen:
             self.pending = [p for p in self.pending if p.id not in seen]
 
-    def qps_query(self) -> float:
-        """One held-out query (eventual, k=10, one per call); the seconds inside the call."""
+    def qps_query(self) -> tuple[float, float]:
+        """One held-out query (eventual, k=10, one per call); the seconds inside the call, and the thread's CPU
+        seconds in it."""
         q = self.data.queries[self.qi % len(self.data.queries)][None, :]
         self.qi += 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.search_ids(q)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     def recall_now(self) -> tuple[float, int]:
         truth_ids, points = self.truth.snapshot()
@@ -475,11 +478,12 @@ class Watcher:
                 burst_left, burst_spent = a.qps_burst, 0.0
                 next_qps = now + a.qps_every
             if burst_left:
-                spent = self.qps_query()
+                spent, cpu = self.qps_query()
                 burst_spent += spent
                 burst_left = 0 if burst_spent >= a.burst_ms / 1e3 else burst_left - 1
                 if phase == "ingest":
                     self.res.ingest_qps_s += spent
+                    self.res.ingest_qps_cpu_s += cpu
                     self.res.ingest_qps_n += 1
                 else:
                     self.res.after_qps_s += spent
@@ -582,15 +586,17 @@ def served(searcher: Searcher, name: str) -> int:
     return min(searcher.served_watermarks(name, "1").values())
 
 
-def eventual_qps(searcher: Searcher, name: str, queries: np.ndarray, passes: int) -> float:
-    spent, n = 0.0, 0
+def eventual_qps(searcher: Searcher, name: str, queries: np.ndarray, passes: int) -> tuple[float, float]:
+    """(queries per second inside the calls, thread CPU seconds per query)."""
+    spent, cpu, n = 0.0, 0.0, 0
     for _ in range(passes):
         for i in range(len(queries)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             searcher.search(name, "1", queries[i : i + 1], K, consistency=EVENTUAL)[0].column("id")
             spent += time.perf_counter() - t0
+            cpu += time.thread_time() - c0
             n += 1
-    return n / spent
+    return n / spent, cpu / n
 
 
 # -- part 6 -------------------------------------------------------------------------------------------------
@@ -689,7 +695,7 @@ def run(settings: Settings, data: ib.Data, args: argparse.Namespace, res: Result
     res.notes.append(note)
     q = data.queries
     eventual_qps(searcher, name, q[: min(100, len(q))], 1)  # warm-up: view loaded, first-call paths
-    res.base_qps = eventual_qps(searcher, name, q, args.base_passes)
+    res.base_qps, res.base_cpu_s = eventual_qps(searcher, name, q, args.base_passes)
     found = np.array([searcher.search(name, "1", q[i : i + 1], K)[0].column("id") for i in range(len(q))])
     res.base_recall = ib.recall(found, gt)
     watcher = Watcher(shoal, searcher, name, data, sample_q, truth, res, args)
@@ -846,6 +852,10 @@ def print_report(res: Result, args: argparse.Namespace) -> None:
     ratio = qps / res.base_qps
     table.add_row("4", "eventual QPS during ingest (bursts between probes) / ratio to no ingest",
                   f"{qps:,.0f} / {ratio:.2f}x", ">= 0.5x", ok(ratio >= 0.5))
+    cpu = res.ingest_qps_cpu_s / res.ingest_qps_n if res.ingest_qps_n else float("nan")
+    table.add_row("4", "  per query during ingest / no ingest: ms inside the call, of it ms of the search thread's "
+                  "CPU (the rest: waiting for a core or the GIL)",
+                  f"{1e3 / qps:.2f} ({1e3 * cpu:.2f}) / {1e3 / res.base_qps:.2f} ({1e3 * res.base_cpu_s:.2f})", "", "")
     table.add_row("4", "largest head - served / head - built during the run (seqs)",
                   f"{res.max_lag_seqs:,} / {res.max_built_lag_seqs:,}", "", "")
     table.add_section()
