@@ -1,5 +1,6 @@
 """Index segment files: dense vectors are stored packed (one fixed-size binary value per row) and read back as
-the log's float32 lists, bit for bit; segments written before that (a list column) still load and extend."""
+the log's float32 lists, bit for bit; segments written before that (a list column) still load and extend; the
+keys are also stored alone, for builds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from shoal.errors import CorruptArtifactError
-from shoal.index.segment import _digest, build_segment, extend_segment, load_rows, load_segment
+from shoal.index.manifest import SegmentEntry
+from shoal.index.segment import _digest, build_segment, extend_segment, load_keys, load_rows, load_segment
 from shoal.log.records import IndexSpec
 from shoal.log.validation import KEY, SEQ, VECTOR
 from shoal.storage import Storage
@@ -88,3 +90,31 @@ def test_segments_written_with_a_list_column_still_load_and_extend(tmp_path: Pat
     # The checksum still guards the file.
     with pytest.raises(CorruptArtifactError, match="does not match its recorded checksum"):
         load_segment(storage, entry, spec)
+
+
+def test_builds_read_a_segments_keys_from_its_keys_file(tmp_path: Path) -> None:
+    """A segment carries its keys alone (keys.parquet, checksummed, referenced by the manifest entry so that GC
+    keeps it); a segment written without one gives its keys from the rows file."""
+    storage = Storage(pa.fs.LocalFileSystem(), str(tmp_path), local=True)
+    spec = _spec("hnsw")
+    rows = _rows(0, 150, seed=5)
+    entry = build_segment(storage, "shard-0", spec, False, DIM, rows)
+    assert entry.keys_path is not None and entry.keys_path in entry.files()
+    assert SegmentEntry.from_json(entry.to_json()) == entry  # stored and read back
+    assert pq.read_schema(storage.path(entry.keys_path)).names == [KEY]
+    keys = load_keys(storage, entry)
+    assert keys.equals(load_rows(storage, entry, [KEY])[KEY].combine_chunks())
+    assert sorted(keys.to_pylist()) == sorted(rows[KEY].to_pylist())
+    grown = extend_segment(storage, "shard-0", spec, False, DIM, entry, load_rows(storage, entry), _rows(150, 20, 6))
+    assert grown is not None and grown.keys_path is not None
+    assert load_keys(storage, grown).equals(load_rows(storage, grown, [KEY])[KEY].combine_chunks())
+
+    # Written before keys files: the entry has no keys checksum, its stored form no such key.
+    old = replace(entry, keys_checksum=None)
+    assert "keys_checksum" not in old.to_json() and old.keys_path is None
+    assert load_keys(storage, old).equals(keys)
+
+    # The checksum guards the keys file too.
+    Path(storage.path(entry.keys_path)).write_bytes(b"not the keys")
+    with pytest.raises(CorruptArtifactError, match="does not match its recorded checksum"):
+        load_keys(storage, entry)

@@ -8,7 +8,10 @@ made of, with each segment's splits, files, checksums and deletions, and the wat
          "rows_checksum": "sha256:...",
          "splits": [{"key": "...", "values": {...}, "start": 0, "end": 100, "file": "split-0.bin",
                      "checksum": "sha256:..."}],
-         "deleted": null | {"path": "...", "count": 3, "checksum": "sha256:..."}}]}
+         "deleted": null | {"path": "...", "count": 3, "checksum": "sha256:..."},
+         "keys_checksum": "sha256:..."}]}
+
+("quick" and "keys_checksum" appear only when set: entries written before they existed read unchanged.)
 
 `from_json` reads that form and `to_json` writes it back key for key, so rows written before these classes
 existed load unchanged and new rows look the same: no migration. Code reads manifests only through these
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 ROWS_FILE = "rows.parquet"  # a segment's rows table, in its folder
+KEYS_FILE = "keys.parquet"  # its key column alone, in row order (segments written since session 12)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,10 @@ class SegmentEntry:
     # Built quickly (a low ef_construction) to keep up with ingest; merges rebuild it at the index's own
     # parameters once the shard has no backlog. Stored only when true, so other entries keep their old form.
     quick: bool = False
+    # The checksum of KEYS_FILE, the rows' keys alone: builds read a segment's keys (to mark the rows newer entries
+    # replace) from it rather than from the whole rows file. None for segments written before it existed; stored
+    # only when set, so those entries keep their old form.
+    keys_checksum: str | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SegmentEntry:
@@ -103,6 +111,7 @@ class SegmentEntry:
             splits=tuple(SplitEntry.from_json(s) for s in data["splits"]),
             deleted=DeletionEntry.from_json(deleted) if deleted else None,
             quick=bool(data.get("quick", False)),
+            keys_checksum=str(data["keys_checksum"]) if data.get("keys_checksum") else None,
         )
 
     @classmethod
@@ -121,7 +130,8 @@ class SegmentEntry:
             "rows_checksum": self.rows_checksum,
             "splits": [s.to_json() for s in self.splits],
             "deleted": self.deleted.to_json() if self.deleted else None,
-        } | ({"quick": True} if self.quick else {})
+        } | ({"quick": True} if self.quick else {}) | (
+            {"keys_checksum": self.keys_checksum} if self.keys_checksum else {})
 
     @property
     def deleted_count(self) -> int:
@@ -133,13 +143,20 @@ class SegmentEntry:
         """Storage path of the segment's rows table."""
         return f"{self.dir}/{ROWS_FILE}"
 
+    @property
+    def keys_path(self) -> str | None:
+        """Storage path of the segment's keys file; None when it was written without one."""
+        return f"{self.dir}/{KEYS_FILE}" if self.keys_checksum else None
+
     def split_path(self, split: SplitEntry) -> str:
         """Storage path of one split's engine file."""
         return f"{self.dir}/{split.file}"
 
     def files(self) -> list[str]:
-        """Every storage path the entry references: rows, engine files, then the deletions file if any."""
-        files = [self.rows_path, *(self.split_path(s) for s in self.splits)]
+        """Every storage path the entry references: rows, keys if any, engine files, then the deletions file if
+        any."""
+        files = [self.rows_path, *([self.keys_path] if self.keys_path else []),
+                 *(self.split_path(s) for s in self.splits)]
         if self.deleted:
             files.append(self.deleted.path)
         return files

@@ -27,7 +27,7 @@ from shoal.engines import Engine, get_engine
 from shoal.engines.metrics import Metric
 from shoal.engines.sparse import SparseRows
 from shoal.errors import CorruptArtifactError
-from shoal.index.manifest import ROWS_FILE, DeletionEntry, Manifest, SegmentEntry, SplitEntry, all_files
+from shoal.index.manifest import KEYS_FILE, ROWS_FILE, DeletionEntry, Manifest, SegmentEntry, SplitEntry, all_files
 from shoal.index.sharding import split_keys
 from shoal.log.records import IndexSpec
 from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
@@ -83,6 +83,7 @@ def build_segment(
     folder = layout.index_segment_dir(shard_dir, seg_id)
     table = _segment_table(rows, index, sparse)
     rows_checksum = _write_rows(storage, folder, table)
+    keys_checksum = _write_keys(storage, folder, table)
 
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
@@ -116,6 +117,7 @@ def build_segment(
         rows_checksum=rows_checksum,
         splits=tuple(splits),
         deleted=None,
+        keys_checksum=keys_checksum,
     )
 
 
@@ -134,6 +136,25 @@ def _write_rows(storage: Storage, folder: str, table: pa.Table) -> str:
     pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], write_statistics=stats,
                    row_group_size=max(table.num_rows, 1))
     return _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+
+
+def _write_keys(storage: Storage, folder: str, table: pa.Table) -> str:
+    """Write the segment's key column alone (KEYS_FILE): a build reads the keys of every older segment of its
+    shard, and the rows file of a merged segment is hundreds of megabytes to read and checksum for them."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table.select([KEY]), sink, compression="none", row_group_size=max(table.num_rows, 1))
+    return _write(storage, f"{folder}/{KEYS_FILE}", sink.getvalue())
+
+
+def load_keys(storage: Storage, entry: EntryLike) -> pa.Array:
+    """A segment's keys in row order, checksum verified: from its keys file, or from its rows file when it was
+    written without one."""
+    entry = SegmentEntry.of(entry)
+    if entry.keys_path is None or entry.keys_checksum is None:
+        table = load_rows(storage, entry, [KEY])
+    else:
+        table = pq.read_table(pa.BufferReader(_read(storage, entry.keys_path, entry.keys_checksum)))
+    return table[KEY].combine_chunks()
 
 
 def _packed(table: pa.Table) -> pa.Table:
@@ -199,6 +220,7 @@ def extend_segment(
     folder = layout.index_segment_dir(shard_dir, seg_id)
     # The rows first, the engine after, as build_segment writes them.
     rows_checksum = _write_rows(storage, folder, combined)
+    keys_checksum = _write_keys(storage, folder, combined)
     engine = engine_cls.extend_bytes(data, vectors_of(table, sparse, dim), index.metric, index.params)
     if engine is None:
         return None  # not expected after the checks above; the rows file is unreferenced garbage for GC
@@ -213,6 +235,7 @@ def extend_segment(
         rows_checksum=rows_checksum,
         splits=(replace(split, end=combined.num_rows, file=name, checksum=checksum),),
         deleted=None,
+        keys_checksum=keys_checksum,
     )
 
 

@@ -13,9 +13,8 @@ from typing import Any, TypeVar
 import pyarrow as pa
 
 from shoal.index.manifest import SegmentEntry
-from shoal.index.segment import EntryLike, LoadedSegment, load_rows, load_segment
+from shoal.index.segment import EntryLike, LoadedSegment, load_keys, load_segment
 from shoal.log.records import IndexSpec
-from shoal.log.validation import KEY
 from shoal.storage import Storage
 
 _T = TypeVar("_T")
@@ -102,9 +101,9 @@ class SegmentCache:
 
 
 class KeyCache:
-    """The keys of segments by id, in row order, read from the rows file alone; least recently used dropped past
-    `budget` bytes. A build marks the rows of its shard's older segments whose keys newer entries replace: it
-    needs their keys, never their engines (segments are immutable, so a key list never goes stale)."""
+    """The keys of segments by id, in row order, read from their keys file (`load_keys`); least recently used
+    dropped past `budget` bytes. A build marks the rows of its shard's older segments whose keys newer entries
+    replace: it needs their keys, never their engines (segments are immutable, so a key list never goes stale)."""
 
     def __init__(self, budget: int = 256 << 20) -> None:
         self.budget = budget
@@ -118,7 +117,7 @@ class KeyCache:
         hit = _recent(self._lock, self._items, entry.id)
         if hit is not None:
             return hit
-        keys = load_rows(storage, entry, [KEY])[KEY].combine_chunks()
+        keys = load_keys(storage, entry)
         with self._lock:
             if entry.id not in self._items:
                 self._items[entry.id] = keys
