@@ -170,6 +170,18 @@ def test_merges_keep_segments_and_dead_rows_bounded(shoal: Shoal) -> None:
     searcher.close()
 
 
+def test_served_watermarks_are_marked_together_and_never_move_back(shoal: Shoal) -> None:
+    """A searcher that loads new versions of several shards marks them in one go; a mark below what a shard
+    already shows (an older searcher, a late mark) leaves that shard as it is and still moves the others."""
+    index = shoal.create_index(spec(shard_count=3))
+    a, b, c = (sh.id for sh in index.shards)
+    shoal.shards.mark_served_many({a: 10, b: 5})
+    shoal.shards.mark_served_many({a: 3, b: 7, c: 0})
+    shoal.shards.mark_served_many({})
+    got = {sh.id: (sh.served_watermark, sh.served_at is not None) for sh in shoal.get_index("Docs.Index", "1").shards}
+    assert got == {a: (10, True), b: (7, True), c: (0, True)}
+
+
 def test_freshness_status_and_drop(shoal: Shoal) -> None:
     shoal.create_index(spec(shard_count=3))
     producer = shoal.producer("Docs", "1")

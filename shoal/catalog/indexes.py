@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Engine, column, delete, func, or_, select, update, values
+from sqlalchemy import Connection, Engine, bindparam, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -480,17 +480,19 @@ class ShardCatalog:
         self.mark_served_many({shard_id: watermark})
 
     def mark_served_many(self, watermarks: Mapping[int, int]) -> None:
-        """`mark_served` for several shards (shard id: watermark) in one statement."""
+        """`mark_served` for several shards (shard id: watermark) in one transaction, sent at once."""
         if not watermarks:
             return
-        served = values(column("shard_id", BigInteger), column("watermark", BigInteger), name="served").data(
-            sorted(watermarks.items()))  # sorted: concurrent markers lock rows in one order
+        shards = IndexShard.__table__
+        stmt = (
+            update(shards)
+            .where(shards.c.id == bindparam("shard"), shards.c.served_watermark <= bindparam("mark"))
+            .values(served_watermark=bindparam("mark"), served_at=func.clock_timestamp())
+        )
+        # By shard id: searchers marking the same shards at once take their row locks in one order (no deadlock).
+        rows = [{"shard": shard, "mark": mark} for shard, mark in sorted(watermarks.items())]
         with Session(self.engine) as s, s.begin():
-            s.execute(
-                update(IndexShard)
-                .where(IndexShard.id == served.c.shard_id, IndexShard.served_watermark <= served.c.watermark)
-                .values(served_watermark=served.c.watermark, served_at=func.clock_timestamp())
-            )
+            s.execute(stmt, rows)
 
 
 def freshness_rows(engine: Engine) -> list[tuple[str, str, str, int, int, int, int]]:
