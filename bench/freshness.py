@@ -1075,16 +1075,17 @@ def print_visibility_parts(res: Result) -> None:
     heard = sorted(HEARD, key=lambda h: h[1])
     covered = sorted(COVERED, key=lambda c: c[1])
 
-    def first(events: list[tuple[int, float]], seq: int, after: float) -> float:
-        return next((t for end, t in events if end >= seq and t >= after), np.inf)
+    def first(events: list[tuple[int, float]], seq: int) -> float:
+        """When the first event reaching `seq` happened (events in time order; none reaches a seq before its
+        commit)."""
+        return next((t for end, t in events if end >= seq), np.inf)
 
     parts: dict[str, list[float]] = {"ack -> head heard": [], "ack -> covered": [], "covered -> found": [],
                                      "  covered -> finding search began": [], "  the finding search itself": []}
     for p in res.probes:
         if p.visible is None or p.found_began is None:
             continue
-        since = p.acked - 5.0  # heard or covered before the ack reached the producer's clock read: count it as 0
-        h, c = first(heard, p.seq, since), first(covered, p.seq, since)
+        h, c = first(heard, p.seq), first(covered, p.seq)  # may precede the ack's clock read: counted as 0
         parts["ack -> head heard"].append(max(0.0, h - p.acked))
         parts["ack -> covered"].append(max(0.0, c - p.acked))
         parts["covered -> found"].append(max(0.0, p.visible - c) if np.isfinite(c) else np.inf)

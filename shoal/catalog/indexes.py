@@ -337,14 +337,6 @@ class ShardCatalog:
                 query = query.where(Index.data_source_id.in_(list(source_ids)))
             return {int(r[0]): int(r[1]) for r in s.execute(query)}
 
-    def version(self, version_id: int) -> VersionRecord:
-        """An index version by id; NotFoundError if absent."""
-        with Session(self.engine) as s:
-            row = s.get(IndexVersion, version_id)
-            if row is None:
-                raise NotFoundError(f"index version {version_id} not found")
-            return _version(row)
-
     def active_version(self, shard_id: int) -> VersionRecord | None:
         """The version the shard's active pointer names, or None before the first materialization."""
         with Session(self.engine) as s:
@@ -475,12 +467,9 @@ class ShardCatalog:
             s.commit()
             return int(version_id)
 
-    def mark_served(self, shard_id: int, watermark: int) -> None:
-        """Record that a searcher now serves the shard at `watermark` (never moves it backwards)."""
-        self.mark_served_many({shard_id: watermark})
-
     def mark_served_many(self, watermarks: Mapping[int, int]) -> None:
-        """`mark_served` for several shards (shard id: watermark) in one transaction, sent at once."""
+        """Record that a searcher now serves each shard (shard id: watermark) at its watermark, never moving one
+        backwards; one transaction, its statements sent at once."""
         if not watermarks:
             return
         shards = IndexShard.__table__

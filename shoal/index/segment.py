@@ -129,21 +129,28 @@ def _segment_table(rows: pa.Table, index: IndexSpec, sparse: bool) -> pa.Table:
     return table.take(pc.sort_indices(table, sort_keys=[(SPLIT, "ascending"), (SEQ, "ascending")]))
 
 
-def _write_rows(storage: Storage, folder: str, table: pa.Table) -> str:
+def _write_table(storage: Storage, path: str, table: pa.Table, **options: Any) -> str:
+    """Write `table` as one uncompressed Parquet row group; its checksum."""
     sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="none", row_group_size=max(table.num_rows, 1), **options)
+    return _write(storage, path, sink.getvalue())
+
+
+def _read_table(storage: Storage, path: str, checksum: str, columns: list[str] | None = None) -> pa.Table:
+    """A Parquet file `_write_table` wrote (only `columns` when given), checksum verified."""
+    return pq.read_table(pa.BufferReader(_read(storage, path, checksum)), columns=columns)
+
+
+def _write_rows(storage: Storage, folder: str, table: pa.Table) -> str:
     table = _packed(table)
     stats = [name for name in table.column_names if name != VECTOR]
-    pq.write_table(table, sink, compression="none", use_dictionary=[SPLIT], write_statistics=stats,
-                   row_group_size=max(table.num_rows, 1))
-    return _write(storage, f"{folder}/{ROWS_FILE}", sink.getvalue())
+    return _write_table(storage, f"{folder}/{ROWS_FILE}", table, use_dictionary=[SPLIT], write_statistics=stats)
 
 
 def _write_keys(storage: Storage, folder: str, table: pa.Table) -> str:
     """Write the segment's key column alone (KEYS_FILE): a build reads the keys of every older segment of its
     shard, and the rows file of a merged segment is hundreds of megabytes to read and checksum for them."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(table.select([KEY]), sink, compression="none", row_group_size=max(table.num_rows, 1))
-    return _write(storage, f"{folder}/{KEYS_FILE}", sink.getvalue())
+    return _write_table(storage, f"{folder}/{KEYS_FILE}", table.select([KEY]))
 
 
 def load_keys(storage: Storage, entry: EntryLike) -> pa.Array:
@@ -153,7 +160,7 @@ def load_keys(storage: Storage, entry: EntryLike) -> pa.Array:
     if entry.keys_path is None or entry.keys_checksum is None:
         table = load_rows(storage, entry, [KEY])
     else:
-        table = pq.read_table(pa.BufferReader(_read(storage, entry.keys_path, entry.keys_checksum)))
+        table = _read_table(storage, entry.keys_path, entry.keys_checksum)
     return table[KEY].combine_chunks()
 
 
@@ -290,14 +297,13 @@ def load_rows(storage: Storage, entry: EntryLike, columns: list[str] | None = No
     """A segment's rows (only `columns` when given), checksum verified; its engines are not read. What a build
     needs of the segments it rewrites or marks rows of: restoring their graphs would cost more than the rest."""
     entry = SegmentEntry.of(entry)
-    return _unpacked(pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum)),
-                                   columns=columns))
+    return _unpacked(_read_table(storage, entry.rows_path, entry.rows_checksum, columns))
 
 
 def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> LoadedSegment:
     """Read and verify a segment's rows and engines."""
     entry = SegmentEntry.of(entry)
-    rows = _unpacked(pq.read_table(pa.BufferReader(_read(storage, entry.rows_path, entry.rows_checksum))))
+    rows = load_rows(storage, entry)
     engine_cls = get_engine(index.algorithm)
     metric = Metric(index.metric)
     splits = []

@@ -448,7 +448,7 @@ class SearchService:
         # One loader at a time: two racing loads would do the same I/O twice.
         with self._load_lock:
             old = self._views.get(key)
-            held = [s.version_id for s in old.shards if s.version_id is not None] if old else []
+            held = {s.version_id for s in old.shards if s.version_id is not None} if old else set()
             index, source, versions = scope.indexes.serving(name, version, held)
             shards = []
             local = self.placement.local_shards(scope.tenant, name, version)
@@ -480,10 +480,8 @@ class SearchService:
                 self._extend(view, young.end)
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
-        self.shards.mark_served_many({
-            s.shard_id: s.watermark for s in view.shards
-            if s.version_id is not None and (old is None or all(o.version_id != s.version_id for o in old.shards))
-        })
+        self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
+                                      if s.version_id is not None and s.version_id not in held})
         return view
 
     def _retain(self) -> None:
