@@ -147,6 +147,15 @@ class Settings(BaseSettings):
     )
     pending_ttl_s: float = Field(default=120.0, gt=0, description="How long a queued-task mark coalesces commits.")
     max_segments: int = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
+    min_merge_segments: int = Field(
+        default=4, ge=2,
+        description="A merge that too many segments make due takes at least this many, the smallest ones.",
+    )
+    worker_nice: int = Field(
+        default=2, ge=0, le=19,
+        description="CPU priority (nice value) of worker processes: builds and merges yield the CPU to "
+        "searchers, the API and producers on the same host (0: no lower than they are started).",
+    )
     quick_build_backlog_seqs: int = Field(
         default=5_000, ge=0,
         description="A materialization that finds at least this many log entries to build (ingest outruns the "

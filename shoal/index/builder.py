@@ -24,6 +24,7 @@ from shoal.catalog.repo import SourceRecord, head_of, seqs_committed_within
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
 from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
+from shoal.index.merge_policy import MergePolicy, pick
 from shoal.index.segment import (
     build_segment,
     extend_segment,
@@ -40,14 +41,6 @@ from shoal.storage import Storage, layout
 from shoal.upkeep.gc import publishable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MergePolicy:
-    """When segments get merged: too many of them, or one with too many dead rows."""
-
-    max_segments: int = 8
-    max_deleted_ratio: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -365,25 +358,8 @@ class ShardBuilder:
     def pick_for_merge(
         self, segments: Sequence[SegmentEntry], force: bool = False, *, busy: bool = False
     ) -> list[int]:
-        """Positions of the segments to merge: every segment with too many dead rows, every quickly built one
-        once the shard is not `busy` (to rebuild it at the index's own parameters), plus the smallest ones
-        while there are too many segments (tiered: small segments merge first)."""
-        if force:
-            return list(range(len(segments))) if segments else []
-        dead = {
-            i
-            for i, s in enumerate(segments)
-            if (s.rows and s.deleted_count / s.rows > self.policy.max_deleted_ratio) or (s.quick and not busy)
-        }
-        by_size = sorted(range(len(segments)), key=lambda i: segments[i].rows)
-        chosen = set(dead)
-        # Merging k segments into one removes k-1; take the smallest until the count is back in bounds.
-        while len(segments) - len(chosen) + (1 if chosen else 0) > self.policy.max_segments:
-            nxt = next(i for i in by_size if i not in chosen)
-            chosen.add(nxt)
-        if len(chosen) == 1 and not dead:
-            return []
-        return sorted(chosen)
+        """Positions of the segments to merge under this builder's policy (`merge_policy.pick`)."""
+        return pick(self.policy, segments, force, busy=busy)
 
     def owes_rebuild(self, shard_id: int) -> bool:
         """True when the shard's active version holds quick segments: a merge rebuilds them at the index's own

@@ -32,7 +32,7 @@ class WorkerContext:
             lease_seconds=settings.lease_seconds,
             # Renewed while a build runs, at least three times per lease: one late beat never loses it.
             heartbeat_s=min(settings.lease_heartbeat_s, settings.lease_seconds / 3),
-            policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio),
+            policy=MergePolicy(settings.max_segments, settings.max_deleted_ratio, settings.min_merge_segments),
             quick_backlog_seqs=settings.quick_build_backlog_seqs,
             quick_ef_construction=settings.quick_ef_construction,
             quick_window_s=settings.quick_window_s,

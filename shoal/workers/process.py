@@ -19,6 +19,9 @@ from typing import Any
 
 from celery.apps.worker import Worker as CeleryWorker
 
+from shoal.config.settings import Settings
+from shoal.workers.priority import lower_priority
+
 log = logging.getLogger(__name__)
 
 EXIT_GRACE_S = 15.0  # the longest a failing worker may take to stop before it ends regardless
@@ -39,7 +42,14 @@ def _exit_after(seconds: float, code: int) -> None:
 
 
 class Worker(CeleryWorker):  # type: ignore[misc]
-    """Celery's worker whose stop after a failure is cold and ends the process within EXIT_GRACE_S."""
+    """Celery's worker at SHOAL_WORKER_NICE, whose stop after a failure is cold and ends the process within
+    EXIT_GRACE_S."""
+
+    def on_before_init(self, **kwargs: Any) -> None:
+        """Lower the CPU priority first, while this is the only thread: the pool, beat and hnswlib's build
+        threads all inherit it."""
+        lower_priority(Settings().worker_nice)
+        super().on_before_init(**kwargs)
 
     def stop(self, in_sighandler: bool = False, exitcode: int | None = None) -> Any:
         """Stop as Celery does, except that a stop with a failure exit code (an unrecoverable error) is cold

@@ -1,0 +1,99 @@
+"""Workers lower their own CPU priority (SHOAL_WORKER_NICE), so that builds and merges yield the CPU to the
+searchers and producers on the same host: a real Celery worker process, and the rule in child processes (a
+nice value cannot be raised back, so it is never changed in the test process itself)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import start_worker, stop_process, wait_for
+
+AUTOGROUP_ON = Path("/proc/self/autogroup").exists()
+
+
+def _nice_of(pid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
+def _autogroup_nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+
+
+@pytest.mark.slow
+def test_a_worker_runs_at_the_configured_nice_value(make_settings, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings("local", redis_url=redis_url, worker_nice=7)
+    mine = _nice_of(0)
+    proc = start_worker(settings)
+    try:
+        wait_for(lambda: _nice_of(proc.pid) == max(7, mine) or proc.poll() is not None, 60, "the worker's nice value")
+        assert proc.poll() is None, Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+        assert _nice_of(proc.pid) == max(7, mine)
+        if AUTOGROUP_ON:  # the worker leads its own session (start_new_session), so its autogroup is lowered too
+            assert _autogroup_nice(proc.pid) == 7
+            assert _autogroup_nice(os.getpid()) != 7 or mine == 7  # ours is untouched
+        wait_for(lambda: "ready" in Path(proc.log_path).read_text(), 60, "the worker to be ready")  # type: ignore[attr-defined]
+        # Every thread it started since (beat's, the broker's, the pool's) inherited the value.
+        tids = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert len(tids) > 1
+        names = {t: Path(f"/proc/{proc.pid}/task/{t}/comm").read_text().strip() for t in tids}
+        assert {names[t]: _nice_of(t) for t in tids if _nice_of(t) != max(7, mine)} == {}
+    finally:
+        stop_process(proc)
+
+
+def _run(code: str, *, session: bool) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         start_new_session=session)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_lower_priority_raises_the_nice_value_and_never_lowers_it(tmp_path: Path) -> None:
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-1 nice 0\n")
+    code = (
+        "import os, threading\nfrom pathlib import Path\nfrom shoal.workers.priority import lower_priority\n"
+        f"g = Path({str(group)!r})\n"
+        # A thread already running (as a library's, started on import) is lowered too.
+        "go, done, tid = threading.Event(), threading.Event(), []\n"
+        "t = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), go.set(), done.wait()))\n"
+        "t.start(); go.wait()\n"
+        "a = lower_priority(5, g)\n"
+        "b = lower_priority(3, g)\n"  # asking for less priority than in force changes nothing
+        "c = lower_priority(0, g)\n"
+        "print(a, b, c, os.nice(0), os.getpriority(os.PRIO_PROCESS, tid[0]))\n"
+        "done.set(); t.join()\n"
+    )
+    base = _nice_of(0)
+    assert _run(code, session=True).split() == [str(max(5, base))] * 5
+    # It led its session: the autogroup went to 5 (and was not lowered again by 3).
+    assert group.read_text().strip() == "5"
+
+    group.write_text("/autogroup-1 nice 0\n")
+    assert _run(code, session=False).split() == [str(max(5, base))] * 5
+    # Not a session leader: a terminal's session (and everything in it) keeps its autogroup.
+    assert group.read_text().strip() == "/autogroup-1 nice 0"
+
+
+def test_zero_leaves_the_worker_as_it_was_started(tmp_path: Path) -> None:
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-1 nice 0\n")
+    code = (
+        "import os\nfrom pathlib import Path\nfrom shoal.workers.priority import lower_priority\n"
+        f"print(lower_priority(0, Path({str(group)!r})), os.nice(0))\n"
+    )
+    base = _nice_of(0)
+    assert _run(code, session=True).split() == [str(base), str(base)]
+    assert group.read_text() == "/autogroup-1 nice 0\n"
+
+
+def test_the_setting_is_bounded(make_settings) -> None:  # type: ignore[no-untyped-def]
+    from pydantic import ValidationError
+
+    for bad in (-1, 20):
+        with pytest.raises(ValidationError, match="worker_nice"):
+            make_settings("local", worker_nice=bad)
