@@ -45,36 +45,42 @@ def test_a_worker_runs_at_the_configured_nice_value(make_settings, redis_url: st
         stop_process(proc)
 
 
-def _run(code: str, *, session: bool) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         start_new_session=session)
+CHILD = """
+import os, sys, threading
+from pathlib import Path
+from shoal.workers.priority import lower_priority
+# A thread already running (as a library's, started on import) is lowered too.
+go, done, tid = threading.Event(), threading.Event(), []
+t = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), go.set(), done.wait()))
+t.start()
+go.wait()
+got = [lower_priority(int(n), Path(sys.argv[1])) for n in sys.argv[2:]]
+print(*got, os.nice(0), os.getpriority(os.PRIO_PROCESS, tid[0]))
+done.set()
+t.join()
+"""
+
+
+def _lower_in_child(group: Path, *nices: int, session: bool) -> list[int]:
+    """lower_priority(n, group) for each n in a child process (its own session or ours): what each call
+    returned, then the nice value of its main thread and of a thread started before the calls."""
+    out = subprocess.run([sys.executable, "-c", CHILD, str(group), *map(str, nices)], capture_output=True,
+                         text=True, timeout=60, start_new_session=session)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
+    return [int(x) for x in out.stdout.split()]
 
 
 def test_lower_priority_raises_the_nice_value_and_never_lowers_it(tmp_path: Path) -> None:
     group = tmp_path / "autogroup"
     group.write_text("/autogroup-1 nice 0\n")
-    code = (
-        "import os, threading\nfrom pathlib import Path\nfrom shoal.workers.priority import lower_priority\n"
-        f"g = Path({str(group)!r})\n"
-        # A thread already running (as a library's, started on import) is lowered too.
-        "go, done, tid = threading.Event(), threading.Event(), []\n"
-        "t = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), go.set(), done.wait()))\n"
-        "t.start(); go.wait()\n"
-        "a = lower_priority(5, g)\n"
-        "b = lower_priority(3, g)\n"  # asking for less priority than in force changes nothing
-        "c = lower_priority(0, g)\n"
-        "print(a, b, c, os.nice(0), os.getpriority(os.PRIO_PROCESS, tid[0]))\n"
-        "done.set(); t.join()\n"
-    )
-    base = _nice_of(0)
-    assert _run(code, session=True).split() == [str(max(5, base))] * 5
+    want = max(5, _nice_of(0))
+    # Asking for less priority than in force (3, 0) changes nothing.
+    assert _lower_in_child(group, 5, 3, 0, session=True) == [want] * 5
     # It led its session: the autogroup went to 5 (and was not lowered again by 3).
     assert group.read_text().strip() == "5"
 
     group.write_text("/autogroup-1 nice 0\n")
-    assert _run(code, session=False).split() == [str(max(5, base))] * 5
+    assert _lower_in_child(group, 5, 3, 0, session=False) == [want] * 5
     # Not a session leader: a terminal's session (and everything in it) keeps its autogroup.
     assert group.read_text().strip() == "/autogroup-1 nice 0"
 
@@ -82,12 +88,8 @@ def test_lower_priority_raises_the_nice_value_and_never_lowers_it(tmp_path: Path
 def test_zero_leaves_the_worker_as_it_was_started(tmp_path: Path) -> None:
     group = tmp_path / "autogroup"
     group.write_text("/autogroup-1 nice 0\n")
-    code = (
-        "import os\nfrom pathlib import Path\nfrom shoal.workers.priority import lower_priority\n"
-        f"print(lower_priority(0, Path({str(group)!r})), os.nice(0))\n"
-    )
     base = _nice_of(0)
-    assert _run(code, session=True).split() == [str(base), str(base)]
+    assert _lower_in_child(group, 0, session=True) == [base, base, base]
     assert group.read_text() == "/autogroup-1 nice 0\n"
 
 
