@@ -46,8 +46,8 @@ class Worker(CeleryWorker):  # type: ignore[misc]
     EXIT_GRACE_S."""
 
     def on_before_init(self, **kwargs: Any) -> None:
-        """Lower the CPU priority first, while this is the only thread: the pool, beat and hnswlib's build
-        threads all inherit it."""
+        """Lower the CPU priority first, before Celery starts any thread: the pool, beat and hnswlib's build
+        threads inherit it (the threads libraries started on import are lowered one by one)."""
         lower_priority(Settings().worker_nice)
         super().on_before_init(**kwargs)
 
