@@ -12,6 +12,7 @@ from shoal import DataPoint, DataSourceSpec, Shoal, SparseVector, Tombstone
 from shoal.errors import AlreadyExistsError, NotFoundError, ValidationError
 from shoal.index.builder import MergePolicy, ShardBuilder
 from shoal.index.manifest import DeletionEntry, SegmentEntry
+from shoal.index.merge_policy import pick
 from shoal.log.records import IndexSpec
 from shoal.searcher.consistency import Consistency
 
@@ -172,19 +173,18 @@ def test_merges_keep_segments_and_dead_rows_bounded(shoal: Shoal) -> None:
     searcher.close()
 
 
-def test_a_merge_the_segment_count_makes_due_takes_the_smallest_min_merge_segments(shoal: Shoal) -> None:
+def test_a_merge_the_segment_count_makes_due_takes_the_smallest_min_merge_segments() -> None:
     """Merging only two segments whenever the bound is passed rewrites each row about twice as often: a merge
     the count makes due takes the `min_merge` smallest. Dead-row merges are not widened."""
-    builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=4, min_merge=3))
+    policy = MergePolicy(max_segments=4, min_merge=3)
     sizes = [500, 40, 90, 10, 70]
     entries = [SegmentEntry(f"s{i}", f"d{i}", rows, 0, 0, "", ()) for i, rows in enumerate(sizes)]
-    assert builder.pick_for_merge(entries) == [1, 3, 4]  # 10, 40 and 70 rows: two would have done for the bound
-    assert builder.pick_for_merge(entries[:4]) == []  # within the bound: nothing is due
-    assert builder.pick_for_merge(entries[:2], force=True) == [0, 1]
+    assert pick(policy, entries) == [1, 3, 4]  # 10, 40 and 70 rows: two would have done for the bound
+    assert pick(policy, entries[:4]) == []  # within the bound: nothing is due
+    assert pick(policy, entries[:2], force=True) == [0, 1]
     dead = replace(entries[0], deleted=DeletionEntry("x", 400, ""))
-    assert builder.pick_for_merge([dead, *entries[1:4]]) == [0]  # dead rows alone: that segment, rebuilt alone
-    two = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(max_segments=4, min_merge=2))
-    assert two.pick_for_merge(entries) == [1, 3]
+    assert pick(policy, [dead, *entries[1:4]]) == [0]  # dead rows alone: that segment, rebuilt alone
+    assert pick(MergePolicy(max_segments=4, min_merge=2), entries) == [1, 3]
 
 
 def test_served_watermarks_are_marked_together_and_never_move_back(shoal: Shoal) -> None:

@@ -37,9 +37,9 @@ def pick(
     # Merging k segments into one removes k-1; take the smallest until the count is back in bounds ...
     while len(segments) - len(chosen) + (1 if chosen else 0) > policy.max_segments:
         chosen.add(next(smallest))
+    # (Taking one more never lowers the count, so that loop takes none or at least two: a lone segment is picked
+    # only for its own dead rows or quality.)
     if len(chosen) > len(dead):  # ... and when that made the merge due, at least `min_merge` of them.
         while len(chosen) < min(policy.min_merge, len(segments)):
             chosen.add(next(smallest))
-    if len(chosen) == 1 and not dead:
-        return []
     return sorted(chosen)
