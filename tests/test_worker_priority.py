@@ -12,15 +12,22 @@ from pathlib import Path
 import pytest
 from conftest import start_worker, stop_process, wait_for
 
-AUTOGROUP_ON = Path("/proc/self/autogroup").exists()
+# Whether a process that starts a session gets an autogroup of its own here: not without /proc/self/autogroup
+# (another OS, a kernel without them), nor inside a cpu cgroup, where the file reads empty.
+AUTOGROUP_ON = Path("/proc/self/autogroup").exists() and bool(subprocess.run(
+    [sys.executable, "-c", "print(open('/proc/self/autogroup').read())"], capture_output=True, text=True,
+    timeout=60, start_new_session=True).stdout.strip())
 
 
 def _nice_of(pid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, pid)
 
 
-def _autogroup_nice(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice value of the process's autogroup; None when it is in the root task group (the file reads empty
+    for processes of the init session, as a CI runner's may be, and inside cpu cgroups)."""
+    text = Path(f"/proc/{pid}/autogroup").read_text().split()
+    return int(text[-1]) if text else None
 
 
 @pytest.mark.slow
@@ -91,6 +98,17 @@ def test_zero_leaves_the_worker_as_it_was_started(tmp_path: Path) -> None:
     base = _nice_of(0)
     assert _lower_in_child(group, 0, session=True) == [base, base, base]
     assert group.read_text() == "/autogroup-1 nice 0\n"
+
+
+def test_a_process_outside_any_autogroup_keeps_its_nice_value_and_logs_nothing(tmp_path: Path) -> None:
+    group = tmp_path / "autogroup"
+    group.write_text("")  # what /proc/<pid>/autogroup reads in the root task group
+    out = subprocess.run([sys.executable, "-c", CHILD, str(group), "5"], capture_output=True, text=True,
+                         timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert [int(x) for x in out.stdout.split()][:2] == [max(5, _nice_of(0))] * 2
+    assert group.read_text() == ""
+    assert "could not" not in out.stderr
 
 
 def test_the_setting_is_bounded(make_settings) -> None:  # type: ignore[no-untyped-def]

@@ -52,6 +52,10 @@ def _lower_autogroup(nice: int, autogroup: Path) -> None:
         text = autogroup.read_text()  # e.g. "/autogroup-123 nice 0"
     except OSError:
         return  # no autogroups here (another OS, or a kernel built without them)
+    if not text.strip():
+        # Empty: the process is in the root task group (the init session's default autogroup, or a cpu cgroup
+        # of its own), where autogroups do not apply and there is nothing of its own to lower.
+        return
     try:
         if int(text.split()[-1]) >= nice:
             return
