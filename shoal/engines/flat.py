@@ -35,6 +35,28 @@ _MAX_CANDIDATES = 8192  # beyond this (or beyond a quarter of the rows) a float6
 _SMALL_ROWS = 1024
 
 
+def product_error_bound(dim: int) -> float:
+    """A bound (with a factor 2 to spare) on the rounding error of a float32 dim-term dot product or L1 sum,
+    relative to the magnitudes involved (|q| |v|, or the sum of |terms|)."""
+    return 2.0 * (dim + 8) * _U
+
+
+def key_margins(metric: Metric, dim: int, q_norms: np.ndarray, max_norm: float) -> np.ndarray:
+    """Per query (of norm `q_norms`), a bound on |float32 key - exact key| for rows of norm at most `max_norm`,
+    keys as `FlatEngine` makes them from float32 products (smaller is nearer; not manhattan): -q.v for
+    dot_product, -cos for cosine (product scaled by both float32 inverse norms), |q|^2 + |v|^2 - 2 q.v for the
+    L2 metrics. A row whose float32 key exceeds the k-th smallest by more than twice this is not in the top k."""
+    c = product_error_bound(dim)
+    if metric is Metric.DOT_PRODUCT:
+        return c * q_norms * max_norm
+    if metric is Metric.COSINE:
+        # c for the product of unit-scaled vectors, plus roundings of the two float32 inverse norms.
+        return (c + 8 * _U) + 0.0 * q_norms  # the shape of q_norms (a float stays a float, cheaply)
+    if metric is Metric.MANHATTAN:
+        raise ValueError("manhattan keys are L1 sums: their margin needs the L1 norms")
+    return 2 * c * (q_norms + max_norm) ** 2
+
+
 def _row_blocks(n: int, rows: int) -> list[tuple[int, int]]:
     rows = max(1, rows)
     return [(s, min(n, s + rows)) for s in range(0, n, rows)]
@@ -75,9 +97,7 @@ class FlatEngine(Engine):
         self._max_l1 = float(l1.max()) if l1 is not None and n else 0.0
         self._sq_norms32 = self._sq_norms.astype(np.float32)
         self._inv_norms32 = np.divide(1.0, norms, out=np.zeros(n), where=norms > 0).astype(np.float32)
-        # Bound (with a factor 2 to spare) on the rounding error of a float32 d-term dot product or L1 sum,
-        # relative to the magnitudes involved.
-        self._c = 2.0 * (d + 8) * _U
+        self._c = product_error_bound(d)
         self._small: np.ndarray | None = None  # float64 rows for _search_small, made on its first use
 
     @classmethod
@@ -179,15 +199,9 @@ class FlatEngine(Engine):
     def _margins(self, q: np.ndarray) -> np.ndarray:
         """Per query, a bound on |float32 key - exact key| over all rows."""
         q64 = q.astype(np.float64)
-        m, c = self.metric, self._c
-        if m is Metric.DOT_PRODUCT:
-            return c * np.linalg.norm(q64, axis=1) * self._max_norm
-        if m is Metric.COSINE:
-            # c for the product of unit-scaled vectors, plus roundings of the two float32 inverse norms.
-            return np.full(len(q), c + 8 * _U)
-        if m is Metric.MANHATTAN:
-            return c * (np.abs(q64).sum(axis=1) + self._max_l1)
-        return 2 * c * (np.linalg.norm(q64, axis=1) + self._max_norm) ** 2
+        if self.metric is Metric.MANHATTAN:
+            return self._c * (np.abs(q64).sum(axis=1) + self._max_l1)
+        return key_margins(self.metric, self.dim, np.linalg.norm(q64, axis=1), self._max_norm)
 
     def _approx_key(self, distances: np.ndarray) -> np.ndarray:
         """Exact distances expressed in the key space of `_approx_keys`."""

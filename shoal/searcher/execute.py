@@ -3,6 +3,7 @@ the log tail when the consistency level needs it, k-way merged by the metric's d
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -14,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from shoal.engines import Engine, get_engine
-from shoal.engines.flat import FlatEngine, search_together
+from shoal.engines.flat import FlatEngine, key_margins, search_together
 from shoal.engines.metrics import Metric, from_products, worst_distance
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
@@ -188,10 +189,12 @@ def _young_blocks(groups: list[TailGroup], queries: np.ndarray | SparseRows, k: 
 # index 1,034 (the widened walk); below 5 % exact is 20-200x faster and recall 1.0 where the walk's drops.
 FILTER_EXACT_MAX_ROWS_X_FRACTION = 1_100
 _SUBSET_BYTES = 256 << 20  # matching rows' vectors kept per (segment, split, filter), least recently used out
-# A subset of at most this many rows also keeps its vectors in float64 (3 MB at 384-d) and is scanned in float64
-# at once: below about a thousand rows that is faster than the float32 pass that picks candidates first (a single
-# query, 384-d: 59 rows 4 us against 23, 589 rows 26 against 47, 6,080 rows 343 against 100).
-_WIDE_ROWS = 1024
+# A subset of at most this many rows keeps its vectors in float64 too and is ranked in float64 at once: fewer
+# numpy calls than choosing candidates by float32 keys first (one 384-d query, cosine, real data, us per call:
+# 59 rows 18.4 against 19.8, 128 rows 24 against 21: the float64 products are summed row by row, not by BLAS).
+_TINY_ROWS = 64
+# Products of magnitudes below this stay finite in float32 (max ~3.4e38), keys included.
+_F32_SAFE = 1e36
 
 
 @dataclass(frozen=True)
@@ -203,13 +206,15 @@ class _Subset:
     vectors: np.ndarray  # float32 [m, d]
     sq_norms: np.ndarray  # float64 [m]
     sq_norms32: np.ndarray  # float32 [m]
+    norms: np.ndarray  # float64 [m]
     inv_norms: np.ndarray  # float32 [m], 0 for a zero vector
-    vectors64: np.ndarray | None = None  # float64 [m, d] for a small subset, scanned in float64 directly
+    max_norm: float  # the largest row norm: it bounds the float32 keys' rounding error
+    vectors64: np.ndarray | None  # float64 [m, d], kept for a subset of at most _TINY_ROWS rows
 
     @property
     def nbytes(self) -> int:
         wide = self.vectors64.nbytes if self.vectors64 is not None else 0
-        return int(self.rows.nbytes + self.vectors.nbytes + wide + 16 * len(self.rows))
+        return int(self.rows.nbytes + self.vectors.nbytes + wide + 24 * len(self.rows))
 
 
 class _SubsetCache:
@@ -240,12 +245,24 @@ SUBSETS = _SubsetCache(_SUBSET_BYTES)
 
 
 def _make_subset(rows: pa.Table, source: DataSourceSpec, start: int, local: np.ndarray) -> _Subset:
-    vectors = np.ascontiguousarray(_gather(rows, source, local + start), dtype=np.float32)
+    return _subset_of(local, _gather(rows, source, local + start))
+
+
+def _subset_of(local: np.ndarray, gathered: np.ndarray) -> _Subset:
+    """The subset of rows `local` (split-local, increasing) whose vectors are `gathered`, with its norms."""
+    vectors = np.ascontiguousarray(gathered, dtype=np.float32)
     sq = np.einsum("ij,ij->i", vectors.astype(np.float64), vectors.astype(np.float64))
     norms = np.sqrt(sq)
     inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
-    wide = vectors.astype(np.float64) if len(local) <= _WIDE_ROWS else None
-    return _Subset(local, vectors, sq, sq.astype(np.float32), inv, wide)
+    wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
+    return _Subset(local, vectors, sq, sq.astype(np.float32), norms, inv, float(norms.max(initial=0.0)), wide)
+
+
+def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
+    """Each row's float64 product with q, summed in the same order for every row: a BLAS matrix-vector product
+    may sum a row differently by its position (seen on 3 x 16), which would order exact duplicates (ties, to
+    be broken by row) by where they happen to sit."""
+    return np.einsum("ij,j->i", rows64, q64)
 
 
 def _exact_subset(
@@ -253,53 +270,60 @@ def _exact_subset(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The exact k nearest rows of a subset (minus `hidden`, bool per subset row): split-local labels, -1 pads.
 
-    float32 products pick 4k + 64 candidates (their error, ~d * 2^-24 relative, cannot reorder rows beyond
-    that many but for exact ties), reranked in float64 as the flat engine's distances are. One query at a
-    time: a server's searches are single queries, and per-query numpy calls on 1-d arrays are the cheapest."""
+    float32 keys (as the flat engine makes them) pick the candidates: every row whose key is within twice the
+    keys' rounding bound (`key_margins`) of the k-th smallest, which holds the exact top k and every row tied
+    with its last; they are reranked in float64 as the flat engine's distances are, ties by label (a tiny
+    subset is ranked in float64 whole). One query at a time: a server's searches are single queries, and
+    per-query numpy calls on 1-d arrays are the cheapest."""
     m = len(sub.rows)
-    kc = min(m, 4 * k + 64)
     worst = worst_distance(metric)
     out_d = np.full((len(queries), k), worst, dtype=np.float32)
     out_l = np.full((len(queries), k), -1, dtype=np.int64)
-    if sub.vectors64 is not None:
-        # A small subset: the float64 distances of every row (as below for the candidates), the k nearest by
-        # distance then label, taking every row tied with the k-th so that ties break as the full sort would.
-        for i, q in enumerate(queries):
-            q64 = q.astype(np.float64)
-            dist = from_products(metric, sub.vectors64 @ q64, float(q64 @ q64), sub.sq_norms)
-            labels = sub.rows
-            if hidden is not None:
-                dist = np.where(hidden, worst, dist)
-                labels = np.where(hidden, -1, labels)
-            key = -dist if metric is Metric.DOT_PRODUCT else dist
-            if m > k:
-                near = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1])
-                order = near[np.lexsort((labels[near], key[near]))][:k]
-            else:
-                order = np.lexsort((labels, key))[:k]
-            n = len(order)
-            out_d[i, :n], out_l[i, :n] = dist[order], labels[order]
-        return out_d, out_l
+    dim = queries.shape[1]
     for i, q in enumerate(queries):
-        prod = sub.vectors @ q  # [m] float32
-        if metric is Metric.DOT_PRODUCT:
-            key = -prod
-        elif metric is Metric.COSINE:
-            key = -prod * sub.inv_norms
-        else:
-            key = sub.sq_norms32 - 2.0 * prod
-        if hidden is not None:
-            key[hidden] = np.inf
-        cand = np.argpartition(key, kc - 1)[:kc] if kc < m else np.arange(m)
         q64 = q.astype(np.float64)
-        dots = sub.vectors[cand].astype(np.float64) @ q64
-        dist = from_products(metric, dots, float(q64 @ q64), sub.sq_norms[cand])
+        qq = float(q64 @ q64)
+        q_norm = math.sqrt(qq)
+        if m <= _TINY_ROWS or not q_norm * sub.max_norm + sub.max_norm**2 < _F32_SAFE:
+            # Every row: so few that choosing candidates costs more than it saves, or magnitudes whose float32
+            # products could overflow.
+            cand = slice(None)
+        else:
+            key = sub.vectors @ q  # [m] float32, made the key in place
+            if metric is Metric.DOT_PRODUCT:
+                np.negative(key, out=key)
+            elif metric is Metric.COSINE:
+                key *= np.float32(-1.0 / q_norm) if q_norm > 0 else np.float32(0.0)
+                key *= sub.inv_norms
+            else:  # the L2 metrics: |v|^2 - 2 q.v, the flat engine's key less the constant |q|^2
+                key *= np.float32(-2.0)
+                key += sub.sq_norms32
+            if hidden is not None:
+                key[hidden] = np.inf
+            # Rows beyond the k-th key plus twice the rounding bound are farther than all k rows up to it,
+            # exactly; an infinite k-th key (fewer visible rows than k) keeps every row.
+            slack = 2.0 * float(key_margins(metric, dim, q_norm, sub.max_norm))
+            cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1] + slack)
+        wide = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else None
+        dots = _dots(wide if wide is not None else sub.vectors[cand].astype(np.float64), q64)
+        if metric is Metric.COSINE:
+            # from_products' cosine distance, bit for bit, in fewer calls: the same float64 division where both
+            # norms are nonzero, and similarity 0 (distance 1) where one is zero.
+            denom = q_norm * sub.norms[cand]
+            dist = 1.0 - np.clip(dots / np.where(denom > 0, denom, np.inf), -1.0, 1.0)
+        else:
+            dist = from_products(metric, dots, qq, sub.sq_norms[cand])
         labels = sub.rows[cand]
         if hidden is not None:
             gone = hidden[cand]
             dist = np.where(gone, worst, dist)
             labels = np.where(gone, -1, labels)
-        order = np.lexsort((labels, -dist if metric is Metric.DOT_PRODUCT else dist))[:k]
+        key64 = -dist if metric is Metric.DOT_PRODUCT else dist
+        if type(cand) is slice and m > k:  # sort only the rows up to the k-th (and every row tied with it)
+            near = np.flatnonzero(key64 <= np.partition(key64, k - 1)[k - 1])
+            order = near[np.lexsort((labels[near], key64[near]))][:k]
+        else:
+            order = np.lexsort((labels, key64))[:k]
         n = len(order)
         out_d[i, :n], out_l[i, :n] = dist[order], labels[order]
     return out_d, out_l
