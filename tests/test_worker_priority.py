@@ -13,7 +13,7 @@ import pytest
 from conftest import start_worker, stop_process, wait_for
 
 # Whether a process that starts a session gets an autogroup of its own here: not without /proc/self/autogroup
-# (another OS, a kernel without them), nor inside a cpu cgroup, where the file reads empty.
+# (another OS, a kernel without them), and not where the file reads empty.
 AUTOGROUP_ON = Path("/proc/self/autogroup").exists() and bool(subprocess.run(
     [sys.executable, "-c", "print(open('/proc/self/autogroup').read())"], capture_output=True, text=True,
     timeout=60, start_new_session=True).stdout.strip())
@@ -24,8 +24,8 @@ def _nice_of(pid: int) -> int:
 
 
 def _autogroup_nice(pid: int) -> int | None:
-    """The nice value of the process's autogroup; None when it is in the root task group (the file reads empty
-    for processes of the init session, as a CI runner's may be, and inside cpu cgroups)."""
+    """The nice value of the process's autogroup; None in the default autogroup, init's (the file reads empty
+    there, as for a CI runner descended from init without a session of its own)."""
     text = Path(f"/proc/{pid}/autogroup").read_text().split()
     return int(text[-1]) if text else None
 

@@ -53,8 +53,9 @@ def _lower_autogroup(nice: int, autogroup: Path) -> None:
     except OSError:
         return  # no autogroups here (another OS, or a kernel built without them)
     if not text.strip():
-        # Empty: the process is in the root task group (the init session's default autogroup, or a cpu cgroup
-        # of its own), where autogroups do not apply and there is nothing of its own to lower.
+        # Empty: the process is in the default autogroup (that of init's session, as a process descended from
+        # init without a session of its own is, like some CI runners): it is the root task group, not ours to
+        # lower. A session leader always has an autogroup of its own, so only calls in tests reach here.
         return
     try:
         if int(text.split()[-1]) >= nice:
