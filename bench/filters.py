@@ -2,7 +2,7 @@
 raw hnswlib with a filter function on the very same graph and numpy exact search over the matching rows, all
 in one run. Run by hand, never in CI:
 
-    .venv/bin/python bench/filters.py               # ~2 minutes on 2 cores
+    .venv/bin/python bench/filters.py               # about a minute on 2 cores
     .venv/bin/python bench/filters.py --queries 100
     .venv/bin/python bench/filters.py --sweep       # also: exact scan vs the index's filtered search, forced,
                                                     # at 9 selectivities (FILTER_EXACT_MAX_ROWS_X_FRACTION)
