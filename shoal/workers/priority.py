@@ -53,9 +53,9 @@ def _lower_autogroup(nice: int, autogroup: Path) -> None:
     except OSError:
         return  # no autogroups here (another OS, or a kernel built without them)
     if not text.strip():
-        # Empty: the process is in the default autogroup (that of init's session, as a process descended from
-        # init without a session of its own is, like some CI runners): it is the root task group, not ours to
-        # lower. A session leader always has an autogroup of its own, so only calls in tests reach here.
+        # Empty: the process is in the default autogroup, init's (a process descended from init without a
+        # session of its own, like some CI runners, or a first process that inherited it): that is the root
+        # task group, shared with everything there, and not ours to lower.
         return
     try:
         if int(text.split()[-1]) >= nice:
