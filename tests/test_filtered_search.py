@@ -317,6 +317,11 @@ def test_vektonn_search_body_takes_a_filter(http_api: tuple[httpx.Client, Shoal,
     filters = {"$and": [{"section": {"$in": ["net", "doc"]}}, {"size": {"$gte": 200}}]}
     keep = lambda r: r["section"] in ("net", "doc") and r["size"] >= 200  # noqa: E731
     assert ids(http.post(url, json=body | {"filter": filters})) == brute(s.rows, s.vectors, q, 5, keep)
+    # The rest of the language through this body too: datetime ranges (ISO text in JSON), $or, $not.
+    others = [(f, keep) for f, keep in FILTERS if {"when", "$or", "$not"} & set(f)]
+    assert len(others) == 3
+    for flt, keep in others:
+        assert ids(http.post(url, json=body | {"filter": flt})) == brute(s.rows, s.vectors, q, 5, keep), flt
     # Strong, with points only in the log tail.
     new_rows, new_vectors = make_rows(5, seed=11)
     for r in new_rows:
