@@ -63,8 +63,9 @@ def from_products(metric: Metric, dots: np.ndarray, q_sq_norms: np.ndarray, v_sq
         return dots
     if metric is Metric.COSINE:
         denom = np.sqrt(q_sq_norms) * np.sqrt(v_sq_norms)
-        sim = np.divide(dots, denom, out=np.zeros(np.broadcast_shapes(dots.shape, denom.shape)), where=denom > 0)
-        return 1.0 - np.clip(sim, -1.0, 1.0)
+        # A zero vector (norm 0, so every product with it 0) is at similarity 0: 0 / inf, without a masked divide's
+        # extra arrays (this runs once per search of every exact path).
+        return 1.0 - np.clip(dots / np.where(denom > 0, denom, np.inf), -1.0, 1.0)
     if metric in (Metric.L2_SQUARED, Metric.EUCLIDEAN):
         sq = np.maximum(q_sq_norms + v_sq_norms - 2.0 * dots, 0.0)
         return np.sqrt(sq) if metric is Metric.EUCLIDEAN else sq

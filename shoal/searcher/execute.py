@@ -206,7 +206,6 @@ class _Subset:
     vectors: np.ndarray  # float32 [m, d]
     sq_norms: np.ndarray  # float64 [m]
     sq_norms32: np.ndarray  # float32 [m]
-    norms: np.ndarray  # float64 [m]
     inv_norms: np.ndarray  # float32 [m], 0 for a zero vector
     max_norm: float  # the largest row norm: it bounds the float32 keys' rounding error
     vectors64: np.ndarray | None  # float64 [m, d], kept for a subset of at most _TINY_ROWS rows
@@ -214,7 +213,7 @@ class _Subset:
     @property
     def nbytes(self) -> int:
         wide = self.vectors64.nbytes if self.vectors64 is not None else 0
-        return int(self.rows.nbytes + self.vectors.nbytes + wide + 24 * len(self.rows))
+        return int(self.rows.nbytes + self.vectors.nbytes + wide + 16 * len(self.rows))
 
 
 class _SubsetCache:
@@ -255,7 +254,7 @@ def _subset_of(local: np.ndarray, gathered: np.ndarray) -> _Subset:
     norms = np.sqrt(sq)
     inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
     wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
-    return _Subset(local, vectors, sq, sq.astype(np.float32), norms, inv, float(norms.max(initial=0.0)), wide)
+    return _Subset(local, vectors, sq, sq.astype(np.float32), inv, float(norms.max(initial=0.0)), wide)
 
 
 def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
@@ -304,15 +303,9 @@ def _exact_subset(
             # exactly; an infinite k-th key (fewer visible rows than k) keeps every row.
             slack = 2.0 * float(key_margins(metric, dim, q_norm, sub.max_norm))
             cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1] + slack)
-        wide = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else None
-        dots = _dots(wide if wide is not None else sub.vectors[cand].astype(np.float64), q64)
-        if metric is Metric.COSINE:
-            # from_products' cosine distance, bit for bit, in fewer calls: the same float64 division where both
-            # norms are nonzero, and similarity 0 (distance 1) where one is zero.
-            denom = q_norm * sub.norms[cand]
-            dist = 1.0 - np.clip(dots / np.where(denom > 0, denom, np.inf), -1.0, 1.0)
-        else:
-            dist = from_products(metric, dots, qq, sub.sq_norms[cand])
+        rows64 = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else sub.vectors[cand].astype(
+            np.float64)
+        dist = from_products(metric, _dots(rows64, q64), qq, sub.sq_norms[cand])
         labels = sub.rows[cand]
         if hidden is not None:
             gone = hidden[cand]

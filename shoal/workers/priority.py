@@ -61,5 +61,5 @@ def _lower_autogroup(nice: int, autogroup: Path) -> None:
         if int(text.split()[-1]) >= nice:
             return
         autogroup.write_text(str(nice))
-    except (OSError, ValueError, IndexError) as exc:
+    except (OSError, ValueError) as exc:
         log.warning("could not lower the worker session's autogroup to nice %d: %s", nice, exc)
