@@ -301,6 +301,20 @@ def test_hnsw_answers_exactly_when_the_graph_cannot_reach_k_rows() -> None:
     np.testing.assert_allclose(d, ed, rtol=1e-6)
 
 
+@pytest.mark.parametrize("metric", sorted(get_engine("ivf").supported_metrics))
+def test_ivf_answers_k_rows_when_its_probed_lists_hold_fewer(metric: Metric) -> None:
+    """One list probed of 16, k = every row: the probed list holds a sixteenth of them, yet the search answers
+    all of them, nearest first, as exact search does (a split of a few rows asked for k used to get fewer)."""
+    x, q = random_dense(64, 8, 5, seed=3)
+    engine = get_engine("ivf").build(x, metric, {"nlist": 16, "nprobe": 1})
+    d, lab = engine.search(q, 64)
+    ed, el = exact_top_k(metric, q, x, 64)
+    assert (lab >= 0).all()
+    np.testing.assert_allclose(d, ed, rtol=1e-4, atol=1e-4)
+    for row, want in zip(lab, el, strict=True):
+        assert sorted(row.tolist()) == sorted(want.tolist())
+
+
 # ---- validation ---------------------------------------------------------------------------------------
 
 

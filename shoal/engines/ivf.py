@@ -119,6 +119,14 @@ class IvfEngine(Engine):
             faiss.SearchParametersIVF(nprobe=nprobe, sel=selector)
         with _omp_threads(threads):
             dist, labels = self._index.search(queries, k, params=search)
+            if selector is None and nprobe < self._index.nlist:
+                # The probed lists held fewer than k rows (k is at most the row count here): those queries
+                # probe every list, so a search answers k rows whenever the split holds k. A filtered search
+                # (selector) leaves its short queries to the caller, which scans their matching rows exactly.
+                short = np.flatnonzero((labels < 0).any(axis=1))
+                if len(short):
+                    every = faiss.SearchParametersIVF(nprobe=self._index.nlist)
+                    dist[short], labels[short] = self._index.search(queries[short], k, params=every)
         d = dist.astype(np.float64)
         if self.metric is Metric.COSINE:
             d = 1.0 - d
