@@ -1,0 +1,150 @@
+"""The dataset API over real HTTP as a state machine: upserts (new ids and replaced ones, with and without
+metadata), index builds in between, and after every step searches (filtered or not, strong or at a write token)
+compared with brute force over a model of the live vectors, and the live count in the dataset and its stats.
+
+Real parts: a served uvicorn app, the real catalog (Postgres), storage and cache (Valkey); builds run in-process
+(ShardBuilder), as a worker runs them, so the log holds a built part and an unbuilt tail in every mix."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from conftest import serve_api
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from shoal import Shoal
+from shoal.auth import create_key
+from shoal.config.settings import Settings
+from shoal.index.builder import ShardBuilder
+
+DIM = 3
+IDS = st.sampled_from([f"v{i}" for i in range(10)])
+COORDS = st.lists(st.integers(-3, 3), min_size=DIM, max_size=DIM)
+LANGS = st.sampled_from(["en", "de"])
+
+
+@dataclass(frozen=True)
+class Vec:
+    values: tuple[int, ...]
+    lang: str | None  # None: the vector was written without metadata
+    n: int | None
+    document_id: str | None
+
+
+# Filters over the metadata and the dataset's own fields, each with what it means for a modelled vector:
+# a missing metadata field matches no comparison, and $not negates what its operand answers.
+FILTERS: list[tuple[dict[str, Any] | None, Callable[[str, Vec], bool]]] = [
+    (None, lambda i, v: True),
+    ({"lang": "en"}, lambda i, v: v.lang == "en"),
+    ({"metadata.n": {"$gte": 2, "$lt": 6}}, lambda i, v: v.n is not None and 2 <= v.n < 6),
+    ({"$not": {"lang": "de"}}, lambda i, v: v.lang != "de"),
+    ({"id": {"$in": ["v1", "v3", "v5", "v7"]}}, lambda i, v: i in ("v1", "v3", "v5", "v7")),
+    ({"$or": [{"document_id": "d0"}, {"n": {"$gt": 7}}]},
+     lambda i, v: v.document_id == "d0" or (v.n is not None and v.n > 7)),
+]
+
+
+class DatasetMachine(RuleBasedStateMachine):
+    http: httpx.Client
+    shoal: Shoal
+
+    @initialize(index_type=st.sampled_from(["flat", "hnsw"]))
+    def setup(self, index_type: str) -> None:
+        self.name = f"sm-{uuid.uuid4().hex[:10]}"
+        self.index_type = index_type
+        r = self.http.post("/api/v1/datasets", json={"name": self.name, "dimensions": DIM,
+                                                      "metric_type": "euclidean", "index_type": index_type})
+        assert r.status_code == 201, r.text
+        self.live: dict[str, Vec] = {}
+        self.token = 0
+
+    @rule(batch=st.lists(st.tuples(IDS, COORDS, st.none() | st.tuples(LANGS, st.integers(0, 9)),
+                                   st.sampled_from([None, "d0", "d1"])), min_size=1, max_size=6))
+    def upsert(self, batch: list[tuple[str, list[int], tuple[str, int] | None, str | None]]) -> None:
+        vectors = []
+        for vid, values, meta, doc in batch:
+            body: dict[str, Any] = {"id": vid, "values": [float(x) for x in values]}
+            if meta is not None:
+                body["metadata"] = {"lang": meta[0], "n": meta[1]}
+            if doc is not None:
+                body["document_id"] = doc
+            vectors.append(body)
+        r = self.http.post(f"/api/v1/datasets/{self.name}/vectors", json={"vectors": vectors})
+        assert r.status_code == 200, r.text
+        assert r.json()["inserted"] == len(vectors)
+        self.token = r.json()["write_token"]
+        for vid, values, meta, doc in batch:  # a later vector of one batch replaces an earlier one of its id
+            self.live[vid] = Vec(tuple(values), meta[0] if meta else None, meta[1] if meta else None, doc)
+
+    @rule()
+    def build(self) -> None:
+        """What a worker does: materialize the dataset's index up to the head."""
+        builder = ShardBuilder(self.shoal.engine, self.shoal.storage)
+        for shard in self.shoal.get_index(self.name, "1").shards:
+            builder.materialize(shard.id)
+
+    @rule(query=COORDS, k=st.integers(1, 12), which=st.integers(0, len(FILTERS) - 1),
+          at_token=st.booleans())
+    def search(self, query: list[int], k: int, which: int, at_token: bool) -> None:
+        filters, keep = FILTERS[which]
+        body: dict[str, Any] = {"vector": [float(x) for x in query], "top_k": k}
+        body |= {"min_write_token": self.token} if at_token else {"consistency": "strong"}
+        if filters is not None:
+            body["filters"] = filters
+        r = self.http.post(f"/api/v1/datasets/{self.name}/search", json=body)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+
+        def distance(v: Vec) -> float:
+            return math.sqrt(sum((a - b) ** 2 for a, b in zip(v.values, query, strict=True)))
+
+        matching = {i: v for i, v in self.live.items() if keep(i, v)}
+        expected = sorted(distance(v) for v in matching.values())[:k]
+        assert len(results) == len(expected), (filters, results, expected)
+        for hit in results:  # every hit a live, matching vector, as last written, at its true distance
+            v = matching.get(hit["id"])
+            assert v is not None, (filters, hit)
+            assert hit["score"] == pytest.approx(distance(v), rel=1e-6, abs=1e-9), hit
+            assert hit["document_id"] == v.document_id, hit
+            assert hit["metadata"] == ({"lang": v.lang, "n": v.n} if v.lang is not None else None), hit
+        got = [hit["score"] for hit in results]
+        assert got == sorted(got)
+        if self.index_type == "flat":  # exact: the k nearest distances themselves
+            assert got == pytest.approx(expected, rel=1e-6, abs=1e-9), (filters, got, expected)
+
+    @invariant()
+    def counts_are_the_live_vectors(self) -> None:
+        if not hasattr(self, "live"):
+            return
+        r = self.http.get(f"/api/v1/datasets/{self.name}")
+        assert r.status_code == 200, r.text
+        assert r.json()["vector_count"] == len(self.live)
+        r = self.http.get(f"/api/v1/datasets/{self.name}/stats")
+        assert r.status_code == 200, r.text
+        assert r.json()["vector_count"] == len(self.live)
+
+
+@pytest.fixture
+def dataset_api(make_settings: Any, redis_url: str) -> Iterator[tuple[httpx.Client, Shoal]]:
+    settings: Settings = make_settings("local", redis_url=redis_url)
+    with Shoal(settings, notify=False) as shoal, serve_api(settings) as url:
+        key = create_key(shoal.engine, settings.tenant, "admin")[1]
+        with httpx.Client(base_url=url, headers={"Authorization": f"ApiKey {key}"}, timeout=60) as http:
+            yield http, shoal
+
+
+def test_the_dataset_api_answers_as_brute_force_over_its_live_vectors(
+    dataset_api: tuple[httpx.Client, Shoal],
+) -> None:
+    http, shoal = dataset_api
+    machine = type("Machine", (DatasetMachine,), {"http": http, "shoal": shoal})
+    run_state_machine_as_test(machine, settings=settings(max_examples=15, stateful_step_count=25, deadline=None,
+                                                         suppress_health_check=list(HealthCheck)))
