@@ -1,6 +1,7 @@
 """The dataset API over real HTTP as a state machine: upserts (new ids and replaced ones, with and without
-metadata), index builds in between, and after every step searches (filtered or not, strong or at a write token)
-compared with brute force over a model of the live vectors, and the live count in the dataset and its stats.
+metadata), index builds and reindexes (flat <-> HNSW) in between, and after every step searches (filtered or
+not, strong or at a write token) compared with brute force over a model of the live vectors, and the live
+count in the dataset and its stats.
 
 Real parts: a served uvicorn app, the real catalog (Postgres), storage and cache (Valkey); builds run in-process
 (ShardBuilder), as a worker runs them, so the log holds a built part and an unbuilt tail in every mix."""
@@ -90,6 +91,19 @@ class DatasetMachine(RuleBasedStateMachine):
         builder = ShardBuilder(self.shoal.engine, self.shoal.storage)
         for shard in self.shoal.get_index(self.name, "1").shards:
             builder.materialize(shard.id)
+
+    @rule(index_type=st.sampled_from(["flat", "hnsw"]))
+    def reindex(self, index_type: str) -> None:
+        """A reindex in the specified form, run before the answer: the new type serves, nothing is lost."""
+        config: dict[str, Any] = {"index_type": index_type}
+        if index_type == "hnsw":
+            config |= {"M": 8, "ef_construction": 100}
+        r = self.http.post(f"/api/v1/datasets/{self.name}/reindex", json={"index_config": config, "async": False})
+        assert r.status_code == 202, r.text
+        assert r.json()["state"] == "swapped", r.json()
+        self.index_type = index_type
+        r = self.http.get(f"/api/v1/datasets/{self.name}")
+        assert r.status_code == 200 and r.json()["index_type"] == index_type, r.text
 
     @rule(query=COORDS, k=st.integers(1, 12), which=st.integers(0, len(FILTERS) - 1),
           at_token=st.booleans())
