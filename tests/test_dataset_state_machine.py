@@ -1,7 +1,7 @@
 """The dataset API over real HTTP as a state machine: upserts (new ids and replaced ones, with and without
-metadata), index builds and reindexes (flat <-> HNSW) in between, and after every step searches (filtered or
-not, strong or at a write token) compared with brute force over a model of the live vectors, and the live
-count in the dataset and its stats.
+metadata), index builds, reindexes (flat <-> HNSW) and trips through the trash in between, and after every
+step searches (filtered or not, strong or at a write token) compared with brute force over a model of the live
+vectors, and the live count in the dataset and its stats.
 
 Real parts: a served uvicorn app, the real catalog (Postgres), storage and cache (Valkey); builds run in-process
 (ShardBuilder), as a worker runs them, so the log holds a built part and an unbuilt tail in every mix."""
@@ -104,6 +104,19 @@ class DatasetMachine(RuleBasedStateMachine):
         self.index_type = index_type
         r = self.http.get(f"/api/v1/datasets/{self.name}")
         assert r.status_code == 200 and r.json()["index_type"] == index_type, r.text
+
+    @rule()
+    def trash_and_restore(self) -> None:
+        """A soft delete hides the dataset (search included); a restore brings it back with every vector."""
+        r = self.http.delete(f"/api/v1/datasets/{self.name}")
+        assert r.status_code == 200, r.text
+        for gone in (self.http.get(f"/api/v1/datasets/{self.name}"),
+                     self.http.post(f"/api/v1/datasets/{self.name}/search",
+                                    json={"vector": [0.0] * DIM, "consistency": "strong"})):
+            assert gone.status_code == 404 and gone.json()["error_code"] == "DATASET_NOT_FOUND", gone.text
+        r = self.http.post(f"/api/v1/trash/{self.name}/restore")
+        assert r.status_code == 200, r.text
+        assert r.json()["index_type"] == self.index_type
 
     @rule(query=COORDS, k=st.integers(1, 12), which=st.integers(0, len(FILTERS) - 1),
           at_token=st.booleans())
