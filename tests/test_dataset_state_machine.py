@@ -66,6 +66,16 @@ class DatasetMachine(RuleBasedStateMachine):
         assert r.status_code == 201, r.text
         self.live: dict[str, Vec] = {}
         self.token = 0
+        # A second dataset, fixed, that multi-dataset searches merge with this one.
+        self.other = f"{self.name}-o"
+        r = self.http.post("/api/v1/datasets", json={"name": self.other, "dimensions": DIM,
+                                                      "metric_type": "euclidean", "index_type": "flat"})
+        assert r.status_code == 201, r.text
+        self.other_live = {f"v{i}": Vec((i - 2, 1, -i), "en" if i % 2 else "de", i, "d0") for i in range(5)}
+        r = self.http.post(f"/api/v1/datasets/{self.other}/vectors", json={"vectors": [
+            {"id": i, "values": [float(x) for x in v.values], "metadata": {"lang": v.lang, "n": v.n},
+             "document_id": v.document_id} for i, v in self.other_live.items()]})
+        assert r.status_code == 200, r.text
 
     @rule(batch=st.lists(st.tuples(IDS, COORDS, st.none() | st.tuples(LANGS, st.integers(0, 9)),
                                    st.sampled_from([None, "d0", "d1"])), min_size=1, max_size=6))
@@ -129,23 +139,22 @@ class DatasetMachine(RuleBasedStateMachine):
         r = self.http.post(f"/api/v1/datasets/{self.name}/search", json=body)
         assert r.status_code == 200, r.text
         results = r.json()["results"]
+        matching = {(self.name, i): v for i, v in self.live.items() if keep(i, v)}
+        _check_hits(results, matching, query, k, self.index_type == "flat", self.name)
 
-        def distance(v: Vec) -> float:
-            return math.sqrt(sum((a - b) ** 2 for a, b in zip(v.values, query, strict=True)))
-
-        matching = {i: v for i, v in self.live.items() if keep(i, v)}
-        expected = sorted(distance(v) for v in matching.values())[:k]
-        assert len(results) == len(expected), (filters, results, expected)
-        for hit in results:  # every hit a live, matching vector, as last written, at its true distance
-            v = matching.get(hit["id"])
-            assert v is not None, (filters, hit)
-            assert hit["score"] == pytest.approx(distance(v), rel=1e-6, abs=1e-9), hit
-            assert hit["document_id"] == v.document_id, hit
-            assert hit["metadata"] == ({"lang": v.lang, "n": v.n} if v.lang is not None else None), hit
-        got = [hit["score"] for hit in results]
-        assert got == sorted(got)
-        if self.index_type == "flat":  # exact: the k nearest distances themselves
-            assert got == pytest.approx(expected, rel=1e-6, abs=1e-9), (filters, got, expected)
+    @rule(query=COORDS, k=st.integers(1, 12), which=st.integers(0, len(FILTERS) - 1))
+    def multi_search(self, query: list[int], k: int, which: int) -> None:
+        """The specified multi-dataset body, merged by score: the k nearest over both datasets' live vectors."""
+        filters, keep = FILTERS[which]
+        options: dict[str, Any] = {"top_k": k, "merge_strategy": "score", "consistency": "strong"}
+        if filters is not None:
+            options["filters"] = filters
+        r = self.http.post("/api/v1/search/multi-dataset", json={
+            "query_vector": [float(x) for x in query], "datasets": [self.name, self.other], "options": options})
+        assert r.status_code == 200, r.text
+        matching = {(self.name, i): v for i, v in self.live.items() if keep(i, v)}
+        matching |= {(self.other, i): v for i, v in self.other_live.items() if keep(i, v)}
+        _check_hits(r.json()["results"], matching, query, k, self.index_type == "flat", None)
 
     @invariant()
     def counts_are_the_live_vectors(self) -> None:
@@ -157,6 +166,28 @@ class DatasetMachine(RuleBasedStateMachine):
         r = self.http.get(f"/api/v1/datasets/{self.name}/stats")
         assert r.status_code == 200, r.text
         assert r.json()["vector_count"] == len(self.live)
+
+
+def _check_hits(results: list[dict[str, Any]], matching: dict[tuple[str, str], Vec], query: list[int], k: int,
+                exact: bool, dataset: str | None) -> None:
+    """Every hit a live, matching vector as last written, at its true distance, nearest first; as many as the k
+    nearest; with `exact`, the k nearest distances themselves. `dataset`: the one searched (else hits name it)."""
+
+    def distance(v: Vec) -> float:
+        return math.sqrt(sum((a - b) ** 2 for a, b in zip(v.values, query, strict=True)))
+
+    expected = sorted(distance(v) for v in matching.values())[:k]
+    assert len(results) == len(expected), (results, expected)
+    for hit in results:
+        v = matching.get((dataset or hit["dataset_id"], hit["id"]))
+        assert v is not None, hit
+        assert hit["score"] == pytest.approx(distance(v), rel=1e-6, abs=1e-9), hit
+        assert hit["document_id"] == v.document_id, hit
+        assert hit["metadata"] == ({"lang": v.lang, "n": v.n} if v.lang is not None else None), hit
+    got = [hit["score"] for hit in results]
+    assert got == sorted(got)
+    if exact:
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9), (got, expected)
 
 
 @pytest.fixture
