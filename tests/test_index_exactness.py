@@ -179,17 +179,19 @@ class IndexMachine(RuleBasedStateMachine):
         group: str | None,
         filters: dict[str, Any] | None = None,
         predicate: Callable[[Key], bool] | None = None,
+        as_of: int | None = None,
     ) -> None:
         q = np.asarray(query, dtype=np.float32)
+        when: dict[str, Any] = {"consistency": consistency} if as_of is None else {"as_of": as_of}
         hits = self.searcher.search(
             self.index.spec.name,
             "1",
             [q],
             k,
             split_filter={"group": group} if group else None,
-            consistency=consistency,
             retrieve_vectors=True,
             filters=filters,
+            **when,
         )[0]
         expected, live = brute_force(self.log, self.index.spec, watermarks(), q, k, group, predicate)
         got = np.array([h.distance for h in hits])
@@ -268,6 +270,15 @@ class IndexMachine(RuleBasedStateMachine):
             served = self.searcher.served_watermarks(self.index.spec.name, "1")
             marks = {s: max(w, token) for s, w in served.items()}
             self._check(Consistency.at_least(token), lambda: marks, query, k, None, filters, passes)
+
+    @rule(query=VECTORS, k=st.integers(1, 10), back=st.integers(0, 30), group=st.none() | GROUPS)
+    def search_as_of(self, query: list[float], k: int, back: int, group: str | None) -> None:
+        """Time travel: as of an earlier write (or the last), exactly the state the log held then, whatever was
+        built, merged or served since."""
+        seq = self.log.head - back
+        if seq < 1:
+            return
+        self._check(Consistency.eventual(), lambda: {0: seq, 1: seq}, query, k, group, as_of=seq)
 
     @invariant()
     def served_never_ahead_of_head(self) -> None:
