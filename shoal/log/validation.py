@@ -217,7 +217,8 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
         problems.add("the data source holds dense vectors, got a sparse one", pos, "vector")
         return None
     try:
-        row = np.asarray(vector, dtype=np.float32)
+        with np.errstate(over="ignore"):  # a value past float32's range becomes inf: refused below, by name
+            row = np.asarray(vector, dtype=np.float32)
     except (TypeError, ValueError):
         problems.add("vector must be a sequence of numbers", pos, "vector")
         return None

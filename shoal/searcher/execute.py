@@ -254,7 +254,9 @@ def _subset_of(local: np.ndarray, gathered: np.ndarray) -> _Subset:
     norms = np.sqrt(sq)
     inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
     wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
-    return _Subset(local, vectors, sq, sq.astype(np.float32), inv, float(norms.max(initial=0.0)), wide)
+    with np.errstate(over="ignore"):  # a norm^2 past float32's range is inf there, as the flat engine's is
+        sq32 = sq.astype(np.float32)
+    return _Subset(local, vectors, sq, sq32, inv, float(norms.max(initial=0.0)), wide)
 
 
 def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
@@ -318,7 +320,9 @@ def _exact_subset(
         else:
             order = np.lexsort((labels, key64))[:k]
         n = len(order)
-        out_d[i, :n], out_l[i, :n] = dist[order], labels[order]
+        with np.errstate(over="ignore"):  # a distance past float32's range is reported as inf, not warned about
+            out_d[i, :n] = dist[order]
+        out_l[i, :n] = labels[order]
     return out_d, out_l
 
 
