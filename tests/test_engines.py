@@ -6,6 +6,7 @@ No database needed. Real data: the debian-packages sentence embeddings (float16,
 from __future__ import annotations
 
 import threading
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from shoal.engines import (
     get_engine,
     higher_is_nearer,
 )
+from shoal.engines.flat import search_together
 from shoal.engines.metrics import top_k_of
 from shoal.errors import ValidationError
 
@@ -299,6 +301,28 @@ def test_hnsw_answers_exactly_when_the_graph_cannot_reach_k_rows() -> None:
     ed, el = exact_top_k("dot_product", q, x, 300)
     np.testing.assert_array_equal(lab, el)
     np.testing.assert_allclose(d, ed, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 3000])  # the small path (float64 over every row) and the keyed one
+def test_distances_past_float32s_range_are_inf_without_a_warning(rows: int) -> None:
+    """Squared distances of vectors with coordinates near 1e20 exceed float32: reported as inf, in label order
+    after every finite one, and no RuntimeWarning per build or search (a server would log one per query)."""
+    x = np.zeros((rows, 2), np.float32)
+    x[:, 0] = np.arange(rows, dtype=np.float32)
+    x[1] = x[2] = [1e20, 0]  # two huge rows: equal infinite distances, lower label first
+    q = np.zeros((1, 2), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = get_engine("flat").build(x, "l2_squared", {})
+        d, lab = engine.search(q, rows)
+        together = search_together([engine, get_engine("flat").build(x[:1], "l2_squared", {})], q, rows)
+    assert lab[0].tolist() == [0, *range(3, rows), 1, 2]
+    assert np.isinf(d[0, -2:]).all() and np.isfinite(d[0, :-2]).all()
+    # Searched together with a one-row engine, the finite part is the same and the other engine's row leads.
+    (d_a, lab_a), (d_b, lab_b) = together
+    assert lab_a[0, : rows - 2].tolist() == lab[0, : rows - 2].tolist()
+    np.testing.assert_array_equal(d_a[0, : rows - 2], d[0, : rows - 2])
+    assert (lab_b[0, 0], d_b[0, 0]) == (0, 0.0)
 
 
 @pytest.mark.parametrize("metric", sorted(get_engine("ivf").supported_metrics))

@@ -95,7 +95,8 @@ class FlatEngine(Engine):
         norms = np.sqrt(self._sq_norms)
         self._max_norm = float(norms.max()) if n else 0.0
         self._max_l1 = float(l1.max()) if l1 is not None and n else 0.0
-        self._sq_norms32 = self._sq_norms.astype(np.float32)
+        with np.errstate(over="ignore"):  # a norm^2 past float32's range is inf in the keys (huge vectors)
+            self._sq_norms32 = self._sq_norms.astype(np.float32)
         self._inv_norms32 = np.divide(1.0, norms, out=np.zeros(n), where=norms > 0).astype(np.float32)
         self._c = product_error_bound(d)
         self._small: np.ndarray | None = None  # float64 rows for _search_small, made on its first use
@@ -117,6 +118,11 @@ class FlatEngine(Engine):
     def _search(
         self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
+        # Distances past float32's range (huge vectors) are reported as inf, without a warning per search.
+        with np.errstate(over="ignore"):
+            return self._search_exact(queries, k)
+
+    def _search_exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if len(self) <= _SMALL_ROWS and self.metric is not Metric.MANHATTAN and len(queries) <= _QUERY_BATCH:
             return self._search_small(queries, k)
         out_d = np.empty((len(queries), k), dtype=np.float32)
@@ -250,6 +256,13 @@ def search_together(
     one certificate over all rows. Why: the searcher's young tier is dozens of small exact engines, and the
     full path per engine (about 0.1 ms of numpy calls each) cost more than reading their rows
     (bench/freshness.py). The engines share one metric and dimension; `queries` are checked dense float32."""
+    with np.errstate(over="ignore"):  # distances past float32's range are inf, as FlatEngine.search gives them
+        return _search_together(engines, queries, k)
+
+
+def _search_together(
+    engines: Sequence[FlatEngine], queries: np.ndarray, k: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     if not engines:
         return []
     metric = engines[0].metric
