@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
-from shoal.engines.metrics import Metric, exact_top_k
+from shoal.engines.metrics import Metric, exact_top_k, higher_is_nearer
 from shoal.index.builder import ShardBuilder
 from shoal.index.sharding import shard_numbers
 from shoal.log.records import IndexSpec
@@ -208,8 +208,9 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             assert len(hits) == len(expected)
             if len(expected):
-                kth = expected[-1]
-                self.recall_sink.append(float(np.sum(got <= kth + 1e-5)) / len(expected))
+                kth = expected[-1]  # the k-th best: a hit at least as near is one of the true top k
+                near = got >= kth - 1e-5 if higher_is_nearer(self.metric) else got <= kth + 1e-5
+                self.recall_sink.append(float(np.sum(near)) / len(expected))
 
     @rule()
     def follow_heads(self) -> None:
