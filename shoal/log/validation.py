@@ -160,43 +160,45 @@ def points_to_table(
     sparse_idx: list[Any] = [None] * n
     sparse_val: list[Any] = [None] * n
 
-    for pos, item in enumerate(items):
-        if isinstance(item, DataPoint):
-            values, expected = item.attributes, attrs.keys()
-        elif isinstance(item, Tombstone):
-            values = item.key
-            expected = _tombstone_attributes(spec, values)
-            ops[pos] = DELETE
-            present[pos] = False
-        else:
-            problems.add(f"expected a DataPoint or a Tombstone, got {_tname(item)}", pos)
-            continue
-        if not isinstance(values, Mapping):
-            problems.add(f"attributes must be a mapping, got {_tname(values)}", pos)
-            continue
-        for name in expected:
-            if name not in values:
-                problems.add("missing attribute" if ops[pos] == UPSERT else "missing key attribute", pos, name)
-        for name, raw in values.items():
-            if name not in expected:
-                rule = "unknown attribute (not in the data source)" if name not in attrs else TOMBSTONE_FORMS
-                problems.add(rule, pos, str(name))
-                continue
-            value, err = check_value(attrs[name], raw)
-            if err:
-                problems.add(err, pos, name)
-            elif ops[pos] == UPSERT or name in permanent:
-                # A tombstone's other attributes are checked, never stored: its key alone says what goes.
-                columns[name][pos] = value
-        if isinstance(item, DataPoint):
-            if spec.vectors_are_sparse:
-                got = _check_sparse(item.vector, dim, pos, problems)
-                if got is not None:
-                    sparse_idx[pos], sparse_val[pos] = got
+    # A coordinate past float32's range becomes inf in the cast, which _check_dense refuses by name: no warning.
+    with np.errstate(over="ignore"):
+        for pos, item in enumerate(items):
+            if isinstance(item, DataPoint):
+                values, expected = item.attributes, attrs.keys()
+            elif isinstance(item, Tombstone):
+                values = item.key
+                expected = _tombstone_attributes(spec, values)
+                ops[pos] = DELETE
+                present[pos] = False
             else:
-                row = _check_dense(item.vector, dim, pos, problems)
-                if row is not None and dense is not None:
-                    dense[pos] = row
+                problems.add(f"expected a DataPoint or a Tombstone, got {_tname(item)}", pos)
+                continue
+            if not isinstance(values, Mapping):
+                problems.add(f"attributes must be a mapping, got {_tname(values)}", pos)
+                continue
+            for name in expected:
+                if name not in values:
+                    problems.add("missing attribute" if ops[pos] == UPSERT else "missing key attribute", pos, name)
+            for name, raw in values.items():
+                if name not in expected:
+                    rule = "unknown attribute (not in the data source)" if name not in attrs else TOMBSTONE_FORMS
+                    problems.add(rule, pos, str(name))
+                    continue
+                value, err = check_value(attrs[name], raw)
+                if err:
+                    problems.add(err, pos, name)
+                elif ops[pos] == UPSERT or name in permanent:
+                    # A tombstone's other attributes are checked, never stored: its key alone says what goes.
+                    columns[name][pos] = value
+            if isinstance(item, DataPoint):
+                if spec.vectors_are_sparse:
+                    got = _check_sparse(item.vector, dim, pos, problems)
+                    if got is not None:
+                        sparse_idx[pos], sparse_val[pos] = got
+                else:
+                    row = _check_dense(item.vector, dim, pos, problems)
+                    if row is not None and dense is not None:
+                        dense[pos] = row
     problems.raise_if_any()
 
     arrays: dict[str, pa.Array] = {OP: pa.array(ops, pa.string())}
@@ -217,8 +219,7 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
         problems.add("the data source holds dense vectors, got a sparse one", pos, "vector")
         return None
     try:
-        with np.errstate(over="ignore"):  # a value past float32's range becomes inf: refused below, by name
-            row = np.asarray(vector, dtype=np.float32)
+        row = np.asarray(vector, dtype=np.float32)  # past float32's range: inf, refused below by name
     except (TypeError, ValueError):
         problems.add("vector must be a sequence of numbers", pos, "vector")
         return None

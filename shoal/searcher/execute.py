@@ -281,48 +281,48 @@ def _exact_subset(
     out_d = np.full((len(queries), k), worst, dtype=np.float32)
     out_l = np.full((len(queries), k), -1, dtype=np.int64)
     dim = queries.shape[1]
-    for i, q in enumerate(queries):
-        q64 = q.astype(np.float64)
-        qq = float(q64 @ q64)
-        q_norm = math.sqrt(qq)
-        if m <= _TINY_ROWS or not q_norm * sub.max_norm + sub.max_norm**2 < _F32_SAFE:
-            # Every row: so few that choosing candidates costs more than it saves, or magnitudes whose float32
-            # products could overflow.
-            cand = slice(None)
-        else:
-            key = sub.vectors @ q  # [m] float32, made the key in place
-            if metric is Metric.DOT_PRODUCT:
-                np.negative(key, out=key)
-            elif metric is Metric.COSINE:
-                key *= np.float32(-1.0 / q_norm) if q_norm > 0 else np.float32(0.0)
-                key *= sub.inv_norms
-            else:  # the L2 metrics: |v|^2 - 2 q.v, the flat engine's key less the constant |q|^2
-                key *= np.float32(-2.0)
-                key += sub.sq_norms32
+    # Distances past float32's range (huge vectors) are reported as inf, without a warning per search.
+    with np.errstate(over="ignore"):
+        for i, q in enumerate(queries):
+            q64 = q.astype(np.float64)
+            qq = float(q64 @ q64)
+            q_norm = math.sqrt(qq)
+            if m <= _TINY_ROWS or not q_norm * sub.max_norm + sub.max_norm**2 < _F32_SAFE:
+                # Every row: so few that choosing candidates costs more than it saves, or magnitudes whose float32
+                # products could overflow.
+                cand = slice(None)
+            else:
+                key = sub.vectors @ q  # [m] float32, made the key in place
+                if metric is Metric.DOT_PRODUCT:
+                    np.negative(key, out=key)
+                elif metric is Metric.COSINE:
+                    key *= np.float32(-1.0 / q_norm) if q_norm > 0 else np.float32(0.0)
+                    key *= sub.inv_norms
+                else:  # the L2 metrics: |v|^2 - 2 q.v, the flat engine's key less the constant |q|^2
+                    key *= np.float32(-2.0)
+                    key += sub.sq_norms32
+                if hidden is not None:
+                    key[hidden] = np.inf
+                # Rows beyond the k-th key plus twice the rounding bound are farther than all k rows up to it,
+                # exactly; an infinite k-th key (fewer visible rows than k) keeps every row.
+                slack = 2.0 * float(key_margins(metric, dim, q_norm, sub.max_norm))
+                cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1] + slack)
+            rows64 = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else sub.vectors[cand].astype(
+                np.float64)
+            dist = from_products(metric, _dots(rows64, q64), qq, sub.sq_norms[cand])
+            labels = sub.rows[cand]
             if hidden is not None:
-                key[hidden] = np.inf
-            # Rows beyond the k-th key plus twice the rounding bound are farther than all k rows up to it,
-            # exactly; an infinite k-th key (fewer visible rows than k) keeps every row.
-            slack = 2.0 * float(key_margins(metric, dim, q_norm, sub.max_norm))
-            cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1] + slack)
-        rows64 = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else sub.vectors[cand].astype(
-            np.float64)
-        dist = from_products(metric, _dots(rows64, q64), qq, sub.sq_norms[cand])
-        labels = sub.rows[cand]
-        if hidden is not None:
-            gone = hidden[cand]
-            dist = np.where(gone, worst, dist)
-            labels = np.where(gone, -1, labels)
-        key64 = -dist if metric is Metric.DOT_PRODUCT else dist
-        if type(cand) is slice and m > k:  # sort only the rows up to the k-th (and every row tied with it)
-            near = np.flatnonzero(key64 <= np.partition(key64, k - 1)[k - 1])
-            order = near[np.lexsort((labels[near], key64[near]))][:k]
-        else:
-            order = np.lexsort((labels, key64))[:k]
-        n = len(order)
-        with np.errstate(over="ignore"):  # a distance past float32's range is reported as inf, not warned about
-            out_d[i, :n] = dist[order]
-        out_l[i, :n] = labels[order]
+                gone = hidden[cand]
+                dist = np.where(gone, worst, dist)
+                labels = np.where(gone, -1, labels)
+            key64 = -dist if metric is Metric.DOT_PRODUCT else dist
+            if type(cand) is slice and m > k:  # sort only the rows up to the k-th (and every row tied with it)
+                near = np.flatnonzero(key64 <= np.partition(key64, k - 1)[k - 1])
+                order = near[np.lexsort((labels[near], key64[near]))][:k]
+            else:
+                order = np.lexsort((labels, key64))[:k]
+            n = len(order)
+            out_d[i, :n], out_l[i, :n] = dist[order], labels[order]
     return out_d, out_l
 
 
