@@ -6,6 +6,7 @@ in one run. Run by hand, never in CI:
     .venv/bin/python bench/filters.py --queries 100
     .venv/bin/python bench/filters.py --sweep       # also: exact scan vs the index's filtered search, forced,
                                                     # at 9 selectivities (FILTER_EXACT_MAX_ROWS_X_FRACTION)
+    .venv/bin/python bench/filters.py --vary        # also: every query with a filter of its own (no cache helps)
 
 Data: ../shared/data/debian-packages (see bench/index.py); filters on `section` and `installed_size_kb`.
 HNSW M16 efC200 (ef_search 64) over the whole set, cosine. One query per call, single-threaded, as a server
@@ -93,6 +94,105 @@ def timed(fn: Any, queries: np.ndarray, min_seconds: float = 1.0) -> tuple[float
     return float(np.median(rates)), found
 
 
+def varied_filters(points: pa.Table, fraction: float, count: int, rng: np.random.Generator,
+                   ) -> list[tuple[dict[str, Any], np.ndarray]]:
+    """`count` filters, each matching about `fraction` of the rows at a random place: an `installed_size_kb`
+    range (even ones), or `section` "libs" and a size range within it (odd ones, below 10 %), as a user's
+    per-request filters are; with the rows each matches."""
+    size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
+    section = points["section"].to_numpy(zero_copy_only=False)
+    n = len(size)
+    libs = section == "libs"
+    in_libs = np.sort(size[libs])
+    everywhere = np.sort(size)
+    out: list[tuple[dict[str, Any], np.ndarray]] = []
+    for i in range(count):
+        with_section = i % 2 == 1 and fraction < 0.1
+        pool = in_libs if with_section else everywhere
+        width = min(len(pool) - 1, max(1, int(round(fraction * n))))
+        start = int(rng.integers(0, len(pool) - width))
+        lo, hi = int(pool[start]), int(pool[start + width])
+        rng_filter: dict[str, Any] = {"installed_size_kb": {"$gte": lo, "$lt": max(hi, lo + 1)}}
+        mask = (size >= lo) & (size < max(hi, lo + 1))
+        if with_section:
+            out.append(({"section": "libs", **rng_filter}, mask & libs))
+        else:
+            out.append((rng_filter, mask))
+    return out
+
+
+def vary(searcher: Any, index: str, graph: Any, unit: np.ndarray, queries: np.ndarray, points: pa.Table,
+         passes: int) -> None:
+    """Every query with a filter of its own, drawn afresh for every pass, so no cache of a filter's rows can
+    help: Shoal evaluates each filter over the segment's columns, and so do the references (numpy over the
+    attribute columns, then a product over the matching rows it gathers; hnswlib's filter function over the
+    mask). QPS is the median over `passes` passes; recall is the first pass's."""
+    size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
+    section = points["section"].to_numpy(zero_copy_only=False)
+    codes = {s: i for i, s in enumerate(sorted(set(section.tolist())))}
+    section_code = np.array([codes[s] for s in section.tolist()], dtype=np.int32)
+    libs_code = codes["libs"]
+    ef = max(HNSW_PARAMS["ef_search"], K)
+    rng = np.random.default_rng(15)
+    print(f"\nvaried filters: every query its own filter, new ones every pass ({passes} passes, median QPS)")
+    header = (f"{'selectivity':>11} {'rows':>6} | {'recall ours':>11} {'hnswlib-f':>9} {'numpy':>6} | "
+              f"{'QPS ours':>9} {'hnswlib-f':>9} {'numpy':>9} | {'ours/best':>9}")
+    print(header)
+    print("-" * len(header))
+    for label, fraction in (("~50 %", 0.5), ("~10 %", 0.1), ("~1 %", 0.01), ("~0.1 %", 0.001)):
+        rounds = [varied_filters(points, fraction, len(queries), rng) for _ in range(passes)]
+
+        def ours(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
+            hits = searcher.search(index, "1", q[None, :], K, filters=flt)[0]
+            return [h.attributes["id"] for h in hits]
+
+        def raw(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
+            mask = _numpy_mask(flt, size, section_code, libs_code)
+            graph.set_ef(ef)
+            try:
+                labels, _ = graph.knn_query(q[None, :], K, 1, mask.tobytes().__getitem__)
+            except RuntimeError:
+                return []
+            return labels[0].astype(np.int64).tolist()
+
+        def exact(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
+            rows = np.flatnonzero(_numpy_mask(flt, size, section_code, libs_code))
+            scores = unit[rows] @ q
+            top = np.argpartition(-scores, K)[:K] if len(scores) > K else np.arange(len(scores))
+            return rows[top[np.argsort(-scores[top])]].tolist()
+
+        results = []
+        for fn in (ours, raw, exact):
+            rates, first = [], None
+            for filters in rounds:
+                t0 = time.perf_counter()
+                found = [fn(q, f) for q, (f, _) in zip(queries, filters, strict=True)]
+                rates.append(len(queries) / (time.perf_counter() - t0))
+                first = first or found
+            assert first is not None
+            out = np.full((len(first), K), -1, dtype=np.int64)
+            for i, r in enumerate(first):
+                out[i, : len(r)] = r[:K]
+            truth = np.stack([exact_truth(unit, q[None, :], np.flatnonzero(m))[0] if m.sum() >= K else
+                              np.pad(exact_truth(unit, q[None, :], np.flatnonzero(m))[0], (0, K - int(m.sum())),
+                                     constant_values=-2)
+                              for q, (_, m) in zip(queries, rounds[0], strict=True)])
+            results.append((float(np.median(rates)), recall(out, truth)))
+        rows = int(np.median([m.sum() for _, m in rounds[0]]))
+        best = max(results[1][0], results[2][0])
+        print(f"{label:>11} {rows:>6} | {results[0][1]:>11.4f} {results[1][1]:>9.4f} {results[2][1]:>6.4f} | "
+              f"{results[0][0]:>9,.0f} {results[1][0]:>9,.0f} {results[2][0]:>9,.0f} | {results[0][0] / best:>8.2f}x")
+
+
+def _numpy_mask(flt: dict[str, Any], size: np.ndarray, section_code: np.ndarray, libs_code: int) -> np.ndarray:
+    """The rows a varied filter matches, as numpy finds them over the attribute columns."""
+    bounds = flt["installed_size_kb"]
+    mask = (size >= bounds["$gte"]) & (size < bounds["$lt"])
+    if "section" in flt:
+        mask &= section_code == libs_code
+    return mask
+
+
 def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, points: pa.Table) -> None:
     """Per selectivity (installed_size_kb below a quantile): QPS and recall of Shoal's filtered search forced
     to the exact scan of the matching rows, and forced to the index's own filtered search."""
@@ -128,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also time the exact scan against the index's filtered search at more selectivities "
                              "(where FILTER_EXACT_MAX_ROWS_X_FRACTION comes from)")
+    parser.add_argument("--vary", action="store_true",
+                        help="also time queries that each carry a filter of their own (nothing cached helps)")
+    parser.add_argument("--passes", type=int, default=3, help="passes of --vary, each with new filters")
     args = parser.parse_args(argv)
     base, queries, points = load(args.queries)
     n = len(base)
@@ -189,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>11} {len(rows):>6} | {recall(found_o, truth):>11.4f} {recall(found_h, truth):>9.4f} "
                   f"{recall(found_n, truth):>6.4f} | {qps_o:>9,.0f} {qps_h:>9,.0f} {qps_n:>9,.0f} | "
                   f"{qps_o / best:>8.2f}x")
+        if args.vary:
+            vary(searcher, index.spec.name, graph, unit, queries, points, args.passes)
         if args.sweep:
             sweep(searcher, index.spec.name, unit, queries, points)
         searcher.close()
