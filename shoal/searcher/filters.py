@@ -23,8 +23,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +34,14 @@ import pyarrow.compute as pc
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType
 from shoal.log.validation import ARROW_TYPES, check_value
+from shoal.searcher.repeat_cache import RepeatCache
 
 __all__ = ["Filter", "parse_filter"]
 
 _COMPARE = {"$eq": pc.equal, "$ne": pc.not_equal, "$gt": pc.greater, "$gte": pc.greater_equal,
             "$lt": pc.less, "$lte": pc.less_equal}
+_NP_COMPARE = {"$eq": np.equal, "$ne": np.not_equal, "$gt": np.greater, "$gte": np.greater_equal,
+               "$lt": np.less, "$lte": np.less_equal}
 _RANGE = frozenset({"$gt", "$gte", "$lt", "$lte"})
 _ORDERED = frozenset({AttributeType.INT64, AttributeType.FLOAT64, AttributeType.DATETIME, AttributeType.STRING})
 _OPERATORS = ", ".join([*_COMPARE, "$in", "$nin"])
@@ -95,18 +96,21 @@ class Filter:
 
 
 def parse_filter(
-    raw: Any, attribute_types: Mapping[str, AttributeType], *, json_attribute: str | None = None
+    raw: Any, attribute_types: Mapping[str, AttributeType], *, json_attribute: str | None = None,
+    key: str | None = None,
 ) -> Filter | None:
     """The filter `raw` (the JSON shape above) checked against the attribute types; None for no filter
-    (None or {}). Errors raise ValidationError naming the attribute."""
+    (None or {}). Errors raise ValidationError naming the attribute. `key`: the filter's canonical text when
+    the caller made one already (equal filters, equal texts); else it is made here."""
     if raw is None or (isinstance(raw, dict) and not raw):
         return None
     parser = _Parser(attribute_types, json_attribute)
     mask = parser.node(raw)
-    try:
-        key = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
-    except (TypeError, ValueError):
-        key = repr(raw)
+    if key is None:
+        try:
+            key = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
+        except (TypeError, ValueError):
+            key = repr(raw)
     return Filter(key, frozenset(parser.used), mask)
 
 
@@ -174,7 +178,7 @@ class _Parser:
                 continue
             if op in _RANGE and kind not in _ORDERED:
                 raise _bad(f"{op} needs a number, datetime or string attribute, not {kind.value}", name)
-            parts.append(_compare(name, _COMPARE[op], pa.scalar(_operand(kind, operand, name), arrow_type)))
+            parts.append(_compare(name, op, pa.scalar(_operand(kind, operand, name), arrow_type)))
         return parts[0] if len(parts) == 1 else _all(parts)
 
     def json_condition(self, name: str, field: str, value: Any) -> Mask:
@@ -230,14 +234,98 @@ def _bools(result: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return np.asarray(pc.fill_null(result, False).to_numpy(zero_copy_only=False), dtype=bool)
 
 
-def _compare(name: str, fn: Callable[..., Any], scalar: pa.Scalar) -> Mask:
-    return lambda table, cache: _bools(fn(table[name], scalar))
+@dataclass(frozen=True)
+class _Values:
+    """One attribute column of a table as filters compare it, derived once per table (and cache): numbers, and
+    datetimes as integers of the column's unit, as a numpy array; strings with few distinct values as
+    dictionary codes, so a comparison looks at each distinct value once. A search with a filter of its own
+    (a range per request) then costs numpy passes over the rows, not arrow kernels and conversions."""
+
+    numbers: np.ndarray | None
+    valid: np.ndarray | None  # numbers: False where null; None when no value is
+    codes: np.ndarray | None  # strings: the row's index into `dictionary`; a null points one past its end
+    dictionary: pa.Array | None
+
+    def rows(self, per_value: np.ndarray) -> np.ndarray:
+        """Bool per row from a bool per dictionary entry (a null row: False)."""
+        lookup = np.zeros(len(per_value) + 1, dtype=bool)
+        lookup[:-1] = per_value
+        return lookup[self.codes]
+
+    def known(self, hits: np.ndarray) -> np.ndarray:
+        """`hits` over the numbers, False where the value is null."""
+        return hits & self.valid if self.valid is not None else hits
 
 
-def _is_in(name: str, values: pa.Array, negate: bool) -> Mask:
+_NO_VALUES = _Values(None, None, None, None)  # a column compared by arrow's kernels, as it is
+
+
+def _values(table: pa.Table, name: str, cache: dict[Any, Any]) -> _Values:
+    key = ("filter values", name)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = _derive_values(table[name])
+    return found  # type: ignore[no-any-return]
+
+
+def _derive_values(column: pa.ChunkedArray) -> _Values:
+    kind = column.type
+    array = column.combine_chunks()
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_timestamp(kind):
+        if pa.types.is_timestamp(kind):
+            array = array.cast(pa.int64())
+        valid = None
+        if array.null_count:
+            valid = _bools(pc.is_valid(array))
+            array = pc.fill_null(array, 0)
+        return _Values(array.to_numpy(zero_copy_only=False), valid, None, None)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        encoded = pc.dictionary_encode(array)
+        dictionary = encoded.dictionary
+        if 2 * len(dictionary) <= len(array):  # else comparing the distinct values saves nothing
+            codes = pc.fill_null(encoded.indices, len(dictionary)).to_numpy(zero_copy_only=False)
+            return _Values(None, None, codes, dictionary)
+    return _NO_VALUES
+
+
+def _number(scalar: pa.Scalar, column_type: pa.DataType) -> Any:
+    """A filter operand as the numbers of a column of `column_type` are compared with it; None when it
+    cannot be (a datetime column of another unit or zone: arrow's kernels compare those)."""
+    if pa.types.is_timestamp(column_type):
+        return scalar.cast(pa.int64()).as_py() if scalar.type == column_type else None
+    return scalar.as_py()
+
+
+def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
+    fn, np_fn = _COMPARE[op], _NP_COMPARE[op]
+
     def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        values = _values(table, name, cache)
+        if values.codes is not None:
+            assert values.dictionary is not None
+            if op == "$eq":
+                return values.codes == pc.index(values.dictionary, scalar).as_py()  # -1 (absent) is no code
+            return values.rows(_bools(fn(values.dictionary, scalar)))
+        operand = None if values.numbers is None else _number(scalar, table.schema.field(name).type)
+        if operand is None:
+            return _bools(fn(table[name], scalar))
+        return values.known(np_fn(values.numbers, operand))
+
+    return mask
+
+
+def _is_in(name: str, values_in: pa.Array, negate: bool) -> Mask:
+    def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
+        values = _values(table, name, cache)
+        if values.codes is not None:
+            assert values.dictionary is not None
+            hit = _bools(pc.is_in(values.dictionary, value_set=values_in))
+            return values.rows(~hit if negate else hit)
+        if values.numbers is not None and not pa.types.is_timestamp(values_in.type):
+            found = np.isin(values.numbers, values_in.to_numpy(zero_copy_only=False))
+            return values.known(~found if negate else found)
         column = table[name]
-        hit = _bools(pc.is_in(column, value_set=values))
+        hit = _bools(pc.is_in(column, value_set=values_in))
         return ~hit & _bools(pc.is_valid(column)) if negate else hit
 
     return mask
@@ -340,32 +428,20 @@ def _loads(text: Any) -> Any:
 
 class MaskCache:
     """Recent (segment id, filter key) -> mask, so a filter repeated over an immutable segment is evaluated
-    once. Bounded by bytes (a mask is one byte per row)."""
+    once. Bounded by bytes (a mask is one byte per row); a mask is kept from the second time it is computed
+    (shoal.searcher.repeat_cache: filters that differ per search would push out those that repeat)."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._masks: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        self._cache: RepeatCache[np.ndarray] = RepeatCache(max_bytes, lambda mask: mask.nbytes)
 
     def get(self, segment_id: str, flt: Filter, table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
-        """The filter's mask over a segment's rows (computed on a miss)."""
-        key = (segment_id, flt.key)
-        with self._lock:
-            found = self._masks.get(key)
-            if found is not None:
-                self._masks.move_to_end(key)
-                return found
-        mask = flt.mask(table, cache)
-        mask.setflags(write=False)
-        with self._lock:
-            if key not in self._masks:
-                self._masks[key] = mask
-                self._bytes += mask.nbytes
-                while self._bytes > self.max_bytes and self._masks:
-                    _, old = self._masks.popitem(last=False)
-                    self._bytes -= old.nbytes
-        return mask
+        """The filter's mask over a segment's rows (read-only; computed unless kept)."""
+        return self._cache.get((segment_id, flt.key), lambda: _read_only(flt.mask(table, cache)))
+
+
+def _read_only(mask: np.ndarray) -> np.ndarray:
+    mask.setflags(write=False)  # shared by every search that gets it from the cache
+    return mask
 
 
 MASKS = MaskCache()
