@@ -201,6 +201,27 @@ def test_hnsw_low_selectivity_returns_k_exact_matches(local_shoal: Shoal) -> Non
         assert len(got) == 10
 
 
+def test_a_filter_of_its_own_per_search_keeps_no_gathered_rows(local_shoal: Shoal) -> None:
+    """Filters that differ per search (a range per request) are answered exactly without keeping the rows
+    they gathered, so they neither grow the searcher nor push out what repeated filters keep; a filter seen
+    again keeps its subset, and answers the same from it."""
+    s = Setup(local_shoal, "hnsw", 3000, {"M": 16, "ef_construction": 100, "ef_search": 32})
+    execute_module.SUBSETS.clear()
+    rng = np.random.default_rng(5)
+    for lo in range(0, 600, 30):  # 20 distinct ranges, each matching about 1 % of the rows
+        q = rng.standard_normal(DIM).astype(np.float32)
+        flt = {"size": {"$gte": lo, "$lt": lo + 10}}
+        assert s.search(q, 10, flt) == brute(s.rows, s.vectors, q, 10, lambda r, lo=lo: lo <= r["size"] < lo + 10)
+    assert execute_module.SUBSETS.nbytes == 0
+    flt = {"size": {"$gte": 700, "$lt": 710}}
+    q = rng.standard_normal(DIM).astype(np.float32)
+    first = s.search(q, 10, flt)
+    assert execute_module.SUBSETS.nbytes == 0
+    assert s.search(q, 10, flt) == first == brute(s.rows, s.vectors, q, 10, lambda r: 700 <= r["size"] < 710)
+    assert execute_module.SUBSETS.nbytes > 0
+    assert s.search(q, 10, flt) == first
+
+
 def test_filters_at_every_consistency_level_include_the_log_tail(local_shoal: Shoal) -> None:
     """Points uploaded (and deleted) after the index was built: strong and at_least filtered searches see them,
     eventual ones see the served version only; all equal brute force over the matching state they reflect."""

@@ -4,8 +4,6 @@ the log tail when the consistency level needs it, k-way merged by the metric's d
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +22,7 @@ from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
 from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
+from shoal.searcher.repeat_cache import RepeatCache
 from shoal.searcher.tails import Tail, TailGroup, build_tails
 from shoal.searcher.views import IndexView
 
@@ -216,47 +215,63 @@ class _Subset:
         return int(self.rows.nbytes + self.vectors.nbytes + wide + 16 * len(self.rows))
 
 
-class _SubsetCache:
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[str, str, int], _Subset] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, str, int], make: Callable[[], _Subset]) -> _Subset:
-        with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-                return found
-        made = make()
-        with self._lock:
-            if key not in self._items and made.nbytes <= self.max_bytes:
-                self._items[key] = made
-                self._bytes += made.nbytes
-                while self._bytes > self.max_bytes:
-                    _, old = self._items.popitem(last=False)
-                    self._bytes -= old.nbytes
-        return made
+# Matching rows' vectors per (segment, filter, split), kept once a filter comes back (shoal.searcher.repeat_cache).
+SUBSETS: RepeatCache[_Subset] = RepeatCache(_SUBSET_BYTES, lambda sub: sub.nbytes)
 
 
-SUBSETS = _SubsetCache(_SUBSET_BYTES)
+@dataclass(frozen=True)
+class _Dense:
+    """A segment's dense vectors as subsets are cut from them, with every row's norms: derived once per
+    segment, so a subset costs a gather of its rows and no float64 pass over them."""
+
+    vectors: np.ndarray  # float32 [n, d], a view of the segment's column where it is one chunk
+    sq_norms: np.ndarray  # float64 [n]
+    sq_norms32: np.ndarray  # float32 [n]
+    inv_norms: np.ndarray  # float32 [n], 0 for a zero vector
 
 
-def _make_subset(rows: pa.Table, source: DataSourceSpec, start: int, local: np.ndarray) -> _Subset:
-    return _subset_of(local, _gather(rows, source, local + start))
+_DENSE = " dense rows"  # under this name in a segment's py_columns cache: no attribute can have it
+_NORM_BLOCK = 4096  # rows widened to float64 at a time: bounds the temporary copy, not the result
+
+
+def _norms(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Squared norms in float64 and float32, and inverse norms in float32 (0 for a zero vector)."""
+    sq = np.empty(len(vectors), dtype=np.float64)
+    for s in range(0, len(vectors), _NORM_BLOCK):
+        wide = vectors[s : s + _NORM_BLOCK].astype(np.float64)
+        sq[s : s + _NORM_BLOCK] = np.einsum("ij,ij->i", wide, wide)
+    norms = np.sqrt(sq)
+    inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
+    with np.errstate(over="ignore"):  # a norm^2 past float32's range is inf there, as the flat engine's is
+        sq32 = sq.astype(np.float32)
+    return sq, sq32, inv
+
+
+def _dense(seg: LoadedSegment, source: DataSourceSpec) -> _Dense:
+    found = seg.py_columns.get(_DENSE)
+    if found is None:
+        vectors = vectors_of(seg.rows, False, source.vector_dimension)
+        found = seg.py_columns[_DENSE] = _Dense(vectors, *_norms(vectors))
+    return found  # type: ignore[no-any-return]
+
+
+def _make_subset(seg: LoadedSegment, source: DataSourceSpec, start: int, local: np.ndarray) -> _Subset:
+    """The subset of rows `local` (split-local, increasing) of the split starting at `start`."""
+    dense = _dense(seg, source)
+    rows = local + start
+    sq = dense.sq_norms[rows]
+    vectors = np.take(dense.vectors, rows, axis=0)
+    wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
+    return _Subset(local, vectors, sq, dense.sq_norms32[rows], dense.inv_norms[rows],
+                   math.sqrt(float(sq.max(initial=0.0))), wide)
 
 
 def _subset_of(local: np.ndarray, gathered: np.ndarray) -> _Subset:
     """The subset of rows `local` (split-local, increasing) whose vectors are `gathered`, with its norms."""
     vectors = np.ascontiguousarray(gathered, dtype=np.float32)
-    sq = np.einsum("ij,ij->i", vectors.astype(np.float64), vectors.astype(np.float64))
-    norms = np.sqrt(sq)
-    inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
+    sq, sq32, inv = _norms(vectors)
     wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
-    with np.errstate(over="ignore"):  # a norm^2 past float32's range is inf there, as the flat engine's is
-        sq32 = sq.astype(np.float32)
-    return _Subset(local, vectors, sq, sq32, inv, float(norms.max(initial=0.0)), wide)
+    return _Subset(local, vectors, sq, sq32, inv, math.sqrt(float(sq.max(initial=0.0))), wide)
 
 
 def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
@@ -392,7 +407,7 @@ def _segment_exact(
     if not fast:
         return _exact_allowed(metric, source.vectors_are_sparse, q, want, ok,
                               lambda idx: _gather(seg.rows, source, idx + start))
-    sub = SUBSETS.get((seg.id, key, start), lambda: _make_subset(seg.rows, source, start, np.flatnonzero(fsplit)))
+    sub = SUBSETS.get((seg.id, key, start), lambda: _make_subset(seg, source, start, np.flatnonzero(fsplit)))
     gone = None if hidden is None else hidden[start + sub.rows]
     return _exact_subset(metric, sub, q, want, gone if gone is not None and gone.any() else None)
 

@@ -72,7 +72,8 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
     flt = cache.get(text) if text is not None else None
     if flt is not None:
         return flt  # only filters that passed the checks below are kept
-    flt = parse_filter(filters, view.source.spec.attribute_types)
+    flt = parse_filter(filters, view.source.spec.attribute_types,
+                       key=text.decode("utf-8", "surrogateescape") if text is not None else None)
     if flt is None:
         return None
     _stored_only(view, flt)
