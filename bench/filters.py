@@ -7,6 +7,7 @@ in one run. Run by hand, never in CI:
     .venv/bin/python bench/filters.py --sweep       # also: exact scan vs the index's filtered search, forced,
                                                     # at 9 selectivities (FILTER_EXACT_MAX_ROWS_X_FRACTION)
     .venv/bin/python bench/filters.py --vary        # also: every query with a filter of its own (no cache helps)
+    .venv/bin/python bench/filters.py --young 20000 # the last 20,000 points searched in the young tier
 
 Data: ../shared/data/debian-packages (see bench/index.py); filters on `section` and `installed_size_kb`.
 HNSW M16 efC200 (ef_search 64) over the whole set, cosine. One query per call, single-threaded, as a server
@@ -37,6 +38,7 @@ from shoal.config.settings import Settings  # noqa: E402
 from shoal.index.builder import ShardBuilder  # noqa: E402
 from shoal.log.records import IndexSpec  # noqa: E402
 from shoal.searcher import execute as execute_module  # noqa: E402
+from shoal.searcher.consistency import Consistency  # noqa: E402
 
 
 def load(queries: int) -> tuple[np.ndarray, np.ndarray, pa.Table]:
@@ -122,7 +124,7 @@ def varied_filters(points: pa.Table, fraction: float, count: int, rng: np.random
 
 
 def vary(searcher: Any, index: str, graph: Any, unit: np.ndarray, queries: np.ndarray, points: pa.Table,
-         passes: int) -> None:
+         passes: int, options: dict[str, Any]) -> None:
     """Every query with a filter of its own, drawn afresh for every pass, so no cache of a filter's rows can
     help: Shoal evaluates each filter over the segment's columns, and so do the references (numpy over the
     attribute columns, then a product over the matching rows it gathers; hnswlib's filter function over the
@@ -143,7 +145,7 @@ def vary(searcher: Any, index: str, graph: Any, unit: np.ndarray, queries: np.nd
         rounds = [varied_filters(points, fraction, len(queries), rng) for _ in range(passes)]
 
         def ours(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
-            hits = searcher.search(index, "1", q[None, :], K, filters=flt)[0]
+            hits = searcher.search(index, "1", q[None, :], K, filters=flt, **options)[0]
             return [h.attributes["id"] for h in hits]
 
         def raw(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
@@ -193,7 +195,8 @@ def _numpy_mask(flt: dict[str, Any], size: np.ndarray, section_code: np.ndarray,
     return mask
 
 
-def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, points: pa.Table) -> None:
+def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, points: pa.Table,
+          options: dict[str, Any]) -> None:
     """Per selectivity (installed_size_kb below a quantile): QPS and recall of Shoal's filtered search forced
     to the exact scan of the matching rows, and forced to the index's own filtered search."""
     size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
@@ -210,7 +213,8 @@ def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, poin
             flt = {"installed_size_kb": {"$lt": cut}}
 
             def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
-                return [h.attributes["id"] for h in searcher.search(index, "1", q[None, :], K, filters=flt)[0]]
+                hits = searcher.search(index, "1", q[None, :], K, filters=flt, **options)[0]
+                return [h.attributes["id"] for h in hits]
 
             out = []
             for limit in (1 << 40, 0):
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vary", action="store_true",
                         help="also time queries that each carry a filter of their own (nothing cached helps)")
     parser.add_argument("--passes", type=int, default=3, help="passes of --vary, each with new filters")
+    parser.add_argument("--young", type=int, default=0,
+                        help="upload the last N points after the build, and search at least up to them: they are "
+                             "answered from the young tier (hnswlib's reference then holds only the built points)")
     args = parser.parse_args(argv)
     base, queries, points = load(args.queries)
     n = len(base)
@@ -246,14 +253,24 @@ def main(argv: list[str] | None = None) -> int:
                                              metric="cosine", params=HNSW_PARAMS, id_attributes=["id"]))
         producer = shoal.producer(source.name, "1")
         t0 = time.perf_counter()
-        for s in range(0, n, 10_000):
-            part = points.slice(s, 10_000)
-            producer.upload_columns(base[s : s + 10_000], {c: part[c].combine_chunks() for c in part.column_names})
+        built = n - args.young
+        for s in range(0, built, 10_000):
+            e = min(s + 10_000, built)
+            part = points.slice(s, e - s)
+            producer.upload_columns(base[s:e], {c: part[c].combine_chunks() for c in part.column_names})
         ShardBuilder(shoal.engine, shoal.storage).materialize(index.shards[0].id)
-        print(f"{n:,} points x 384, HNSW {HNSW_PARAMS}, built in {time.perf_counter() - t0:.1f}s; "
+        token = 0
+        for s in range(built, n, 500):  # as a producer's batches arrive, after the build
+            part = points.slice(s, min(500, n - s))
+            token = producer.upload_columns(base[s : s + 500],
+                                            {c: part[c].combine_chunks() for c in part.column_names}).seq
+        print(f"{n:,} points x 384, HNSW {HNSW_PARAMS}, {built:,} built in {time.perf_counter() - t0:.1f}s"
+              f"{f', {args.young:,} in the young tier (searched at least up to them)' if args.young else ''}; "
               f"{len(queries)} queries, one per call; exact scan where matching rows x fraction <= "
               f"{execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION:,}")
         searcher = shoal.searcher(follow=False)
+        # The young tier answers a search that must reach its points; one that need not would skip it.
+        options: dict[str, Any] = {"consistency": Consistency.at_least(token)} if args.young else {}
         graph = shoal_graph(searcher, index.spec.name)
         ef = max(HNSW_PARAMS["ef_search"], K)
         header = (f"{'selectivity':>11} {'rows':>6} | {'recall ours':>11} {'hnswlib-f':>9} {'numpy':>6} | "
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             truth = exact_truth(unit, queries, rows)
 
             def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
-                hits = searcher.search(index.spec.name, "1", q[None, :], K, filters=flt)[0]
+                hits = searcher.search(index.spec.name, "1", q[None, :], K, filters=flt, **options)[0]
                 return [h.attributes["id"] for h in hits]
 
             test = mask.tobytes().__getitem__
@@ -293,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{recall(found_n, truth):>6.4f} | {qps_o:>9,.0f} {qps_h:>9,.0f} {qps_n:>9,.0f} | "
                   f"{qps_o / best:>8.2f}x")
         if args.vary:
-            vary(searcher, index.spec.name, graph, unit, queries, points, args.passes)
+            vary(searcher, index.spec.name, graph, unit, queries, points, args.passes, options)
         if args.sweep:
-            sweep(searcher, index.spec.name, unit, queries, points)
+            sweep(searcher, index.spec.name, unit, queries, points, options)
         searcher.close()
     finally:
         shoal.close()

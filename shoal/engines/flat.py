@@ -101,6 +101,11 @@ class FlatEngine(Engine):
         self._c = product_error_bound(d)
         self._small: np.ndarray | None = None  # float64 rows for _search_small, made on its first use
 
+    def rows_and_norms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The engine's float32 rows and, per row, the squared norm in float64 and float32 and the inverse norm
+        in float32 (0 for a zero row), as its keys use them: a scan of some of its rows can reuse them."""
+        return self._vectors, self._sq_norms, self._sq_norms32, self._inv_norms32
+
     @classmethod
     def _build(cls, vectors: np.ndarray, metric: Metric, params: dict[str, Any], threads: int) -> Self:
         return cls(vectors, metric, params)

@@ -257,8 +257,12 @@ def _dense(seg: LoadedSegment, source: DataSourceSpec) -> _Dense:
 
 def _make_subset(seg: LoadedSegment, source: DataSourceSpec, start: int, local: np.ndarray) -> _Subset:
     """The subset of rows `local` (split-local, increasing) of the split starting at `start`."""
-    dense = _dense(seg, source)
-    rows = local + start
+    return _subset_in(_dense(seg, source), start, local)
+
+
+def _subset_in(dense: _Dense, start: int, local: np.ndarray) -> _Subset:
+    """The subset of rows `local` (increasing) counted from row `start` of `dense`."""
+    rows = local + start if start else local
     sq = dense.sq_norms[rows]
     vectors = np.take(dense.vectors, rows, axis=0)
     wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
@@ -390,11 +394,17 @@ def _execute_filtered(
             if not matches(group.values):
                 continue
             table = group.source.table
-            ok = flt.mask(table, tail._derived.setdefault(("filter-cache", id(group)), {}))
-            if ok.any():
+            ok = flt.mask(table, group.filter_columns)
+            if not ok.any():
+                continue
+            if fast and isinstance(group.engine, FlatEngine):
+                # The group's exact engine already holds its rows and their norms: scan the matching ones.
+                sub = _subset_in(_Dense(*group.engine.rows_and_norms()), 0, np.flatnonzero(ok))
+                dist, rows = _exact_subset(metric, sub, queries, k, None)
+            else:
                 dist, rows = _exact_allowed(metric, source.vectors_are_sparse, queries, k, ok,
                                             lambda idx, t=table: _gather(t, source, idx))
-                blocks.append(_Block(dist, rows, group.source))
+            blocks.append(_Block(dist, rows, group.source))
     return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
 
 

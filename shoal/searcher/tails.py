@@ -38,6 +38,9 @@ class TailGroup:
     values: dict[str, Any]  # the split's attribute values
     source: RowSource  # the upserts
     engine: Engine  # exact: the tail is small and must be answered exactly
+    # What filters derive from the upserts' columns (numpy values, dictionary codes), kept with the group: its
+    # chunk outlives many extensions of the tail.
+    filter_columns: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
