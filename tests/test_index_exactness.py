@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.engines.metrics import Metric, exact_top_k, higher_is_nearer
+from shoal.errors import NotFoundError
 from shoal.index.builder import ShardBuilder
 from shoal.index.sharding import shard_numbers
 from shoal.log.records import IndexSpec
@@ -279,7 +280,17 @@ class IndexMachine(RuleBasedStateMachine):
         seq = self.log.head - back
         if seq < 1:
             return
-        self._check(Consistency.eventual(), lambda: {0: seq, 1: seq}, query, k, group, as_of=seq)
+        try:
+            self._check(Consistency.eventual(), lambda: {0: seq, 1: seq}, query, k, group, as_of=seq)
+        except NotFoundError as err:
+            if not self.may_refuse_time_travel():
+                raise
+            assert "was compacted" in str(err), err
+
+    def may_refuse_time_travel(self) -> bool:
+        """Whether time travel may be refused here: never, where the log is not compacted (subclasses that
+        compact say when)."""
+        return False
 
     @invariant()
     def served_never_ahead_of_head(self) -> None:
