@@ -221,10 +221,11 @@ SUBSETS: RepeatCache[_Subset] = RepeatCache(_SUBSET_BYTES, lambda sub: sub.nbyte
 
 @dataclass(frozen=True)
 class _Dense:
-    """A segment's dense vectors as subsets are cut from them, with every row's norms: derived once per
-    segment, so a subset costs a gather of its rows and no float64 pass over them."""
+    """Dense vectors as subsets are cut from them, with every row's norms: a segment's, derived once per
+    segment, or a young-tier group's, as its exact engine holds them; a subset then costs a gather of its rows
+    and no float64 pass over them."""
 
-    vectors: np.ndarray  # float32 [n, d], a view of the segment's column where it is one chunk
+    vectors: np.ndarray  # float32 [n, d]; a segment's is a view of its column where that is one chunk
     sq_norms: np.ndarray  # float64 [n]
     sq_norms32: np.ndarray  # float32 [n]
     inv_norms: np.ndarray  # float32 [n], 0 for a zero vector
@@ -394,12 +395,14 @@ def _execute_filtered(
             if not matches(group.values):
                 continue
             table = group.source.table
-            ok = flt.mask(table, group.filter_columns)
+            ok = MASKS.get(group.cache_id, flt, table, group.filter_columns)
             if not ok.any():
                 continue
-            if fast and isinstance(group.engine, FlatEngine):
+            engine = group.engine
+            if fast and isinstance(engine, FlatEngine):
                 # The group's exact engine already holds its rows and their norms: scan the matching ones.
-                sub = _subset_in(_Dense(*group.engine.rows_and_norms()), 0, np.flatnonzero(ok))
+                sub = SUBSETS.get((group.cache_id, flt.key, 0), lambda e=engine, ok=ok: _subset_in(
+                    _Dense(*e.rows_and_norms()), 0, np.flatnonzero(ok)))
                 dist, rows = _exact_subset(metric, sub, queries, k, None)
             else:
                 dist, rows = _exact_allowed(metric, source.vectors_are_sparse, queries, k, ok,

@@ -10,6 +10,7 @@ copied O(log n) times.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from shoal.log.validation import KEY, SEQ
 from shoal.searcher.hits import RowSource
 from shoal.searcher.views import IndexView
 
+_GROUP_IDS = itertools.count()  # never reused within a process, unlike id()
+
 # The key -> row index of a segment, kept in its py_columns cache under a name no attribute can have.
 _KEY_ROWS = " key rows"
 
@@ -41,6 +44,8 @@ class TailGroup:
     # What filters derive from the upserts' columns (numpy values, dictionary codes), kept with the group: its
     # chunk outlives many extensions of the tail.
     filter_columns: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Names the group in the searcher's caches of filter masks and subsets, as a segment id does a segment.
+    cache_id: str = field(default_factory=lambda: f"young-{next(_GROUP_IDS)}", compare=False, repr=False)
 
 
 @dataclass(frozen=True)
