@@ -219,64 +219,40 @@ class _Subset:
 SUBSETS: RepeatCache[_Subset] = RepeatCache(_SUBSET_BYTES, lambda sub: sub.nbytes)
 
 
-@dataclass(frozen=True)
-class _Dense:
-    """Dense vectors as subsets are cut from them, with every row's norms: a segment's, derived once per
-    segment, or a young-tier group's, as its exact engine holds them; a subset then costs a gather of its rows
-    and no float64 pass over them."""
-
-    vectors: np.ndarray  # float32 [n, d]; a segment's is a view of its column where that is one chunk
-    sq_norms: np.ndarray  # float64 [n]
-    sq_norms32: np.ndarray  # float32 [n]
-    inv_norms: np.ndarray  # float32 [n], 0 for a zero vector
+_ROWS_ENGINE = " rows engine"  # under this name in a segment's py_columns cache: no attribute can have it
 
 
-_DENSE = " dense rows"  # under this name in a segment's py_columns cache: no attribute can have it
-_NORM_BLOCK = 4096  # rows widened to float64 at a time: bounds the temporary copy, not the result
-
-
-def _norms(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Squared norms in float64 and float32, and inverse norms in float32 (0 for a zero vector)."""
-    sq = np.empty(len(vectors), dtype=np.float64)
-    for s in range(0, len(vectors), _NORM_BLOCK):
-        wide = vectors[s : s + _NORM_BLOCK].astype(np.float64)
-        sq[s : s + _NORM_BLOCK] = np.einsum("ij,ij->i", wide, wide)
-    norms = np.sqrt(sq)
-    inv = np.divide(1.0, norms, out=np.zeros(len(norms)), where=norms > 0).astype(np.float32)
-    with np.errstate(over="ignore"):  # a norm^2 past float32's range is inf there, as the flat engine's is
-        sq32 = sq.astype(np.float32)
-    return sq, sq32, inv
-
-
-def _dense(seg: LoadedSegment, source: DataSourceSpec) -> _Dense:
-    found = seg.py_columns.get(_DENSE)
+def _rows_engine(seg: LoadedSegment, source: DataSourceSpec, metric: Metric) -> FlatEngine:
+    """An exact engine over all of a segment's rows (a view of its vector column where that is one chunk), made
+    once per segment for its rows' norms: a subset then costs a gather of its rows and no float64 pass."""
+    found = seg.py_columns.get(_ROWS_ENGINE)
     if found is None:
-        vectors = vectors_of(seg.rows, False, source.vector_dimension)
-        found = seg.py_columns[_DENSE] = _Dense(vectors, *_norms(vectors))
+        found = seg.py_columns[_ROWS_ENGINE] = FlatEngine(vectors_of(seg.rows, False, source.vector_dimension),
+                                                          metric, {})
     return found  # type: ignore[no-any-return]
 
 
-def _make_subset(seg: LoadedSegment, source: DataSourceSpec, start: int, local: np.ndarray) -> _Subset:
-    """The subset of rows `local` (split-local, increasing) of the split starting at `start`."""
-    return _subset_in(_dense(seg, source), start, local)
+def _subset_in(engine: FlatEngine, rows: np.ndarray, labels: np.ndarray) -> _Subset:
+    """The subset of an exact engine's `rows` (increasing), labelled `labels`, with the norms it holds for them:
+    a segment's split (labels split-local) or a young-tier group's matching upserts."""
+    vectors, sq_norms, sq_norms32, inv_norms = engine.rows_and_norms()
+    sq = sq_norms[rows]
+    picked = np.take(vectors, rows, axis=0)
+    wide = picked.astype(np.float64) if len(rows) <= _TINY_ROWS else None
+    return _Subset(labels, picked, sq, sq_norms32[rows], inv_norms[rows], math.sqrt(float(sq.max(initial=0.0))),
+                   wide)
 
 
-def _subset_in(dense: _Dense, start: int, local: np.ndarray) -> _Subset:
-    """The subset of rows `local` (increasing) counted from row `start` of `dense`."""
-    rows = local + start if start else local
-    sq = dense.sq_norms[rows]
-    vectors = np.take(dense.vectors, rows, axis=0)
-    wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
-    return _Subset(local, vectors, sq, dense.sq_norms32[rows], dense.inv_norms[rows],
-                   math.sqrt(float(sq.max(initial=0.0))), wide)
+def _matching(engine: FlatEngine, mask: np.ndarray, start: int = 0) -> _Subset:
+    """The subset of the rows `mask` marks, counted from the engine's row `start`, labelled from 0 there."""
+    local = np.flatnonzero(mask)
+    return _subset_in(engine, local + start if start else local, local)
 
 
 def _subset_of(local: np.ndarray, gathered: np.ndarray) -> _Subset:
     """The subset of rows `local` (split-local, increasing) whose vectors are `gathered`, with its norms."""
     vectors = np.ascontiguousarray(gathered, dtype=np.float32)
-    sq, sq32, inv = _norms(vectors)
-    wide = vectors.astype(np.float64) if len(local) <= _TINY_ROWS else None
-    return _Subset(local, vectors, sq, sq32, inv, math.sqrt(float(sq.max(initial=0.0))), wide)
+    return _subset_in(FlatEngine(vectors, Metric.EUCLIDEAN, {}), np.arange(len(vectors)), local)
 
 
 def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
@@ -401,8 +377,7 @@ def _execute_filtered(
             engine = group.engine
             if fast and isinstance(engine, FlatEngine):
                 # The group's exact engine already holds its rows and their norms: scan the matching ones.
-                sub = SUBSETS.get((group.cache_id, flt.key, 0), lambda e=engine, ok=ok: _subset_in(
-                    _Dense(*e.rows_and_norms()), 0, np.flatnonzero(ok)))
+                sub = SUBSETS.get((group.cache_id, flt.key, 0), lambda e=engine, ok=ok: _matching(e, ok))
                 dist, rows = _exact_subset(metric, sub, queries, k, None)
             else:
                 dist, rows = _exact_allowed(metric, source.vectors_are_sparse, queries, k, ok,
@@ -420,7 +395,8 @@ def _segment_exact(
     if not fast:
         return _exact_allowed(metric, source.vectors_are_sparse, q, want, ok,
                               lambda idx: _gather(seg.rows, source, idx + start))
-    sub = SUBSETS.get((seg.id, key, start), lambda: _make_subset(seg, source, start, np.flatnonzero(fsplit)))
+    sub = SUBSETS.get((seg.id, key, start),
+                      lambda: _matching(_rows_engine(seg, source, metric), fsplit, start))
     gone = None if hidden is None else hidden[start + sub.rows]
     return _exact_subset(metric, sub, q, want, gone if gone is not None and gone.any() else None)
 
