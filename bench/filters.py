@@ -8,6 +8,7 @@ in one run. Run by hand, never in CI:
                                                     # at 9 selectivities (FILTER_EXACT_MAX_ROWS_X_FRACTION)
     .venv/bin/python bench/filters.py --vary        # also: every query with a filter of its own (no cache helps)
     .venv/bin/python bench/filters.py --young 20000 # the last 20,000 points searched in the young tier
+    .venv/bin/python bench/filters.py --metadata    # the same filters on fields of JSON metadata (the dataset API)
 
 Data: ../shared/data/debian-packages (see bench/index.py); filters on `section` and `installed_size_kb`.
 HNSW M16 efC200 (ef_search 64) over the whole set, cosine. One query per call, single-threaded, as a server
@@ -18,10 +19,12 @@ every selectivity and QPS >= the better of the two references.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +39,10 @@ from index import DATA_DIR, HNSW_PARAMS, K, recall, shoal_graph  # noqa: E402
 from shoal import DataSourceSpec, Shoal  # noqa: E402
 from shoal.config.settings import Settings  # noqa: E402
 from shoal.index.builder import ShardBuilder  # noqa: E402
-from shoal.log.records import IndexSpec  # noqa: E402
+from shoal.log.records import AttributeType, IndexSpec  # noqa: E402
 from shoal.searcher import execute as execute_module  # noqa: E402
 from shoal.searcher.consistency import Consistency  # noqa: E402
+from shoal.searcher.filters import parse_filter  # noqa: E402
 
 
 def load(queries: int) -> tuple[np.ndarray, np.ndarray, pa.Table]:
@@ -124,7 +128,7 @@ def varied_filters(points: pa.Table, fraction: float, count: int, rng: np.random
 
 
 def vary(searcher: Any, index: str, graph: Any, unit: np.ndarray, queries: np.ndarray, points: pa.Table,
-         passes: int, options: dict[str, Any]) -> None:
+         passes: int, options: dict[str, Any], as_filter: Callable[[dict[str, Any]], Any]) -> None:
     """Every query with a filter of its own, drawn afresh for every pass, so no cache of a filter's rows can
     help: Shoal evaluates each filter over the segment's columns, and so do the references (numpy over the
     attribute columns, then a product over the matching rows it gathers; hnswlib's filter function over the
@@ -145,7 +149,7 @@ def vary(searcher: Any, index: str, graph: Any, unit: np.ndarray, queries: np.nd
         rounds = [varied_filters(points, fraction, len(queries), rng) for _ in range(passes)]
 
         def ours(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
-            hits = searcher.search(index, "1", q[None, :], K, filters=flt, **options)[0]
+            hits = searcher.search(index, "1", q[None, :], K, filters=as_filter(flt), **options)[0]
             return [h.attributes["id"] for h in hits]
 
         def raw(q: np.ndarray, flt: dict[str, Any]) -> list[int]:
@@ -197,7 +201,7 @@ def _numpy_mask(flt: dict[str, Any], size: np.ndarray, section_code: np.ndarray,
 
 
 def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, points: pa.Table,
-          options: dict[str, Any]) -> None:
+          options: dict[str, Any], as_filter: Callable[[dict[str, Any]], Any]) -> None:
     """Per selectivity (installed_size_kb below a quantile): QPS and recall of Shoal's filtered search forced
     to the exact scan of the matching rows, and forced to the index's own filtered search."""
     size = points["installed_size_kb"].to_numpy(zero_copy_only=False)
@@ -214,7 +218,7 @@ def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, poin
             flt = {"installed_size_kb": {"$lt": cut}}
 
             def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
-                hits = searcher.search(index, "1", q[None, :], K, filters=flt, **options)[0]
+                hits = searcher.search(index, "1", q[None, :], K, filters=as_filter(flt), **options)[0]
                 return [h.attributes["id"] for h in hits]
 
             out = []
@@ -225,6 +229,22 @@ def sweep(searcher: Any, index: str, unit: np.ndarray, queries: np.ndarray, poin
             print(f"{len(rows) / len(size):>8.2%} {len(rows):>6} | {out[0]} | {out[1]}")
     finally:
         execute_module.FILTER_EXACT_MAX_ROWS_X_FRACTION = saved
+
+
+def _metadata_columns(points: pa.Table) -> pa.Table:
+    """`id`, and the other attributes as the JSON text of a `metadata` attribute, as the dataset API keeps them."""
+    rows = points.select(["section", "installed_size_kb"]).to_pylist()
+    return pa.table({"id": points["id"], "metadata": pa.array([json.dumps(r) for r in rows], pa.string())})
+
+
+def _attribute_filter(flt: dict[str, Any]) -> dict[str, Any]:
+    return flt
+
+
+def _metadata_filter(flt: dict[str, Any]) -> Any:
+    """The same filter over the fields of the `metadata` attribute, parsed as the dataset API parses a request's."""
+    return parse_filter(flt, {"id": AttributeType.INT64, "metadata": AttributeType.STRING},
+                        json_attribute="metadata")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--young", type=int, default=0,
                         help="upload the last N points after the build, and search at least up to them: they are "
                              "answered from the young tier (hnswlib's reference then holds only the built points)")
+    parser.add_argument("--metadata", action="store_true",
+                        help="keep section and installed_size_kb as fields of a JSON `metadata` attribute, as the "
+                             "dataset API does, and filter on those fields (parsed per search, as a request is)")
     args = parser.parse_args(argv)
     base, queries, points = load(args.queries)
     n = len(base)
@@ -247,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     shoal = Shoal(Settings(data_dir=tmp), notify=False)
     try:
         tag = str(int(time.time()))
-        source = DataSourceSpec(f"fbench-{tag}", "1", 384,
-                                {"id": "int64", "section": "string", "installed_size_kb": "int64"}, ["id"])
+        attributes = ({"id": "int64", "metadata": "string"} if args.metadata
+                      else {"id": "int64", "section": "string", "installed_size_kb": "int64"})
+        source = DataSourceSpec(f"fbench-{tag}", "1", 384, attributes, ["id"])
+        columns = _metadata_columns(points) if args.metadata else points
+        as_filter = _metadata_filter if args.metadata else _attribute_filter
         shoal.create_data_source(source)
         index = shoal.create_index(IndexSpec(f"fbench-{tag}", "1", source.name, "1", algorithm="hnsw",
                                              metric="cosine", params=HNSW_PARAMS, id_attributes=["id"]))
@@ -257,12 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         built = n - args.young
         for s in range(0, built, 10_000):
             e = min(s + 10_000, built)
-            part = points.slice(s, e - s)
+            part = columns.slice(s, e - s)
             producer.upload_columns(base[s:e], {c: part[c].combine_chunks() for c in part.column_names})
         ShardBuilder(shoal.engine, shoal.storage).materialize(index.shards[0].id)
         token = 0
         for s in range(built, n, 500):  # as a producer's batches arrive, after the build
-            part = points.slice(s, min(500, n - s))
+            part = columns.slice(s, min(500, n - s))
             token = producer.upload_columns(base[s : s + 500],
                                             {c: part[c].combine_chunks() for c in part.column_names}).seq
         print(f"{n:,} points x 384, HNSW {HNSW_PARAMS}, {built:,} built in {time.perf_counter() - t0:.1f}s"
@@ -283,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             truth = exact_truth(unit, queries, rows)
 
             def ours(q: np.ndarray, flt: dict[str, Any] = flt) -> list[int]:
-                hits = searcher.search(index.spec.name, "1", q[None, :], K, filters=flt, **options)[0]
+                hits = searcher.search(index.spec.name, "1", q[None, :], K, filters=as_filter(flt), **options)[0]
                 return [h.attributes["id"] for h in hits]
 
             test = mask.tobytes().__getitem__
@@ -311,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{recall(found_n, truth):>6.4f} | {qps_o:>9,.0f} {qps_h:>9,.0f} {qps_n:>9,.0f} | "
                   f"{qps_o / best:>8.2f}x")
         if args.vary:
-            vary(searcher, index.spec.name, graph, unit, queries, points, args.passes, options)
+            vary(searcher, index.spec.name, graph, unit, queries, points, args.passes, options, as_filter)
         if args.sweep:
-            sweep(searcher, index.spec.name, unit, queries, points, options)
+            sweep(searcher, index.spec.name, unit, queries, points, options, as_filter)
         searcher.close()
     finally:
         shoal.close()

@@ -1,11 +1,13 @@
 """Filter masks (shoal.searcher.filters) against a plain Python reading of the filter language: every operator,
 and/or/not, over columns of every comparable kind with nulls, in one chunk or several, with the per-table cache
-reused across filters. The masks take numpy and dictionary-code shortcuts (numbers, datetimes, strings with few
-distinct values) and fall back to arrow's kernels for the rest; both must mean the same thing."""
+reused across filters. The masks compare numpy arrays derived once per table (numbers, bools, datetimes, and
+strings by their ranks among the column's distinct strings) where they can, and arrow's kernels where they cannot;
+both must mean what the language says. The same for the fields of a JSON attribute (the dataset API's metadata)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -35,9 +37,10 @@ def values(name: str) -> st.SearchStrategy[Any]:
     if name == "x":
         return st.sampled_from([-1.5, -0.0, 0.0, 0.5, 1.0, 2.25, 1e300])
     if name == "s":
-        return st.sampled_from(WORDS)  # few distinct values: compared through dictionary codes
+        return st.sampled_from(WORDS)  # few distinct values
     if name == "u":
-        return st.text(alphabet="abc", max_size=6)  # mostly distinct values: compared by arrow's kernels
+        # Mostly distinct values, ordered by code point as UTF-8 bytes order them (not as UTF-16 would).
+        return st.text(alphabet="ab\u00e9\uffff\U0001f600", max_size=6)
     if name == "t":
         return st.integers(0, 6).map(lambda d: T0 + dt.timedelta(days=d, microseconds=d % 2))
     return st.booleans()
@@ -80,7 +83,7 @@ def leaf(draw: st.DrawFn) -> tuple[Any, Callable[[Row], bool]]:
     tests: list[Callable[[Any], bool]] = []
     for op in chosen:
         if op in ("$in", "$nin"):
-            wanted = draw(st.lists(values(name), max_size=3))
+            wanted = draw(st.lists(values(name), max_size=8))  # more than a few: looked up by rank
             spec[op] = [operand_text(name, v) for v in wanted]
             inside = op == "$in"
             tests.append(lambda v, w=wanted, inside=inside: v is not None and (any(v == x for x in w) == inside))
@@ -94,9 +97,11 @@ def leaf(draw: st.DrawFn) -> tuple[Any, Callable[[Row], bool]]:
     return {name: raw}, lambda row: all(t(row[name]) for t in tests)
 
 
-def filters() -> st.SearchStrategy[tuple[Any, Callable[[Row], bool]]]:
-    def extend(inner: st.SearchStrategy[tuple[Any, Callable[[Row], bool]]]
-               ) -> st.SearchStrategy[tuple[Any, Callable[[Row], bool]]]:
+def combined(leaves: st.SearchStrategy[tuple[Any, Callable[[Any], bool]]]
+             ) -> st.SearchStrategy[tuple[Any, Callable[[Any], bool]]]:
+    """Filters of `leaves` (each with its plain reading) combined by $and, $or and $not, a few levels deep."""
+    def extend(inner: st.SearchStrategy[tuple[Any, Callable[[Any], bool]]]
+               ) -> st.SearchStrategy[tuple[Any, Callable[[Any], bool]]]:
         many = st.lists(inner, min_size=1, max_size=3)
         return (
             many.map(lambda ps: ({"$and": [p[0] for p in ps]}, lambda r, ps=ps: all(p[1](r) for p in ps)))
@@ -104,11 +109,11 @@ def filters() -> st.SearchStrategy[tuple[Any, Callable[[Row], bool]]]:
             | inner.map(lambda p: ({"$not": p[0]}, lambda r, p=p: not p[1](r)))
         )
 
-    return st.recursive(leaf(), extend, max_leaves=5)
+    return st.recursive(leaves, extend, max_leaves=5)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tables(), st.lists(filters(), min_size=1, max_size=4))
+@given(tables(), st.lists(combined(leaf()), min_size=1, max_size=4))
 def test_masks_mean_what_the_filter_language_says(table_rows: tuple[pa.Table, list[Row]],
                                                    fs: list[tuple[Any, Callable[[Row], bool]]]) -> None:
     """Each filter's mask is the rows it matches by the language's rules (a missing value matches no
@@ -122,3 +127,125 @@ def test_masks_mean_what_the_filter_language_says(table_rows: tuple[pa.Table, li
         assert mask.dtype == np.bool_ and mask.shape == (len(rows),)
         assert mask.tolist() == [keep(r) for r in rows], raw
         assert flt.mask(table, cache).tolist() == mask.tolist()  # the derived columns, reused
+
+
+# ---- fields of a JSON attribute (the dataset API's metadata) ------------------------------------------------
+
+JSON_TYPES = {"id": AttributeType.INT64, "metadata": AttributeType.STRING}
+# Integers past float64's exact range and past 64 bits, beside the floats they round to: equal in float64, not
+# as numbers.
+NUMBERS = [-1, 0, 1, 0.5, -0.0, 2**53, 2**53 + 1, float(2**53), 2**64 + 1, float(2**64), 10**30, 1e30]
+DATES = ["1970-01-01T00:00:00Z", "2024-01-01", "2024-01-01T00:00:00Z", "2024-01-01T05:00:00+05:00",
+         "2024-01-02T00:00:00", "2024-01-01T00:00:00.000001Z", "2024-13-01", "0001-01-01T00:00:00+05:00"]
+FIELDS = ["f", "metadata.f", "g", "nested.h", "absent"]
+
+
+def json_values() -> st.SearchStrategy[Any]:
+    """A field's values (and operands): every JSON kind, in small domains so that values meet operands."""
+    return st.one_of(st.none(), st.booleans(), st.sampled_from(NUMBERS), st.sampled_from(["", "a", "b", "é"]),
+                     st.sampled_from(DATES))
+
+
+@st.composite
+def json_tables(draw: st.DrawFn) -> tuple[pa.Table, list[Any]]:
+    """A table whose `metadata` is JSON text per row (or no text, or text that is no JSON), and the documents."""
+    docs: list[Any] = []
+    texts: list[str | None] = []
+    for _ in range(draw(st.integers(0, 30))):
+        doc: dict[str, Any] = {}
+        for name in ("f", "g"):
+            if draw(st.integers(0, 4)):  # a fifth of the fields missing
+                doc[name] = draw(json_values() | st.sampled_from([[1], {"a": 1}]))
+        if draw(st.booleans()):
+            doc["nested"] = {"h": draw(json_values())} if draw(st.integers(0, 3)) else 7
+        shape = draw(st.integers(0, 9))
+        if shape == 0:
+            docs.append(None)
+            texts.append(None)
+        elif shape == 1:
+            docs.append(None)
+            texts.append("{not json")
+        else:
+            docs.append(doc)
+            texts.append(json.dumps(doc))
+    return pa.table({"id": pa.array(range(len(texts)), pa.int64()), "metadata": pa.array(texts, pa.string())}), docs
+
+
+def _read_datetime(s: str) -> dt.datetime | None:
+    """An ISO 8601 string as an aware datetime (naive: UTC), as the language reads datetime strings."""
+    if len(s) < 10 or not s[:4].isdigit() or s[4] != "-":
+        return None
+    try:
+        value = dt.datetime.fromisoformat(s[:-1] + "+00:00" if s.endswith("Z") else s)
+    except ValueError:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def _kind_of(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int | float):
+        return "number"
+    return "string" if isinstance(v, str) else "other"
+
+
+def _reads(v: Any, target: Any) -> Any:
+    """The stored value as it compares with `target`, or None where it cannot (another kind, no value)."""
+    if v is None:
+        return None
+    if isinstance(target, dt.datetime):
+        return _read_datetime(v) if isinstance(v, str) else None
+    return v if _kind_of(v) == _kind_of(target) else None
+
+
+def _field(doc: Any, field: str) -> Any:
+    for part in field.removeprefix("metadata.").split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    return doc
+
+
+@st.composite
+def json_leaf(draw: st.DrawFn) -> tuple[Any, Callable[[Any], bool]]:
+    field = draw(st.sampled_from(FIELDS))
+    chosen = draw(st.lists(st.sampled_from(["$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte"]),
+                           min_size=1, max_size=2, unique=True))
+    spec: dict[str, Any] = {}
+    tests: list[Callable[[Any], bool]] = []
+    for op in chosen:
+        if op in ("$in", "$nin"):
+            wanted = draw(st.lists(json_values(), max_size=3))
+            spec[op] = wanted
+            targets = [(_read_datetime(w) if isinstance(w, str) else None) or w for w in wanted]
+            inside = op == "$in"
+            tests.append(lambda v, ts=targets, inside=inside: any(
+                t is not None and _reads(v, t) is not None and _reads(v, t) == t for t in ts) == inside)
+            continue
+        operand = draw(json_values().filter(lambda x: x is not None) if op not in ("$eq", "$ne") else json_values())
+        spec[op] = operand
+        target = (_read_datetime(operand) if isinstance(operand, str) else None) or operand
+        if target is None:
+            tests.append(lambda v, op=op: (v is None) == (op == "$eq"))
+        elif op in ("$eq", "$ne"):
+            tests.append(lambda v, t=target, eq=op == "$eq": (_reads(v, t) is not None and _reads(v, t) == t) == eq)
+        else:
+            tests.append(lambda v, t=target, f=COMPARE[op]: _reads(v, t) is not None and f(_reads(v, t), t))
+    return {field: spec}, lambda doc: all(t(_field(doc, field)) for t in tests)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(json_tables(), st.lists(combined(json_leaf()), min_size=1, max_size=4))
+def test_metadata_field_masks_mean_what_the_filter_language_says(table_docs: tuple[pa.Table, list[Any]],
+                                                                 fs: list[tuple[Any, Callable[[Any], bool]]]) -> None:
+    """A filter on metadata fields matches each row by the language's rules for schemaless fields: a value
+    compares only with a value of its kind (datetime strings as datetimes where the operand is one), integers
+    past float64's exact range exactly, and a missing field, null, object or list matches no comparison."""
+    table, docs = table_docs
+    cache: dict[Any, Any] = {}
+    for raw, keep in fs:
+        flt = parse_filter(raw, JSON_TYPES, json_attribute="metadata")
+        assert flt is not None
+        mask = flt.mask(table, cache)
+        assert mask.dtype == np.bool_ and mask.shape == (len(docs),)
+        assert mask.tolist() == [keep(d) for d in docs], raw
+        assert flt.mask(table, cache).tolist() == mask.tolist()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,8 @@ import pyarrow.compute as pc
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType
 from shoal.log.validation import ARROW_TYPES, check_value
+from shoal.searcher.json_fields import comparable, field_values, json_scalar, row_test
+from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache
 
 __all__ = ["Filter", "parse_filter"]
@@ -184,25 +185,31 @@ class _Parser:
     def json_condition(self, name: str, field: str, value: Any) -> Mask:
         column = self.json_attribute
         assert column is not None
-        tests: list[Callable[[Any], bool]] = []
+        conditions: list[tuple[str, Any]] = []
         for op, operand in self._ops(name, value):
             if op in ("$in", "$nin"):
-                if not isinstance(operand, list) or not all(_json_scalar(v) for v in operand):
+                if not isinstance(operand, list) or not all(json_scalar(v) for v in operand):
                     raise _bad(f"{op} takes a list of JSON scalars", name)
-                wanted = [_comparable(v) for v in operand]
-                negate = op == "$nin"
-                tests.append(lambda v, w=wanted, n=negate: (v is not None and any(_equal(v, x) for x in w)) != n)
+                conditions.append((op, [comparable(v) for v in operand]))
                 continue
-            if not _json_scalar(operand):
+            if not json_scalar(operand):
                 raise _bad(f"{op} takes a JSON scalar", name)
-            target = _comparable(operand)
+            target = comparable(operand)
             if op in _RANGE and not isinstance(target, int | float | dt.datetime | str):
                 raise _bad(f"{op} needs a number, a datetime or a string", name)
-            tests.append(_json_test(op, target))
+            conditions.append((op, target))
 
         def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
-            values = _json_field(table, column, field, cache)
-            return np.fromiter((all(t(v) for t in tests) for v in values), dtype=bool, count=len(values))
+            values = field_values(table, column, field, cache)
+            out: np.ndarray | None = None
+            for op, target in conditions:
+                hit = values.match(op, target)
+                if hit is None:  # numbers numpy cannot compare exactly: each row as the language reads it
+                    test = row_test(op, target)
+                    hit = np.fromiter(map(test, values.raw), dtype=bool, count=len(values.raw))
+                out = hit if out is None else out & hit
+            assert out is not None  # _ops gives at least one condition
+            return out
 
         return mask
 
@@ -236,28 +243,21 @@ def _bools(result: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Values:
-    """One attribute column of a table as filters compare it, derived once per table (and cache): numbers, and
-    datetimes as integers of the column's unit, as a numpy array; strings with few distinct values as
-    dictionary codes, so a comparison looks at each distinct value once. A search with a filter of its own
-    (a range per request) then costs numpy passes over the rows, not arrow kernels and conversions."""
+    """One attribute column of a table as filters compare it, derived once per table (and cache): numbers,
+    bools, and datetimes as integers of the column's unit, as a numpy array; strings by their ranks among the
+    column's distinct strings (shoal.searcher.ranks). A search with a filter of its own (a range, a name per
+    request) then costs numpy passes over the rows, not arrow kernels and conversions."""
 
     numbers: np.ndarray | None
     valid: np.ndarray | None  # numbers: False where null; None when no value is
-    codes: np.ndarray | None  # strings: the row's index into `dictionary`; a null points one past its end
-    dictionary: pa.Array | None
-
-    def rows(self, per_value: np.ndarray) -> np.ndarray:
-        """Bool per row from a bool per dictionary entry (a null row: False)."""
-        lookup = np.zeros(len(per_value) + 1, dtype=bool)
-        lookup[:-1] = per_value
-        return lookup[self.codes]
+    strings: Ranked | None  # a null is no string
 
     def known(self, hits: np.ndarray) -> np.ndarray:
         """`hits` over the numbers, False where the value is null."""
         return hits & self.valid if self.valid is not None else hits
 
 
-_NO_VALUES = _Values(None, None, None, None)  # a column compared by arrow's kernels, as it is
+_NO_VALUES = _Values(None, None, None)  # a column compared by arrow's kernels, as it is
 
 
 def _values(table: pa.Table, name: str, cache: dict[Any, Any]) -> _Values:
@@ -271,20 +271,19 @@ def _values(table: pa.Table, name: str, cache: dict[Any, Any]) -> _Values:
 def _derive_values(column: pa.ChunkedArray) -> _Values:
     kind = column.type
     array = column.combine_chunks()
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_timestamp(kind):
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_timestamp(kind) or \
+            pa.types.is_boolean(kind):
         if pa.types.is_timestamp(kind):
             array = array.cast(pa.int64())
         valid = None
         if array.null_count:
             valid = _bools(pc.is_valid(array))
-            array = pc.fill_null(array, 0)
-        return _Values(array.to_numpy(zero_copy_only=False), valid, None, None)
+            array = pc.fill_null(array, pa.scalar(False if pa.types.is_boolean(kind) else 0, array.type))
+        return _Values(array.to_numpy(zero_copy_only=False), valid, None)
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         encoded = pc.dictionary_encode(array)
-        dictionary = encoded.dictionary
-        if 2 * len(dictionary) <= len(array):  # else comparing the distinct values saves nothing
-            codes = pc.fill_null(encoded.indices, len(dictionary)).to_numpy(zero_copy_only=False)
-            return _Values(None, None, codes, dictionary)
+        codes = pc.fill_null(encoded.indices, len(encoded.dictionary)).to_numpy(zero_copy_only=False)
+        return _Values(None, None, Ranked.of_codes(codes, encoded.dictionary))
     return _NO_VALUES
 
 
@@ -301,11 +300,13 @@ def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
 
     def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
         values = _values(table, name, cache)
-        if values.codes is not None:
-            assert values.dictionary is not None
+        if values.strings is not None:
+            strings, target = values.strings, scalar.as_py()
             if op == "$eq":
-                return values.codes == pc.index(values.dictionary, scalar).as_py()  # -1 (absent) is no code
-            return values.rows(_bools(fn(values.dictionary, scalar)))
+                return strings.equal(target)
+            if op == "$ne":
+                return ~strings.equal(target) & strings.present()
+            return strings.order(op, target)
         operand = None if values.numbers is None else _number(scalar, table.schema.field(name).type)
         if operand is None:
             return _bools(fn(table[name], scalar))
@@ -315,12 +316,13 @@ def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
 
 
 def _is_in(name: str, values_in: pa.Array, negate: bool) -> Mask:
+    wanted = values_in.to_pylist()
+
     def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
         values = _values(table, name, cache)
-        if values.codes is not None:
-            assert values.dictionary is not None
-            hit = _bools(pc.is_in(values.dictionary, value_set=values_in))
-            return values.rows(~hit if negate else hit)
+        if values.strings is not None:
+            hit = values.strings.among(wanted)
+            return ~hit & values.strings.present() if negate else hit
         if values.numbers is not None and not pa.types.is_timestamp(values_in.type):
             found = np.isin(values.numbers, values_in.to_numpy(zero_copy_only=False))
             return values.known(~found if negate else found)
@@ -329,98 +331,6 @@ def _is_in(name: str, values_in: pa.Array, negate: bool) -> Mask:
         return ~hit & _bools(pc.is_valid(column)) if negate else hit
 
     return mask
-
-
-# ---- metadata fields (JSON text) -------------------------------------------------------------------------
-
-
-def _json_scalar(v: Any) -> bool:
-    return v is None or isinstance(v, bool | str) or (isinstance(v, int | float) and math.isfinite(v))
-
-
-def _comparable(v: Any) -> Any:
-    """A filter operand as metadata values are compared with it: ISO datetime strings as datetimes."""
-    if isinstance(v, str):
-        return _maybe_datetime(v) or v
-    return v
-
-
-def _maybe_datetime(s: str) -> dt.datetime | None:
-    if len(s) < 10 or not s[:4].isdigit() or s[4] != "-":
-        return None
-    try:
-        value = dt.datetime.fromisoformat(s.replace("Z", "+00:00") if s.endswith("Z") else s)
-    except ValueError:
-        return None
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value
-
-
-def _kind(v: Any) -> int:
-    """Which values compare: numbers with numbers (bool is no number here), strings, datetimes, bools."""
-    if isinstance(v, bool):
-        return 1
-    if isinstance(v, int | float):
-        return 2
-    if isinstance(v, dt.datetime):
-        return 3
-    if isinstance(v, str):
-        return 4
-    return 0
-
-
-def _coerce(v: Any, target: Any) -> Any:
-    """A metadata value in the kind of `target`: a stored datetime string compares as a datetime."""
-    if isinstance(target, dt.datetime) and isinstance(v, str):
-        return _maybe_datetime(v)
-    return v
-
-
-def _equal(v: Any, target: Any) -> bool:
-    v = _coerce(v, target)
-    return v is not None and _kind(v) == _kind(target) and v == target
-
-
-def _json_test(op: str, target: Any) -> Callable[[Any], bool]:
-    if op == "$eq":
-        return lambda v: (v is None) if target is None else _equal(v, target)
-    if op == "$ne":
-        return lambda v: (v is not None) if target is None else not _equal(v, target)
-    compare = {"$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
-               "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}[op]
-
-    def test(v: Any) -> bool:
-        v = _coerce(v, target)
-        return v is not None and _kind(v) == _kind(target) and bool(compare(v, target))
-
-    return test
-
-
-def _json_field(table: pa.Table, column: str, field: str, cache: dict[Any, Any]) -> list[Any]:
-    """The values of one metadata field per row (None where missing), parsed once per table and cache."""
-    key = ("json", column, field)
-    values = cache.get(key)
-    if values is None:
-        docs = cache.get(("json", column))
-        if docs is None:
-            docs = [_loads(text) for text in table[column].to_pylist()]
-            cache[("json", column)] = docs
-        path = field.split(".")
-        values = []
-        for doc in docs:
-            for part in path:
-                doc = doc.get(part) if isinstance(doc, dict) else None
-            values.append(doc)
-        cache[key] = values
-    return values  # type: ignore[no-any-return]
-
-
-def _loads(text: Any) -> Any:
-    if not isinstance(text, str):
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 # ---- masks per segment ------------------------------------------------------------------------------------
