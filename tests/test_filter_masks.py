@@ -129,6 +129,28 @@ def test_masks_mean_what_the_filter_language_says(table_rows: tuple[pa.Table, li
         assert flt.mask(table, cache).tolist() == mask.tolist()  # the derived columns, reused
 
 
+
+def test_a_column_of_long_texts_compares_as_python_strings() -> None:
+    """Strings too large to copy into Python objects (texts of several MB in all) are ranked and bisected in
+    arrow: every operator still means what Python's comparison of the strings says, nulls matching none."""
+    rng = np.random.default_rng(7)
+    texts = [None if i % 50 == 0 else ("\u00e9" if i % 3 else "a") * int(rng.integers(0, 4)) +
+             f"text {int(rng.integers(0, 1500)):05d} " * 200 for i in range(3000)]
+    table = pa.table({"u": pa.array(texts, pa.string())})
+    assert table["u"].nbytes > 4 << 20  # past the bytes bisected as Python strings
+    cache: dict[Any, Any] = {}
+    probes = [t for t in texts[:40] if t is not None] + ["", "text", "\u00e9" * 9]
+    for probe in probes:
+        for op, keep in COMPARE.items():
+            flt = parse_filter({"u": {op: probe}}, TYPES)
+            assert flt is not None
+            assert flt.mask(table, cache).tolist() == [t is not None and keep(t, probe) for t in texts], op
+    wanted = probes[:9]
+    for op, inside in (("$in", True), ("$nin", False)):
+        flt = parse_filter({"u": {op: wanted}}, TYPES)
+        assert flt is not None
+        assert flt.mask(table, cache).tolist() == [t is not None and (t in wanted) == inside for t in texts]
+
 # ---- fields of a JSON attribute (the dataset API's metadata) ------------------------------------------------
 
 JSON_TYPES = {"id": AttributeType.INT64, "metadata": AttributeType.STRING}

@@ -5,7 +5,7 @@ bisection and an integer comparison per row, a range two bisections, whatever th
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,22 @@ __all__ = ["Ranked"]
 
 _RANK = np.int32  # half the bytes of int64 to compare: a table's rows are far fewer than 2^31
 _FEW = 6  # `among` compares per value up to this many values (about 4 us a pass over 59,000 rows), else looks up
+# Distinct strings up to this many bytes are bisected as Python strings; more (a column of texts) stay in arrow
+# and are read one string per bisection step, rather than copied into Python objects for good.
+_PYTHON_BYTES = 4 << 20
+
+
+class _ArrowStrings(Sequence[str]):
+    """Sorted strings held by an arrow array, as a sequence that bisections read one item at a time."""
+
+    def __init__(self, array: pa.Array) -> None:
+        self._array = array
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._array[i].as_py()
 
 
 class Ranked:
@@ -23,7 +39,7 @@ class Ranked:
 
     __slots__ = ("distinct", "ranks")
 
-    def __init__(self, ranks: np.ndarray, distinct: list[str]) -> None:
+    def __init__(self, ranks: np.ndarray, distinct: Sequence[str]) -> None:
         self.ranks = ranks
         self.distinct = distinct
 
@@ -35,7 +51,9 @@ class Ranked:
         rank_of = np.empty(len(dictionary) + 1, dtype=_RANK)
         rank_of[order] = np.arange(len(dictionary))
         rank_of[-1] = len(dictionary)
-        return cls(rank_of[codes], dictionary.take(order).to_pylist())
+        ordered = dictionary.take(order)
+        distinct = ordered.to_pylist() if ordered.nbytes <= _PYTHON_BYTES else _ArrowStrings(ordered)
+        return cls(rank_of[codes], distinct)
 
     @classmethod
     def of_values(cls, values: list[Any]) -> Ranked:
