@@ -4,6 +4,7 @@ worker SIGKILLed during materialization and merge, repeatedly, never leaves a br
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import uuid
 
@@ -18,6 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
+from shoal.catalog.db import migrate
 from shoal.catalog.models import IndexShard, IndexVersion
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.index.builder import shard_dir
@@ -32,11 +34,22 @@ pytestmark = pytest.mark.slow  # real Celery worker processes
 DIM = 16
 
 
+def _own_catalog(url: str) -> str:
+    """`url` (a new database) migrated, as `shoal migrate` does before a deployment starts.
+
+    Worker tests take a catalog of their own: beat's sweeps go over every shard of the catalog, and the shared
+    one holds hundreds of other tests' shards, behind their heads, whose files lie under other storage roots. A
+    worker on it spent its time failing those (in one CI run, 140 s before it reached the test's own shard)."""
+    migrate(url)
+    return url
+
+
 @pytest.fixture
-def wshoal(make_settings, redis_url: str):  # type: ignore[no-untyped-def]
-    """A Shoal whose settings point workers and triggers at the real broker."""
+def wshoal(make_settings, redis_url: str, fresh_db: str):  # type: ignore[no-untyped-def]
+    """A Shoal on a catalog of its own whose settings point workers and triggers at the real broker."""
     settings = make_settings(
         "local",
+        database_url=_own_catalog(fresh_db),
         redis_url=redis_url,
         sweep_interval_s=1.0,
         merge_interval_s=1.0,  # beat's merge sweep queues the merges the SIGKILL test interrupts
@@ -238,45 +251,56 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
     materialize_windows = ["materialize-rows", "materialize-deletions", "materialize-rows", "materialize-deletions"]
     next_id = 0
     killed = {"materialize_shard": 0, "merge_shard": 0}
-    for round_no in range(8):
-        # New points, updates of old ones and deletes: every materialization writes a segment and deletions.
-        ids = np.arange(next_id, next_id + 2000)
-        next_id += 2000
-        _upload(wshoal, spec, ids, rng)
-        _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)
-        wshoal.producer(spec.name, "1").delete({"id": rng.choice(next_id, 100, replace=False)})
-        if round_no % 2 == 0:
-            window = BuildWindow(wshoal, index)
-            worker = start_worker(wshoal.settings, beat=True)
-            _kill_inside(worker, window, materialize_windows[round_no // 2])
-            killed["materialize_shard"] += 1
-        else:
-            # Let this round's materialization finish, then make every multi-segment shard due for a merge
-            # (max_segments=1) and kill the worker in the middle of that merge (beat's sweep_merges queues it).
-            worker = start_worker(wshoal.settings, beat=True)
-            wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up")
-            _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)  # a second segment at least
-            wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up again")
-            stop_process(worker)
-            window = BuildWindow(wshoal, index)
-            worker = start_worker(wshoal.settings, beat=True, SHOAL_MAX_SEGMENTS="1")
-            # Beat's sweep goes over every shard of the session's shared catalog (hundreds, most of other tests);
-            # this shard's merge is also queued directly, every 2 s, as a materialization would queue it.
-            nudging = threading.Event()
-            nudger = threading.Thread(target=_nudge_merges, args=(wshoal, window.shard_id, nudging), daemon=True)
-            nudger.start()
-            try:
-                _kill_inside(worker, window, "merge-rows")
-            finally:
-                nudging.set()
-                nudger.join(10)
-            killed["merge_shard"] += 1
-        _verify_all_versions(wshoal, index)
-    worker = start_worker(wshoal.settings, beat=True)
+    started: list[subprocess.Popen[str]] = []
+
+    def launch(**env: str) -> subprocess.Popen[str]:
+        started.append(start_worker(wshoal.settings, beat=True, **env))
+        return started[-1]
+
     try:
-        wait_for(lambda: _caught_up(wshoal, index), 180, "a fresh worker to catch up after the kills")
-    finally:
-        stop_process(worker)
+        for round_no in range(8):
+            # New points, updates of old ones and deletes: every materialization writes a segment and deletions.
+            ids = np.arange(next_id, next_id + 2000)
+            next_id += 2000
+            _upload(wshoal, spec, ids, rng)
+            _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)
+            wshoal.producer(spec.name, "1").delete({"id": rng.choice(next_id, 100, replace=False)})
+            if round_no % 2 == 0:
+                window = BuildWindow(wshoal, index)
+                worker = launch()
+                _kill_inside(worker, window, materialize_windows[round_no // 2])
+                killed["materialize_shard"] += 1
+            else:
+                # Let this round's materialization finish, then make every multi-segment shard due for a merge
+                # (max_segments=1) and kill the worker in the middle of that merge (beat's sweep_merges queues it).
+                worker = launch()
+                wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up")
+                _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)  # a second segment at least
+                wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up again")
+                stop_process(worker)
+                window = BuildWindow(wshoal, index)
+                worker = launch(SHOAL_MAX_SEGMENTS="1")
+                # Beat's merge sweep queues it within a second; it is also queued directly, every 2 s, as a
+                # materialization would queue it.
+                nudging = threading.Event()
+                nudger = threading.Thread(target=_nudge_merges, args=(wshoal, window.shard_id, nudging), daemon=True)
+                nudger.start()
+                try:
+                    _kill_inside(worker, window, "merge-rows")
+                finally:
+                    nudging.set()
+                    nudger.join(10)
+                killed["merge_shard"] += 1
+            _verify_all_versions(wshoal, index)
+        worker = launch()
+        try:
+            wait_for(lambda: _caught_up(wshoal, index), 180, "a fresh worker to catch up after the kills")
+        finally:
+            stop_process(worker)
+    finally:  # a round that fails leaves no worker (frozen or not) taking later tests' tasks from the broker
+        for proc in started:
+            if proc.poll() is None:
+                kill_worker(proc)
     print("kills inside tasks:", killed)
     assert killed["materialize_shard"] >= 2 and killed["merge_shard"] >= 2, killed
     assert killed == {"materialize_shard": 4, "merge_shard": 4}  # every kill landed inside its build
@@ -298,11 +322,14 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
     assert recall >= 0.95
 
 
-def test_quick_segments_are_rebuilt_at_full_quality_soon_after_ingest_stops(make_settings, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+def test_quick_segments_are_rebuilt_at_full_quality_soon_after_ingest_stops(  # type: ignore[no-untyped-def]
+    make_settings, redis_url: str, fresh_db: str
+) -> None:
     """A burst past the backlog threshold is built quickly; once the data source has taken fewer entries than
     the threshold for a quick window, the worker rebuilds those segments at the index's own parameters by
     itself: no further commit, and no merge sweep by beat (off here), has to come first."""
-    settings = make_settings("local", redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0.0,
+    settings = make_settings("local", database_url=_own_catalog(fresh_db), redis_url=redis_url,
+                             sweep_interval_s=1.0, merge_interval_s=0.0,
                              pending_ttl_s=2.0, quick_build_backlog_seqs=500, quick_ef_construction=16,
                              quick_window_s=2.0)
     shoal = Shoal(settings)
