@@ -5,7 +5,7 @@ Shape (one JSON object; its entries are ANDed):
 
     {"section": "utils"}                                 equality
     {"section": {"$in": ["utils", "net"]}}               membership ($nin: not in)
-    {"installed_size_kb": {"$gte": 100, "$lt": 500}}     ranges: $gt $gte $lt $lte (numbers, datetimes)
+    {"installed_size_kb": {"$gte": 100, "$lt": 500}}     ranges: $gt $gte $lt $lte (numbers, datetimes, strings)
     {"section": {"$ne": "doc"}}                          inequality ($eq spells equality out)
     {"$and": [f, ...]}  {"$or": [f, ...]}  {"$not": f}   combinations
 
@@ -297,11 +297,12 @@ def _number(scalar: pa.Scalar, column_type: pa.DataType) -> Any:
 
 def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
     fn, np_fn = _COMPARE[op], _NP_COMPARE[op]
+    target = scalar.as_py()  # what a string column's ranks are compared with: converted once, not per segment
 
     def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
         values = _values(table, name, cache)
         if values.strings is not None:
-            strings, target = values.strings, scalar.as_py()
+            strings = values.strings
             if op == "$eq":
                 return strings.equal(target)
             if op == "$ne":
@@ -316,7 +317,9 @@ def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
 
 
 def _is_in(name: str, values_in: pa.Array, negate: bool) -> Mask:
+    # The operands as the derived columns compare them, converted once rather than per segment.
     wanted = values_in.to_pylist()
+    wanted_numbers = values_in.to_numpy(zero_copy_only=False)
 
     def mask(table: pa.Table, cache: dict[Any, Any]) -> np.ndarray:
         values = _values(table, name, cache)
@@ -324,7 +327,7 @@ def _is_in(name: str, values_in: pa.Array, negate: bool) -> Mask:
             hit = values.strings.among(wanted)
             return ~hit & values.strings.present() if negate else hit
         if values.numbers is not None and not pa.types.is_timestamp(values_in.type):
-            found = np.isin(values.numbers, values_in.to_numpy(zero_copy_only=False))
+            found = np.isin(values.numbers, wanted_numbers)
             return values.known(~found if negate else found)
         column = table[name]
         hit = _bools(pc.is_in(column, value_set=values_in))

@@ -41,7 +41,7 @@ class TailGroup:
     values: dict[str, Any]  # the split's attribute values
     source: RowSource  # the upserts
     engine: Engine  # exact: the tail is small and must be answered exactly
-    # What filters derive from the upserts' columns (numpy values, dictionary codes), kept with the group: its
+    # What filters derive from the upserts' columns (numpy values, string ranks), kept with the group: its
     # chunk outlives many extensions of the tail.
     filter_columns: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # Names the group in the searcher's caches of filter masks and subsets, as a segment id does a segment.
