@@ -34,7 +34,6 @@ from helpers.compaction_checks import (
 from helpers.compaction_windows import TARGETS, LogWindow, freeze_child_inside
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
-from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.errors import ConflictError
@@ -462,12 +461,10 @@ def test_cli_log_compact_expire_and_gc(make_shoal: Callable[..., Shoal], monkeyp
 
 @pytest.mark.slow
 def test_beat_expires_compacts_and_collects_with_a_real_worker(
-    fresh_db: str, redis_url: str, make_shoal: Callable[..., Shoal]
+    worker_catalog: str, redis_url: str, make_shoal: Callable[..., Shoal]
 ) -> None:
-    # A database of its own: beat's sweeps cover every tenant, and other tests' files live in other roots.
-    migrate(fresh_db)  # as `shoal migrate` does before a deployment starts
     shoal = make_shoal(
-        "local", database_url=fresh_db, redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0,
+        "local", database_url=worker_catalog, redis_url=redis_url, sweep_interval_s=1.0, merge_interval_s=0,
         lease_seconds=3.0, pending_ttl_s=2.0, task_visibility_timeout_s=5.0, compaction_interval_s=1.0,
         compaction_min_seqs=1, retention_interval_s=1.0, gc_interval_s=1.0, gc_grace_s=0, tombstone_retention_s=0,
     )

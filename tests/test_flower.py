@@ -54,11 +54,11 @@ def _answers(url: str) -> bool:
 
 
 @pytest.fixture
-def fshoal(make_settings, redis_url: str):  # type: ignore[no-untyped-def]
-    """A Shoal on the real broker, with quick beat sweeps of both kinds."""
+def fshoal(make_settings, redis_url: str, worker_catalog: str):  # type: ignore[no-untyped-def]
+    """A Shoal on a catalog of its own and the real broker, with quick beat sweeps of both kinds."""
     settings = make_settings(
-        "local", redis_url=redis_url, sweep_interval_s=0.5, merge_interval_s=0.5, pending_ttl_s=2.0,
-        lease_seconds=3.0, task_visibility_timeout_s=5.0,
+        "local", database_url=worker_catalog, redis_url=redis_url, sweep_interval_s=0.5, merge_interval_s=0.5,
+        pending_ttl_s=2.0, lease_seconds=3.0, task_visibility_timeout_s=5.0,
     )
     client = Shoal(settings)
     yield client

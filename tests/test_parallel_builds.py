@@ -38,10 +38,10 @@ def _builds(log: Path) -> list[tuple[float, float, int]]:
 
 
 def test_two_workers_build_the_shards_of_one_index_in_parallel(
-    make_settings: Callable[..., Settings], redis_url: str
+    make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str
 ) -> None:
-    settings = make_settings("local", redis_url=redis_url, sweep_interval_s=1.0, pending_ttl_s=2.0,
-                             merge_interval_s=0)
+    settings = make_settings("local", database_url=worker_catalog, redis_url=redis_url, sweep_interval_s=1.0,
+                             pending_ttl_s=2.0, merge_interval_s=0)
     with Shoal(settings) as shoal:
         tag = uuid.uuid4().hex[:8]
         source = DataSourceSpec(f"par-{tag}", "1", DIM, {"id": "int64"}, ["id"])

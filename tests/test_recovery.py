@@ -124,11 +124,12 @@ def test_a_lease_of_a_dead_process_of_this_machine_is_taken_over_at_once(local_s
 
 @pytest.mark.slow
 def test_a_shard_of_a_worker_killed_inside_its_build_progresses_within_30_s(
-    make_settings: Callable[..., Settings], redis_url: str
+    make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str
 ) -> None:
     """Issue 13.1's repro with the default lease: SIGKILL a worker while it holds a shard's build lease, start
     another: the shard's built watermark moves within 30 s (it stalled for the whole 600 s lease before)."""
-    settings = make_settings("local", redis_url=redis_url, sweep_interval_s=1.0, pending_ttl_s=2.0)
+    settings = make_settings("local", database_url=worker_catalog, redis_url=redis_url, sweep_interval_s=1.0,
+                             pending_ttl_s=2.0)
     with Shoal(settings) as shoal:
         spec = _source(uuid.uuid4().hex[:8])
         shoal.create_data_source(spec)
@@ -217,14 +218,14 @@ def _valkey_down(url: str) -> bool:
 
 @pytest.mark.slow
 def test_indexing_goes_on_across_ten_broker_restarts_under_load(
-    make_settings: Callable[..., Settings], own_valkey: Path
+    make_settings: Callable[..., Settings], own_valkey: Path, worker_catalog: str
 ) -> None:
     """Issue 13.2's repro: `shoal up`'s worker indexes a steady stream of uploads while the embedded Valkey is
     stopped and started ten times; after each restart an upload made then is indexed (the worker reconnected,
     or was restarted by `shoal up`), and `shoal up` itself never exits."""
     broker = ensure_valkey(own_valkey)
-    settings = make_settings("local", redis_url=broker, sweep_interval_s=1.0, pending_ttl_s=2.0,
-                             merge_interval_s=0)
+    settings = make_settings("local", database_url=worker_catalog, redis_url=broker, sweep_interval_s=1.0,
+                             pending_ttl_s=2.0, merge_interval_s=0)
     log_path = settings.data_dir / "up.log"
     with Shoal(settings) as shoal:
         spec, index = _flat_index(shoal)
@@ -334,11 +335,13 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_up_restarts_a_child_that_died_and_says_so(make_settings: Callable[..., Settings], redis_url: str) -> None:
+def test_up_restarts_a_child_that_died_and_says_so(
+    make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str
+) -> None:
     """`shoal up` starts a child that died on its own again, after a backoff, saying so, instead of stopping
     everything; the restarted worker goes on indexing."""
-    settings = make_settings("local", redis_url=redis_url, sweep_interval_s=1.0, pending_ttl_s=2.0,
-                             merge_interval_s=0)
+    settings = make_settings("local", database_url=worker_catalog, redis_url=redis_url, sweep_interval_s=1.0,
+                             pending_ttl_s=2.0, merge_interval_s=0)
     log_path = settings.data_dir / "up.log"
     with Shoal(settings) as shoal:
         spec, index = _flat_index(shoal)

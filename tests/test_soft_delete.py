@@ -421,10 +421,11 @@ def test_python_api_trash_with_zero_retention(make_settings: Callable[..., Setti
 
 @pytest.mark.slow
 def test_beat_purges_through_a_real_worker(
-    served: Callable[..., tuple[httpx.Client, Settings]], redis_url: str
+    served: Callable[..., tuple[httpx.Client, Settings]], redis_url: str, worker_catalog: str
 ) -> None:
-    http, settings = served(redis_url=redis_url, purge_interval_s=0.5, sweep_interval_s=1.0)
-    other, _ = served(redis_url=redis_url)
+    http, settings = served(database_url=worker_catalog, redis_url=redis_url, purge_interval_s=0.5,
+                            sweep_interval_s=1.0)
+    other, _ = served(database_url=worker_catalog, redis_url=redis_url)
     for client in (http, other):
         create(client, "docs")
         upsert(client, "docs", ("a", [1, 0]), ("b", [0, 1]))

@@ -19,7 +19,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
-from shoal.catalog.db import migrate
 from shoal.catalog.models import IndexShard, IndexVersion
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.index.builder import shard_dir
@@ -34,22 +33,12 @@ pytestmark = pytest.mark.slow  # real Celery worker processes
 DIM = 16
 
 
-def _own_catalog(url: str) -> str:
-    """`url` (a new database) migrated, as `shoal migrate` does before a deployment starts.
-
-    Worker tests take a catalog of their own: beat's sweeps go over every shard of the catalog, and the shared
-    one holds hundreds of other tests' shards, behind their heads, whose files lie under other storage roots. A
-    worker on it spent its time failing those (in one CI run, 140 s before it reached the test's own shard)."""
-    migrate(url)
-    return url
-
-
 @pytest.fixture
-def wshoal(make_settings, redis_url: str, fresh_db: str):  # type: ignore[no-untyped-def]
+def wshoal(make_settings, redis_url: str, worker_catalog: str):  # type: ignore[no-untyped-def]
     """A Shoal on a catalog of its own whose settings point workers and triggers at the real broker."""
     settings = make_settings(
         "local",
-        database_url=_own_catalog(fresh_db),
+        database_url=worker_catalog,
         redis_url=redis_url,
         sweep_interval_s=1.0,
         merge_interval_s=1.0,  # beat's merge sweep queues the merges the SIGKILL test interrupts
@@ -273,7 +262,9 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
             else:
                 # Let this round's materialization finish, then make every multi-segment shard due for a merge
                 # (max_segments=1) and kill the worker in the middle of that merge (beat's sweep_merges queues it).
-                worker = launch()
+                # This worker merges nothing: a merge of its own, after the second upload's segment, could leave
+                # the shard one segment with nothing to merge for the worker to be killed in (seen once).
+                worker = launch(SHOAL_MAX_SEGMENTS="1000", SHOAL_MERGE_INTERVAL_S="0")
                 wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up")
                 _upload(wshoal, spec, rng.choice(next_id, 300, replace=False), rng)  # a second segment at least
                 wait_for(lambda: _caught_up(wshoal, index), 120, "the worker to catch up again")
@@ -323,12 +314,12 @@ def test_sigkill_during_materialize_and_merge(wshoal: Shoal) -> None:
 
 
 def test_quick_segments_are_rebuilt_at_full_quality_soon_after_ingest_stops(  # type: ignore[no-untyped-def]
-    make_settings, redis_url: str, fresh_db: str
+    make_settings, redis_url: str, worker_catalog: str
 ) -> None:
     """A burst past the backlog threshold is built quickly; once the data source has taken fewer entries than
     the threshold for a quick window, the worker rebuilds those segments at the index's own parameters by
     itself: no further commit, and no merge sweep by beat (off here), has to come first."""
-    settings = make_settings("local", database_url=_own_catalog(fresh_db), redis_url=redis_url,
+    settings = make_settings("local", database_url=worker_catalog, redis_url=redis_url,
                              sweep_interval_s=1.0, merge_interval_s=0.0,
                              pending_ttl_s=2.0, quick_build_backlog_seqs=500, quick_ef_construction=16,
                              quick_window_s=2.0)
