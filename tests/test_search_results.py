@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -177,5 +178,15 @@ def test_nan_and_inf_queries_are_refused_by_every_path(shoal: Shoal, data: tuple
         # Large finite coordinates are fine, even where a distance overflows float32.
         huge = np.full((1, DIM), 3e37, dtype=np.float32)
         assert len(searcher.search("Hnsw", "1", huge, K)[0]) == K
+        # Finite numbers past float32's range (float64 arrays, lists) are named, with no overflow warning; a
+        # float64 array passed unchecked before and was searched as infinity.
+        wide = queries.astype(np.float64)
+        wide[1, 4] = -1e39
+        for attempt in (wide, wide.tolist()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(ValidationError, match=r"point 1, attribute 'queryVectors': query coordinates "
+                                   r"must be finite float32 values: -1e\+39 at index 4 is past float32's range"):
+                    searcher.search("Hnsw", "1", attempt, K)
     finally:
         searcher.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+import warnings
 
 import numpy as np
 import pytest
@@ -55,8 +56,10 @@ def assert_nothing_written(shoal: Shoal, spec: DataSourceSpec) -> None:
     ("bad", "attribute", "rule"),
     [
         (DataPoint(attrs(), [0.1, 0.2]), "vector", "wrong dimension: expected 3, got 2"),
-        (DataPoint(attrs(), [0.1, float("nan"), 0.3]), "vector", "coordinates must be finite"),
-        (DataPoint(attrs(), [0.1, float("inf"), 0.3]), "vector", "coordinates must be finite"),
+        (DataPoint(attrs(), [0.1, float("nan"), 0.3]), "vector", "must be finite (NaN or infinity at index 1)"),
+        (DataPoint(attrs(), [0.1, float("inf"), 0.3]), "vector", "must be finite (NaN or infinity at index 1)"),
+        # Finite as sent, infinite as float32: the error says which, not "NaN or infinity".
+        (DataPoint(attrs(), [0.1, 0.2, -1e39]), "vector", "-1e+39 at index 2 is past float32's range"),
         (DataPoint(attrs(tag=...), [0, 0, 0]), "tag", "missing attribute"),
         (DataPoint(attrs(extra=1), [0, 0, 0]), "extra", "unknown attribute"),
         (DataPoint(attrs(id="7"), [0, 0, 0]), "id", "expected int64, got str"),
@@ -102,6 +105,7 @@ def test_every_problem_of_a_batch_is_reported(local_shoal: Shoal) -> None:
         (SparseVector([1, 100], [0.1, 0.2]), "out of range 0..99"),
         (SparseVector([1, 2], [0.1]), "as many values as indices"),
         (SparseVector([1], [float("nan")]), "must be finite"),
+        (SparseVector([1, 2], [0.5, 4e38]), "4e+38 at index 1 is past float32's range"),
         ([0.0] * 100, "give a SparseVector"),
     ],
 )
@@ -132,6 +136,16 @@ def test_columnar_batch_errors_name_the_row(local_shoal: Shoal) -> None:
     with pytest.raises(ValidationError) as err:
         producer.upload_columns(vectors, columns)
     assert [(p.position, p.attribute) for p in err.value.problems] == [(17, "vector")]
+    assert "NaN or infinity at index 1" in err.value.problems[0].rule
+    # float64 vectors past float32's range are named as such, with no overflow warning on the way.
+    wide = np.ones((n, 3))
+    wide[23, 2] = 1e39
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValidationError) as err:
+            producer.upload_columns(wide, columns)
+    assert [(p.position, p.attribute) for p in err.value.problems] == [(23, "vector")]
+    assert "1e+39 at index 2 is past float32's range" in err.value.problems[0].rule
     with pytest.raises(ValidationError, match="wrong dimension"):
         producer.upload_columns(np.ones((n, 4), dtype=np.float32), columns)
     with pytest.raises(ValidationError, match="'tag': column has 49 values, expected 50"):

@@ -115,6 +115,27 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
     raise AssertionError(kind)
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
+    """None when every coordinate of `row` (`original` cast to float32, 1-d) is finite; else what is wrong with
+    the first that is not: NaN or infinity, or a finite number past float32's range, which the cast made
+    infinite (a JSON or float64 client sends such numbers, and "NaN or infinity" would not be what it sent)."""
+    bad = np.flatnonzero(~np.isfinite(row))
+    if not bad.size:
+        return None
+    at = int(bad[0])
+    try:
+        value = float(np.asarray(original, dtype=np.float64).reshape(-1)[at])
+    except (TypeError, ValueError, IndexError):
+        value = math.nan
+    if math.isfinite(value):
+        return (f"coordinates must be finite float32 values: {value:g} at index {at} is past float32's range "
+                f"(magnitude at most {_FLOAT32_MAX:.7g})")
+    return f"coordinates must be finite (NaN or infinity at index {at})"
+
+
 def _tname(value: Any) -> str:
     return type(value).__name__
 
@@ -227,9 +248,9 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
         got = row.shape[0] if row.ndim == 1 else row.shape
         problems.add(f"wrong dimension: expected {dim}, got {got}", pos, "vector")
         return None
-    if not np.isfinite(row).all():
-        bad = int(np.flatnonzero(~np.isfinite(row))[0])
-        problems.add(f"coordinates must be finite (NaN or infinity at index {bad})", pos, "vector")
+    wrong = coordinates_problem(vector, row)
+    if wrong is not None:
+        problems.add(wrong, pos, "vector")
         return None
     return row
 
@@ -240,7 +261,8 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
         return None
     try:
         idx = np.asarray(vector.indices, dtype=np.int64)
-        val = np.asarray(vector.values, dtype=np.float32)
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused below by name
+            val = np.asarray(vector.values, dtype=np.float32)
     except OverflowError:  # an index beyond 64 bits (2**70): out of range whatever the dimension
         problems.add(f"sparse index out of range 0..{dim - 1}", pos, "vector")
         return None
@@ -256,8 +278,9 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
     if np.unique(idx).size != idx.size:
         problems.add("sparse vector repeats an index", pos, "vector")
         return None
-    if not np.isfinite(val).all():
-        problems.add("coordinates must be finite (NaN or infinity found)", pos, "vector")
+    wrong = coordinates_problem(vector.values, val) if val.ndim == 1 else None
+    if wrong is not None:
+        problems.add(wrong, pos, "vector")
         return None
     return idx.astype(np.int32).tolist(), val.tolist()
 
@@ -320,11 +343,12 @@ def columns_to_table(
             arrays[VECTOR] = pa.nulls(n, pa.list_(pa.float32(), spec.vector_dimension))
     else:
         assert vectors is not None
-        flat = np.ascontiguousarray(vectors, dtype=np.float32)
+        with np.errstate(over="ignore"):  # float64 past float32's range: inf, refused below by name
+            flat = np.ascontiguousarray(vectors, dtype=np.float32)
         finite = np.isfinite(flat).all(axis=1)
         if not finite.all():
             for pos in np.flatnonzero(~finite)[:MAX_PROBLEMS]:
-                problems.add("coordinates must be finite (NaN or infinity found)", int(pos), "vector")
+                problems.add(str(coordinates_problem(vectors[pos], flat[pos])), int(pos), "vector")
         arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), spec.vector_dimension)
     for name, kind in spec.attribute_types.items():
         if name in expected and (not delete or name in permanent):

@@ -19,7 +19,7 @@ from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
-from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value
+from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value, coordinates_problem
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
 from shoal.searcher.repeat_cache import RepeatCache
@@ -67,22 +67,28 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         return SparseRows.from_lists(
             [list(q.indices) for q in items], [list(q.values) for q in items], source.vector_dimension
         )
+    given: Any = queries
     if isinstance(queries, np.ndarray):
-        arr = queries
+        try:
+            with np.errstate(over="ignore"):  # float64 past float32's range: inf, refused below by name
+                arr = np.asarray(queries, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValidationError(Problem("query vectors must be numbers", attribute="queryVectors")) from None
     else:
-        items = list(queries)
+        given = items = list(queries)
         if any(isinstance(q, SparseVector) for q in items):
             raise ValidationError(
                 Problem("the index holds dense vectors: query with dense vectors", attribute="queryVectors")
             )
         try:
-            arr = np.asarray(items, dtype=np.float32)
+            with np.errstate(over="ignore"):  # past float32's range: inf, refused below by name
+                arr = np.asarray(items, dtype=np.float32)
         except ValueError:
             raise ValidationError(
-                Problem("query vectors must all have the same dimension", attribute="queryVectors")
+                Problem("query vectors must be lists of numbers, all of one dimension", attribute="queryVectors")
             ) from None
     if arr.ndim == 1 and arr.size:
-        arr = arr[None, :]
+        arr, given = arr[None, :], [given]
     if arr.size == 0 or arr.shape[0] == 0:
         raise ValidationError(Problem("at least one query vector is required", attribute="queryVectors"))
     if arr.ndim != 2 or arr.shape[1] != source.vector_dimension:
@@ -93,8 +99,9 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
             )
         )
     if not np.isfinite(arr).all():
-        raise ValidationError(Problem("query coordinates must be finite", attribute="queryVectors"))
-    return np.ascontiguousarray(arr, dtype=np.float32)
+        i = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise ValidationError(Problem(f"query {coordinates_problem(given[i], arr[i])}", i, "queryVectors"))
+    return np.ascontiguousarray(arr)
 
 
 def split_matcher(
