@@ -155,8 +155,9 @@ def test_a_column_of_long_texts_compares_as_python_strings() -> None:
 
 JSON_TYPES = {"id": AttributeType.INT64, "metadata": AttributeType.STRING}
 # Integers past float64's exact range and past 64 bits, beside the floats they round to: equal in float64, not
-# as numbers.
-NUMBERS = [-1, 0, 1, 0.5, -0.0, 2**53, 2**53 + 1, float(2**53), 2**64 + 1, float(2**64), 10**30, 1e30]
+# as numbers; and past float64's range altogether (a JSON number of 401 digits), below or above every float.
+NUMBERS = [-1, 0, 1, 0.5, -0.0, 2**53, 2**53 + 1, float(2**53), 2**64 + 1, float(2**64), 10**30, 1e30, 10**400,
+           -(10**400), 1.7e308]
 DATES = ["1970-01-01T00:00:00Z", "2024-01-01", "2024-01-01T00:00:00Z", "2024-01-01T05:00:00+05:00",
          "2024-01-02T00:00:00", "2024-01-01T00:00:00.000001Z", "2024-13-01", "0001-01-01T00:00:00+05:00"]
 FIELDS = ["f", "metadata.f", "g", "nested.h", "absent"]

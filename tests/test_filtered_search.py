@@ -356,6 +356,11 @@ def test_vektonn_search_body_takes_a_filter(http_api: tuple[httpx.Client, Shoal,
         r = http.post(url, json=body | {"filter": bad})
         assert r.status_code == 400, r.text
         assert name in r.text
+    # A JSON integer past float64's range on a float64 attribute (it answered 500: float() overflowed).
+    huge = 10**400
+    for flt in ({"score": {"$gt": huge}}, {"score": -huge}, {"score": {"$in": [1.5, huge]}}):
+        r = http.post(url, json=body | {"filter": flt})
+        assert r.status_code == 400 and "'score'" in r.text and "float64 value out of range" in r.text, r.text
 
 
 def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[httpx.Client, Shoal, Settings]) -> None:
@@ -384,6 +389,14 @@ def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[ht
     assert search("fb", {"$or": [{"lang": "de", "year": {"$gt": 2005}}, {"id": "fb1"}]}) == ["fb1", "fb6", "fb8"]
     assert search("fa", {"lang": "fr"}) == []
     assert search("fa", {}) == ["fa0", "fa1", "fa2"]
+    # Integers of any size compare exactly with metadata numbers (a 401-digit one answered 500: it was checked
+    # for finiteness as a float, which overflowed).
+    huge = 10**400
+    assert search("fa", {"year": {"$lt": huge}}) == ["fa0", "fa1", "fa2"]
+    assert search("fa", {"year": {"$gt": -huge, "$lt": 2002}}) == ["fa0", "fa1"]
+    assert search("fb", {"year": {"$in": [huge, 2003, 2001]}}) == ["fb1", "fb3"]
+    assert search("fb", {"year": huge}) == [] and search("fb", {"year": {"$gte": huge}}) == []
+    assert search("fb", {"year": {"$nin": [huge]}}) == ["fb0", "fb1", "fb2"]
 
     # Multi-dataset: options.filters applies to every dataset.
     body = {"query_vector": [0.0, 0.0], "datasets": ["fa", "fb"],

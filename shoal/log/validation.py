@@ -90,9 +90,13 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
     if kind is AttributeType.FLOAT64:
         if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
             return None, f"expected float64, got {_tname(value)}"
-        if not math.isfinite(float(value)):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an integer past float64's range (a JSON number of 310 digits)
+            return None, "float64 value out of range"
+        if not math.isfinite(as_float):
             return None, "float64 value must be finite"
-        return float(value), None
+        return as_float, None
     if kind is AttributeType.STRING:
         return (value, None) if isinstance(value, str) else (None, f"expected string, got {_tname(value)}")
     if kind is AttributeType.GUID:

@@ -42,8 +42,9 @@ _BOOL, _NUMBER, _DATETIME, _STRING, _OTHER = 1, 2, 3, 4, 5
 
 
 def json_scalar(v: Any) -> bool:
-    """Whether `v` may be a condition's operand: null, a bool, a string or a finite number."""
-    return v is None or isinstance(v, bool | str) or (isinstance(v, int | float) and math.isfinite(v))
+    """Whether `v` may be a condition's operand: null, a bool, a string or a finite number (an integer of any
+    size: it compares exactly with every value, per row where float64 cannot hold it)."""
+    return v is None or isinstance(v, bool | str | int) or (isinstance(v, float) and math.isfinite(v))
 
 
 def comparable(v: Any) -> Any:
