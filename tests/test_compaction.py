@@ -327,6 +327,20 @@ def test_retention_expires_points_older_than_retention_days(make_shoal: Callable
     ]
 
 
+@pytest.mark.parametrize("days", [10**30, 1e300, 800_000])
+def test_a_retention_longer_than_the_calendar_expires_nothing(make_shoal: Callable[..., Shoal], days: float) -> None:
+    # The dataset API takes retention_days as any non-negative integer: one reaching before year 1 failed every
+    # run with OverflowError (a logged traceback per source and beat run), instead of keeping every point.
+    shoal = make_shoal()
+    spec = DataSourceSpec("Forever", "1", DIM, {"id": "int64", "text": "string"}, ["id"],
+                          custom_metadata={"retention_days": days})
+    shoal.create_data_source(spec)
+    shoal.producer("Forever", "1").upload(init_batch("old", range(5)))
+    result = shoal.apply_retention("Forever", "1")
+    assert result.retention_days == float(days) and result.expired == 0 and result.token is None
+    assert sorted(folded_state(shoal, "Forever", "1")) == list(range(5))
+
+
 def test_retention_never_deletes_a_point_updated_after_its_decision(make_shoal: Callable[..., Shoal]) -> None:
     shoal = make_shoal()
     spec = DataSourceSpec("Retained", "1", DIM, {"id": "int64", "text": "string"}, ["id"],

@@ -266,6 +266,10 @@ def test_filters_at_every_consistency_level_include_the_log_tail(local_shoal: Sh
         ({"flag": {"$gt": True}}, "flag", "$gt needs"),
         ({"section": {"$in": "utils"}}, "section", "takes a list"),
         ({"$or": []}, "$or", "non-empty list"),
+        # A lone surrogate (JSON can escape one) matches no stored text, and Arrow cannot take it: it was a 500.
+        ({"section": "\ud800"}, "section", "lone surrogate"),
+        ({"section": {"$in": ["net", "x\udc00"]}}, "section", "lone surrogate"),
+        ({"section": {"$gte": "\ud800"}}, "section", "lone surrogate"),
     ],
 )
 def test_bad_filters_name_the_attribute(local_shoal: Shoal, filters: Any, attribute: str, says: str) -> None:
@@ -406,6 +410,13 @@ def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[ht
     assert r.status_code == 200, r.text
     assert sorted((h["dataset_id"], h["id"]) for h in r.json()["results"]) == [
         ("fa", "fa5"), ("fb", "fb5")]
+
+    # A lone surrogate, escaped in the JSON body, on an attribute (it answered 500) and on a metadata field.
+    for flt, what in (('{"id": "\\ud800"}', "id"), ('{"lang": {"$in": ["en", "\\udc00"]}}', "lang")):
+        r = http.post("/api/v1/datasets/fa/search", content='{"vector": [0, 0], "filters": ' + flt + "}",
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
+        assert f"'{what}'" in r.json()["message"] and "lone surrogate" in r.json()["message"], r.text
 
     # Bad filters: 400 VALIDATION_ERROR naming the attribute.
     for bad, what in (({"id": 3}, "id"), ({"lang": {"$like": "e%"}}, "lang"), ({"metadata": "x"}, "metadata")):

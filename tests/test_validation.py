@@ -70,6 +70,8 @@ def assert_nothing_written(shoal: Shoal, spec: DataSourceSpec) -> None:
         (DataPoint(attrs(guid="not-a-guid"), [0, 0, 0]), "guid", "not a guid"),
         (DataPoint(attrs(at="2024-01-01"), [0, 0, 0]), "at", "expected datetime, got str"),
         (DataPoint(attrs(tag=None), [0, 0, 0]), "tag", "value is missing"),
+        # Escaped in JSON, a lone surrogate reaches Python; UTF-8 (Arrow, Parquet) cannot hold it.
+        (DataPoint(attrs(tag="a\ud800"), [0, 0, 0]), "tag", "a lone surrogate (such as \\ud800) cannot be stored"),
         (Tombstone({"id": 1, "tag": "x"}), "tag", "a tombstone carries only the permanent (key) attributes"),
         (Tombstone({}), "id", "missing key attribute"),
     ],
@@ -153,6 +155,12 @@ def test_columnar_batch_errors_name_the_row(local_shoal: Shoal) -> None:
     with pytest.raises(ValidationError) as err:
         producer.upload_columns(np.ones((n, 3)), columns | {"tag": ["x"] * 10 + [5] + ["x"] * 39})
     assert [(p.position, p.attribute) for p in err.value.problems] == [(10, "tag")]
+    # Strings UTF-8 cannot encode (lone surrogates) are named, each at its row; it was a UnicodeEncodeError.
+    with pytest.raises(ValidationError) as err:
+        tags = ["x"] * 3 + ["\udc00"] + ["é"] * 40 + ["b\ud800"] * 6
+        producer.upload_columns(np.ones((n, 3)), columns | {"tag": tags})
+    assert [(p.position, p.attribute) for p in err.value.problems] == [(3, "tag"), *((i, "tag") for i in range(44, 50))]
+    assert "lone surrogate" in err.value.problems[0].rule
     assert_nothing_written(local_shoal, SPEC)
 
 

@@ -104,7 +104,10 @@ def apply_retention(
     if days is None:
         return RetentionResult(source.id, None, None, 0, None)
     now = now or dt.datetime.now(dt.UTC)
-    cutoff = now - dt.timedelta(days=days)
+    try:
+        cutoff = now - dt.timedelta(days=days)
+    except OverflowError:  # a retention reaching before year 1 (retention_days 1e30 is allowed): nothing is older
+        return RetentionResult(source.id, days, None, 0, None)
     spec = source.spec
     columns = [KEY, OP, INGESTED_AT, *spec.permanent_attributes]
     head = head_of(engine, source.id)[0]

@@ -62,6 +62,21 @@ def segment_schema(spec: DataSourceSpec) -> pa.Schema:
     )
 
 
+NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) cannot be stored"
+
+
+def unicode_text(value: Any) -> bool:
+    """False for a string that UTF-8 cannot encode (one with a lone surrogate, which a JSON body can escape):
+    Arrow, Parquet and Postgres hold UTF-8 only. True for anything else."""
+    if not isinstance(value, str) or value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class _Problems:
     def __init__(self) -> None:
         self.items: list[Problem] = []
@@ -235,8 +250,21 @@ def points_to_table(
         arrays[SPARSE_INDICES] = pa.array(sparse_idx, pa.list_(pa.int32()))
         arrays[SPARSE_VALUES] = pa.array(sparse_val, pa.list_(pa.float32()))
     for name, kind in attrs.items():
-        arrays[name] = pa.array(columns[name], ARROW_TYPES[kind])
+        arrays[name] = _arrow_array(name, columns[name], ARROW_TYPES[kind], problems)
+    problems.raise_if_any()
     return _finish(spec, arrays)
+
+
+def _arrow_array(name: str, values: list[Any], target: pa.DataType, problems: _Problems) -> pa.Array:
+    """Checked values as an Arrow column; a string UTF-8 cannot encode is a problem at its position (found only
+    when Arrow refuses the column, so valid text costs no check of its own)."""
+    try:
+        return pa.array(values, target)
+    except UnicodeEncodeError:
+        for pos, value in enumerate(values):
+            if not unicode_text(value):
+                problems.add(NOT_UNICODE, pos, name)
+        return pa.nulls(len(values), target)
 
 
 def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.ndarray | None:
@@ -410,7 +438,7 @@ def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) ->
             if err:
                 problems.add(err, pos, name)
             out.append(value)
-        return pa.array(out, target) if not problems.items else pa.nulls(len(out), target)
+        return _arrow_array(name, out, target, problems) if not problems.items else pa.nulls(len(out), target)
     if arr.null_count:
         for pos in np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[:MAX_PROBLEMS]:
             problems.add("value is missing (null)", int(pos), name)

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType
-from shoal.log.validation import ARROW_TYPES, check_value
+from shoal.log.validation import ARROW_TYPES, NOT_UNICODE, check_value, unicode_text
 from shoal.searcher.json_fields import comparable, field_values, json_scalar, row_test
 from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache
@@ -76,6 +76,8 @@ def _operand(kind: AttributeType, raw: Any, name: str) -> Any:
     if kind is AttributeType.DATETIME:
         return _datetime(raw, name)
     value, err = check_value(kind, raw)
+    if err is None and not unicode_text(value):
+        err = NOT_UNICODE  # no stored string holds one; Arrow cannot take it as an operand
     if err:
         raise _bad(f"filter value: {err}", name)
     return value
@@ -190,10 +192,14 @@ class _Parser:
             if op in ("$in", "$nin"):
                 if not isinstance(operand, list) or not all(json_scalar(v) for v in operand):
                     raise _bad(f"{op} takes a list of JSON scalars", name)
+                if not all(map(unicode_text, operand)):
+                    raise _bad(f"filter value: {NOT_UNICODE}", name)
                 conditions.append((op, [comparable(v) for v in operand]))
                 continue
             if not json_scalar(operand):
                 raise _bad(f"{op} takes a JSON scalar", name)
+            if not unicode_text(operand):
+                raise _bad(f"filter value: {NOT_UNICODE}", name)
             target = comparable(operand)
             if op in _RANGE and not isinstance(target, int | float | dt.datetime | str):
                 raise _bad(f"{op} needs a number, a datetime or a string", name)

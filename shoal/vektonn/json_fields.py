@@ -32,7 +32,7 @@ import pydantic
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
-from shoal.log.validation import MAX_PROBLEMS
+from shoal.log.validation import MAX_PROBLEMS, NOT_UNICODE
 
 JSON = "application/json"
 
@@ -105,7 +105,6 @@ def load(body: bytes, error: type[ValidationError]) -> tuple[Any, bool]:
     return parsed, True
 
 
-NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) cannot be stored"
 
 
 def _encodes(text: str) -> bool:
