@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,6 +171,21 @@ def test_a_bad_batch_names_the_file_row_and_earlier_batches_stay(local_shoal: Sh
     with pytest.raises(ValidationError) as caught:
         run_import(local_shoal.producer("items", "1"), plan_import(SPEC, nulls), 10)
     assert [p.position for p in caught.value.problems] == [13] and "missing" in str(caught.value)
+
+    # A float64 coordinate past float32's range is named as such, with no overflow warning on the way (the read
+    # cast it to infinity, which the upload then called "NaN or infinity").
+    wide = pa.array([[0.5] * DIM if i != 31 else [0.5] * 5 + [-3e40, 0.5, 0.5] for i in range(40)],
+                    pa.list_(pa.float64()))
+    huge = tmp_path / "huge.parquet"
+    pq.write_table(table.drop_columns(["emb"]).append_column("vector", wide), huge)
+    before = head(local_shoal, SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValidationError) as caught:
+            run_import(local_shoal.producer("items", "1"), plan_import(SPEC, huge), 10)
+    assert [p.position for p in caught.value.problems] == [31]
+    assert "-3e+40 at index 5 is past float32's range" in str(caught.value)
+    assert "30 rows before row 30 were imported" in str(caught.value) and head(local_shoal, SPEC) == before + 30
 
 
 def test_run_import_refuses_another_definition_and_bad_batch_sizes(

@@ -277,6 +277,11 @@ def test_status_and_search_through_materialization(tenant: str, monkeypatch: pyt
         assert [h["attributes"]["id"] for h in result["hits"]] == [ids[r] for r in exact_rows[qi]]
         np.testing.assert_allclose([h["distance"] for h in result["hits"]], exact_d[qi], rtol=1e-5)
         assert set(result["hits"][0]["attributes"]) == {"id", "lang", "title"}
+    # A float64 query file keeps its values to the searcher, which names one past float32's range (a cast here
+    # made it an infinity, refused as "NaN or infinity" after an overflow warning).
+    np.save(Path.cwd() / "wide.npy", np.array([[1.0] * (DIM - 1) + [2e39]]))
+    wide = fails("search", "docs.flat", "1", "--query-file", str(Path.cwd() / "wide.npy"))
+    assert "2e+39 at index 7 is past float32's range" in wide, wide
     # A split filter keeps one split; vectors come back on request.
     en = search_json("docs.flat", "1", "--query", q, "-k", "4", "--split", "lang=en", "--vectors")[0]["hits"]
     assert len(en) == 4 and all(h["attributes"]["lang"] == "en" for h in en)

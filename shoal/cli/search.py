@@ -76,7 +76,9 @@ def load_query_file(path: Path, sparse: bool) -> list[Any]:
             f"{path.name} must hold numbers shaped [d] or [n, d], not {array.dtype} {list(array.shape)}",
             param_hint="--query-file",
         )
-    rows = np.asarray(array, dtype=np.float32)
+    # float64, which holds every number a .npy file may (float16..64, ints): the searcher casts to float32 and
+    # names a coordinate past float32's range, where a cast here would have made it an infinity.
+    rows = np.asarray(array, dtype=np.float64)
     if sparse:
         return [SparseVector(np.flatnonzero(r).tolist(), r[np.flatnonzero(r)].tolist()) for r in rows]
     return list(rows)

@@ -357,7 +357,8 @@ def _check_vector_type(t: pa.DataType, dim: int, name: str) -> None:
 
 
 def _vectors(column: pa.ChunkedArray | pa.Array, dim: int, name: str) -> np.ndarray:
-    """A list or fixed_size_list column as float32 [n, dim] (float16 and float64 are converted)."""
+    """A list or fixed_size_list column as float32 [n, dim] (float16 and float64 are converted; as float64 where
+    a value is past float32's range, for the upload's check to name)."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     _check_vector_type(arr.type, dim, name)
     if arr.null_count:
@@ -373,7 +374,14 @@ def _vectors(column: pa.ChunkedArray | pa.Array, dim: int, name: str) -> np.ndar
     values = arr.flatten()
     if values.null_count:
         raise ValidationError(f"vector column {name!r}: coordinates must not be null")
-    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(len(arr), dim)
+    given = values.to_numpy(zero_copy_only=False)
+    with np.errstate(over="ignore"):  # past float32's range: inf, named below
+        out = np.asarray(given, dtype=np.float32).reshape(len(arr), dim)
+    if given.dtype != np.float32 and not np.isfinite(out).all():
+        # The values as given, so that the upload's check names a number past float32's range as such (not as
+        # "NaN or infinity", which is what the cast made of it).
+        return np.asarray(given, dtype=np.float64).reshape(len(arr), dim)
+    return out
 
 
 def _at_file_row(exc: ValidationError, path: Path, offset: int) -> ValidationError:
