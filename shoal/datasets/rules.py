@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shoal.datasets.errors import DatasetError, ErrorCode
-from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType, json_depth
+from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType, json_depth, unicode_text
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")  # DESIGN.md invariant 7
 # Data source names must start with a letter or digit (no name may form a hidden file or `..`), so the
@@ -238,13 +238,7 @@ def check_index_config(config: Any) -> tuple[str | None, dict[str, Any] | None]:
 def is_text(value: Any, *, nul: bool = True) -> bool:
     """True for a string that UTF-8 can encode (no lone surrogates) and, unless `nul`, holds no NUL
     character (Postgres text and JSONB cannot store one)."""
-    if not isinstance(value, str) or (not nul and "\x00" in value):
-        return False
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and (nul or "\x00" not in value) and unicode_text(value)
 
 
 def check_description(description: Any) -> str | None:

@@ -230,15 +230,21 @@ class IndexSpec:
         return tuple(dict.fromkeys([*self.key_attributes, *(self.payload_attributes or ())]))
 
 
-def storable_text(text: str) -> bool:
-    """True when Postgres can store `text`: valid Unicode (no lone surrogate) without NUL characters."""
-    if "\x00" in text:
-        return False
+def unicode_text(value: Any) -> bool:
+    """False for a string that UTF-8 cannot encode (one with a lone surrogate, which a JSON body can escape):
+    Arrow, Parquet and Postgres hold UTF-8 only. True for anything else."""
+    if not isinstance(value, str) or value.isascii():
+        return True
     try:
-        text.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+def storable_text(text: str) -> bool:
+    """True when Postgres can store `text`: valid Unicode (no lone surrogate) without NUL characters."""
+    return "\x00" not in text and unicode_text(text)
 
 
 def json_depth(value: Any, limit: int) -> int:

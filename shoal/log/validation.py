@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
-from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone, unicode_text
 
 OP = "__op"
 KEY = "__key"
@@ -63,18 +63,6 @@ def segment_schema(spec: DataSourceSpec) -> pa.Schema:
 
 
 NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) cannot be stored"
-
-
-def unicode_text(value: Any) -> bool:
-    """False for a string that UTF-8 cannot encode (one with a lone surrogate, which a JSON body can escape):
-    Arrow, Parquet and Postgres hold UTF-8 only. True for anything else."""
-    if not isinstance(value, str) or value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class _Problems:

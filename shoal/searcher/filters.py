@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.errors import Problem, ValidationError
-from shoal.log.records import AttributeType
-from shoal.log.validation import ARROW_TYPES, NOT_UNICODE, check_value, unicode_text
+from shoal.log.records import AttributeType, unicode_text
+from shoal.log.validation import ARROW_TYPES, NOT_UNICODE, check_value
 from shoal.searcher.json_fields import comparable, field_values, json_scalar, row_test
 from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache

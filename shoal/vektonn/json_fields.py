@@ -31,7 +31,7 @@ import orjson
 import pydantic
 
 from shoal.errors import Problem, ValidationError
-from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
+from shoal.log.records import AttributeType, DataSourceSpec, SparseVector, unicode_text
 from shoal.log.validation import MAX_PROBLEMS, NOT_UNICODE
 
 JSON = "application/json"
@@ -105,16 +105,6 @@ def load(body: bytes, error: type[ValidationError]) -> tuple[Any, bool]:
     return parsed, True
 
 
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _unencodable(parsed: Any) -> list[Any] | None:
     """The path (object keys and array indices) to the first string or object key UTF-8 cannot encode; None
     when every one encodes. Iterative: the body may nest as deep as Python's json parses."""
@@ -123,11 +113,11 @@ def _unencodable(parsed: Any) -> list[Any] | None:
         value, path = stack.pop()
         kind = type(value)
         if kind is str:
-            if not _encodes(value):
+            if not unicode_text(value):
                 return path
         elif kind is dict:
             for key, item in value.items():
-                if not _encodes(key):
+                if not unicode_text(key):
                     return [*path, key]
                 stack.append((item, [*path, key]))
         elif kind is list:
@@ -141,13 +131,13 @@ def _where(parsed: Any, path: list[Any]) -> tuple[int | None, str | None]:
     node = parsed
     if type(node) is list and path:  # an upload: the data point's position
         position, node, path = path[0], node[path[0]], path[1:]
-    if type(node) is not dict or not path or not _encodes(path[0]):
+    if type(node) is not dict or not path or not unicode_text(path[0]):
         return position, None
     field = CANONICAL.get(path[0].lower(), path[0])
     if field in ("attributes", "splitFilter") and len(path) >= 2 and type(node[path[0]]) is list:
         entry = node[path[0]][path[1]]
         key = entry.get("key") if type(entry) is dict else None
-        if type(key) is str and _encodes(key):
+        if type(key) is str and unicode_text(key):
             return position, key  # the attribute whose key or value holds it
     if field == "queryVectors" and len(path) >= 2:
         position = path[1]
