@@ -255,6 +255,25 @@ def test_filters_at_every_consistency_level_include_the_log_tail(local_shoal: Sh
         assert s.search(q, 10, filters, consistency=Consistency.eventual()) == expected  # the young tier now
 
 
+@pytest.mark.parametrize("algorithm", ["flat", "hnsw", "ivf"])
+def test_a_k_past_every_row_answers_every_matching_row(local_shoal: Shoal, algorithm: str) -> None:
+    """Vektonn's k has no upper bound: a filtered search sized its answer by k and raised (a 500 through HTTP)
+    for k = 10**30, or tried to allocate 4 TiB for k = 2**40; at k = 10**9 it would have taken 12 GB for one
+    query. Every matching row comes back, nearest first, from the index and from the log tail alike."""
+    s = Setup(local_shoal, algorithm, 400)
+    new_rows, new_vectors = make_rows(30, seed=13)
+    for r in new_rows:
+        r["id"] += 10_000
+    s.upload(new_rows, new_vectors)
+    rows, vectors = s.rows + new_rows, np.vstack([s.vectors, new_vectors])
+    q = np.random.default_rng(6).standard_normal(DIM).astype(np.float32)
+    for flt, keep in (FILTERS[0], FILTERS[5], FILTERS[6], FILTERS[-1]):
+        everything = brute(rows, vectors, q, len(rows), keep)
+        for k in (10**30, 2**40, len(rows) + 1):
+            assert s.search(q, k, flt, consistency=Consistency.strong()) == everything, (flt, k)
+            assert s.search(q, k, flt, consistency=Consistency.eventual()) == everything, (flt, k)
+
+
 @pytest.mark.parametrize(
     ("filters", "attribute", "says"),
     [

@@ -385,7 +385,8 @@ def _execute_filtered(
             if fast and isinstance(engine, FlatEngine):
                 # The group's exact engine already holds its rows and their norms: scan the matching ones.
                 sub = SUBSETS.get((group.cache_id, flt.key, 0), lambda e=engine, ok=ok: _matching(e, ok))
-                dist, rows = _exact_subset(metric, sub, queries, k, None)
+                # At most as wide as its rows: a caller's k may be any size (Vektonn's is unbounded).
+                dist, rows = _exact_subset(metric, sub, queries, min(k, len(sub.rows)), None)
             else:
                 dist, rows = _exact_allowed(metric, source.vectors_are_sparse, queries, k, ok,
                                             lambda idx, t=table: _gather(t, source, idx))
@@ -422,7 +423,7 @@ def _exact_allowed(
     `ok`; -1 pads): the tail's path, and the segments' for manhattan and sparse vectors."""
     idx = np.flatnonzero(ok)
     engine = get_engine("flat_sparse" if sparse else "flat").build(gather(idx), metric, None, threads=1)
-    dist, labels = engine.search(queries, k, checked=True)
+    dist, labels = engine.search(queries, min(k, len(idx)), checked=True)  # padded to no more than there are
     return dist, np.where(labels >= 0, idx[np.maximum(labels, 0)], -1)
 
 
@@ -435,22 +436,23 @@ def _search_allowed(
     params: Mapping[str, int] | None,
     exact: Callable[[Any, int], tuple[np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The k nearest rows of one split among those `ok` marks (`count` of them), split-local labels."""
+    """The k nearest rows of one split among those `ok` marks (`count` of them), split-local labels; at most
+    `count` wide (a caller's k may be any size, and a block of results is never wider than its rows)."""
+    k = min(k, count)
     filtered = getattr(engine, "search_filtered", None)
     if filtered is None or count * count <= FILTER_EXACT_MAX_ROWS_X_FRACTION * len(engine):
         return exact(queries, k)
-    want = min(k, count)
-    found = filtered(queries, want, ok, count, params)
+    found = filtered(queries, k, ok, count, params)
     if found is None:
         return exact(queries, k)
     dist, labels = found
-    short = (labels[:, :want] < 0).any(axis=1)
+    short = (labels[:, :k] < 0).any(axis=1)
     if short.any():
         # The index found fewer matching rows than there are (an IVF probe, an unreachable graph region):
         # those queries are answered exactly, never with fewer results than exist.
-        d2, l2 = exact(queries[np.flatnonzero(short)], want)
+        d2, l2 = exact(queries[np.flatnonzero(short)], k)
         dist, labels = dist.copy(), labels.copy()
-        dist[short, :want], labels[short, :want] = d2, l2
+        dist[short, :k], labels[short, :k] = d2, l2
     if dist.shape[1] < k:
         pad = k - dist.shape[1]
         dist = np.hstack([dist, np.full((len(dist), pad), worst_distance(engine.metric), dtype=dist.dtype)])
