@@ -334,6 +334,11 @@ def test_error_codes_on_every_route(api: tuple[httpx.Client, Settings], monkeypa
     assert_error(r, 400, "VALIDATION_ERROR")
     r = http.post("/search/multi-dataset", json={"dataset_ids": ["docs"], "vector": [1, 0], "merge_strategy": "x"})
     assert_error(r, 400, "VALIDATION_ERROR")
+    # A name with a lone surrogate (escaped in the JSON body): the error quotes it, and its body failed to encode,
+    # a 500 in place of the 400; it is sent escaped now.
+    r = http.post("/search/multi-dataset", content=b'{"datasets": ["\\ud800x"], "query_vector": [1, 0]}',
+                  headers={"content-type": "application/json"})
+    assert assert_error(r, 400, "INVALID_DATASET_NAME")["details"]["name"] == "\ud800x"
 
     def boom(self: DatasetService, name: str) -> None:
         raise RuntimeError("disk on fire")

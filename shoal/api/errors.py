@@ -13,6 +13,7 @@ as CatalogUnavailableError in both shapes: 503 with Retry-After, and no driver m
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -164,11 +165,25 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
     return {}
 
 
+class ErrorJSON(JSONResponse):
+    """An error body that always encodes. A message may quote the caller's text, which can hold a lone
+    surrogate (JSON escapes one as \\ud800; UTF-8 cannot encode it): such a body is sent with non-ASCII escaped,
+    where the plain rendering raised and turned a 400 into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        """The body as UTF-8 JSON, or as ASCII JSON (every non-ASCII character escaped) when UTF-8 cannot
+        encode it."""
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 # -- Vektonn's shape -----------------------------------------------------------------------------------------
 
 
 def _vektonn(status: int, messages: list[str], headers: dict[str, str] | None = None) -> JSONResponse:
-    response = JSONResponse(status_code=status, content={"errorMessages": messages})
+    response = ErrorJSON(status_code=status, content={"errorMessages": messages})
     for name, value in (headers or {}).items():  # after the body's headers, as clients have always seen them
         response.headers[name] = value
     return response
@@ -239,7 +254,7 @@ def dataset_error(status: int, code: str, message: str, details: dict[str, Any] 
     details.setdefault("tenant_id", tenant_id)
     details.setdefault("action", action_of(code))
     body = {"success": False, "error_code": code, "message": message, "details": details}
-    return JSONResponse(status_code=status, content=body, headers=headers)
+    return ErrorJSON(status_code=status, content=body, headers=headers)
 
 
 def _dataset_request_error(exc: RequestValidationError, tenant_id: str | None) -> JSONResponse:
