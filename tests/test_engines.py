@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SHARED_DATA
+from helpers.summed import summed_in_one_order
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -206,6 +207,36 @@ def test_flat_property_equals_exact_top_k(
         got_d, got_l = get_engine(algorithm).build(vectors, metric, {}).search(queries, k)
         np.testing.assert_array_equal(got_l, el)
         np.testing.assert_array_equal(got_d, ed.astype(np.float32))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_exact_duplicates_come_in_row_order_wherever_they_sit(data: st.DataObject) -> None:
+    """A BLAS product may sum two identical rows one rounding step apart by where they sit (2 % of random
+    cases), which ordered exact duplicates by position: the flat engine (its small-engine path, its general
+    path, its float64 scan when many copies defeat the certificate) and `exact_top_k` give every duplicate in
+    row order, with the rows and distances of a brute force that sums every row the same way."""
+    metric = data.draw(st.sampled_from([m for m in Metric if m is not Metric.MANHATTAN]), label="metric")
+    n = data.draw(st.integers(2, 1_600), label="rows")
+    dim = data.draw(st.sampled_from([3, 5, 16, 67, 384]), label="dim")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    copies = data.draw(st.integers(2, min(n, 400)), label="copies")
+    where = rng.choice(n, copies, replace=False)
+    x[where] = x[where[0]]
+    # Queries near the copied row, so that the copies are among the nearest (and ties at the k-th), and one
+    # anywhere.
+    q = np.vstack([x[where[0]] + rng.standard_normal((2, dim)).astype(np.float32) * np.float32(0.05),
+                   rng.standard_normal((1, dim)).astype(np.float32)])
+    k = data.draw(st.integers(1, 30), label="k")
+    want_d, want_l = summed_in_one_order(metric, q, x, k)
+    got_d, got_l = exact_top_k(metric, q, x, k)
+    np.testing.assert_array_equal(got_l, want_l)
+    np.testing.assert_allclose(got_d, want_d, rtol=1e-12, atol=1e-12)
+    for queries in (q, q[:1]):  # a batch, and one query (the searcher's usual call)
+        got_d, got_l = get_engine("flat").build(x, metric, {}).search(queries, k)
+        np.testing.assert_array_equal(got_l, want_l[: len(queries)])
+        np.testing.assert_allclose(got_d, want_d[: len(queries)].astype(np.float32), rtol=1e-6, atol=1e-6)
 
 
 def test_flat_near_ties_fall_back_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:

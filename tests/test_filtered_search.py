@@ -13,13 +13,14 @@ import httpx
 import numpy as np
 import pytest
 from conftest import serve_api
+from helpers.summed import summed_in_one_order
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.auth import create_key
 from shoal.config.settings import Settings
-from shoal.engines.metrics import Metric, exact_distances, exact_top_k, from_products, top_k_of
+from shoal.engines.metrics import Metric, exact_distances, exact_top_k
 from shoal.errors import QueryError
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec, SparseVector
@@ -446,17 +447,6 @@ def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[ht
         assert r.status_code == 400 and r.json()["details"]["field"] == "options.filters", r.text
 
 
-def _brute_force(metric: Metric, queries: np.ndarray, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """`exact_top_k`, with every row's float64 product summed in one order (numpy's einsum loop, not BLAS): a
-    BLAS product may sum two identical rows differently by their position (seen: dot_product, 5 x 64, the rows
-    at positions 1 and 4 one rounding step apart), which would order exact duplicates by where they sit rather
-    than by row, as the scan under test orders them."""
-    q, v = queries.astype(np.float64), vectors.astype(np.float64)
-    dist = from_products(metric, np.einsum("ij,kj->ik", q, v), np.einsum("ij,ij->i", q, q)[:, None],
-                         np.einsum("ij,ij->i", v, v)[None, :])
-    return top_k_of(metric, dist, np.broadcast_to(np.arange(len(v), dtype=np.int64), dist.shape), k)
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_the_exact_scan_of_matching_rows_equals_brute_force(data: st.DataObject) -> None:
@@ -485,7 +475,7 @@ def test_the_exact_scan_of_matching_rows_equals_brute_force(data: st.DataObject)
     dist, labels = execute_module._exact_subset(metric, execute_module._subset_of(local, vectors), queries, k,
                                                 hidden)
     visible = np.flatnonzero(~hidden) if hidden is not None else np.arange(m)
-    want_d, want_l = _brute_force(metric, queries, vectors[visible], k)
+    want_d, want_l = summed_in_one_order(metric, queries, vectors[visible], k)
     want_rows = np.append(local[visible], -1)[want_l]  # label -1 (padding) picks the -1 appended
     if not near:
         assert labels.tolist() == want_rows.tolist()

@@ -18,7 +18,7 @@ import numpy as np
 
 from shoal.engines.base import Engine, register
 from shoal.engines.envelope import array_section
-from shoal.engines.metrics import Metric, exact_distances, from_products, top_k_of, worst_distance
+from shoal.engines.metrics import Metric, dense_top_k, exact_distances, from_products, top_k_of, worst_distance
 
 _U = 2.0**-24  # float32 unit roundoff
 _SCORE_BYTES = 32 << 20  # float32 scratch for one (query batch x row block) score matrix
@@ -141,19 +141,9 @@ class FlatEngine(Engine):
         """Exact top k over few rows: float64 distances to every row, nearest first, ties by lower label."""
         if self._small is None:
             self._small = self._vectors.astype(np.float64)
-        q = queries.astype(np.float64)
-        q_sq = np.einsum("ij,ij->i", q, q)[:, None]
-        dist = from_products(self.metric, q @ self._small.T, q_sq, self._sq_norms[None, :])
-        keys = -dist if self.metric is Metric.DOT_PRODUCT else dist
-        order = np.argsort(keys, axis=1, kind="stable")[:, :k]  # stable: equal keys keep label order
-        n = order.shape[1]
-        if n == k:
-            return np.take_along_axis(dist, order, axis=1).astype(np.float32), order.astype(np.int64)
-        out_d = np.full((len(q), k), -np.inf if self.metric is Metric.DOT_PRODUCT else np.inf, dtype=np.float32)
-        out_l = np.full((len(q), k), -1, dtype=np.int64)
-        out_d[:, :n] = np.take_along_axis(dist, order, axis=1)
-        out_l[:, :n] = order
-        return out_d, out_l
+        d, labels = dense_top_k(self.metric, queries.astype(np.float64), self._small, self._sq_norms, k,
+                                max_norm=self._max_norm)
+        return d.astype(np.float32), labels
 
     def _search_batch(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(self)
@@ -244,9 +234,14 @@ class FlatEngine(Engine):
         """The exact top k by a streaming float64 scan (the fallback when near-ties defeat the certificate)."""
         best_d = np.empty((len(queries), 0), dtype=np.float64)
         best_l = np.empty((len(queries), 0), dtype=np.int64)
+        q64 = queries.astype(np.float64)
         for s, e in _row_blocks(len(self), _GATHER_BYTES // (8 * (len(queries) + self.dim))):
-            dist = exact_distances(self.metric, queries, self._vectors[s:e])
-            labels = np.broadcast_to(np.arange(s, e, dtype=np.int64), dist.shape)
+            if self.metric is Metric.MANHATTAN:  # L1 sums run row by row in one order already
+                dist = exact_distances(self.metric, queries, self._vectors[s:e])
+                labels = np.broadcast_to(np.arange(s, e, dtype=np.int64), dist.shape)
+            else:  # each block's own top k, from products summed the same way for every row
+                dist, labels = dense_top_k(self.metric, q64, self._vectors[s:e].astype(np.float64),
+                                           self._sq_norms[s:e], min(k, e - s), first_label=s)
             best_d, best_l = top_k_of(self.metric, np.hstack([best_d, dist]), np.hstack([best_l, labels]), k)
         return best_d, best_l
 

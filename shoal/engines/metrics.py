@@ -17,6 +17,10 @@ from shoal.errors import ValidationError
 
 # Bytes of float64 scratch one manhattan block may use in the reference (which broadcasts q x rows x dim).
 _L1_BLOCK_BYTES = 64 << 20
+# Bytes of each float64 gather (queries, rows) per block of `dense_top_k`'s re-summed pairs: small enough to come
+# from the heap, as fresh multi-megabyte arrays are mapped and page-faulted on every call (ten times the sums' cost).
+_RESUM_BYTES = 256 << 10
+_U64 = 2.0**-53  # float64 unit roundoff
 
 
 class Metric(StrEnum):
@@ -141,15 +145,103 @@ def top_k_of(metric: Metric, distances: np.ndarray, labels: np.ndarray, k: int) 
     return out_d, out_l
 
 
+def _resum_margins(metric: Metric, dim: int, q_norms: np.ndarray, max_norm: float) -> np.ndarray:
+    """Per query, twice a bound on how far a distance from a BLAS float64 product can lie from the same distance
+    from a product summed in another order (each is within (dim + 8) 2^-53 |q| |v| of the exact product, with a
+    factor 2 to spare), through each metric's formula; rows beyond the k-th distance by more than this are
+    farther than the k nearest however either product is summed."""
+    c = 2.0 * (dim + 8) * _U64
+    if metric is Metric.DOT_PRODUCT:
+        return 4.0 * c * q_norms * max_norm
+    if metric is Metric.COSINE:  # the product over |q| |v|, then two roundings near 1
+        return 4.0 * c + 16.0 * _U64 + 0.0 * q_norms
+    if metric is Metric.L2_SQUARED:
+        return 8.0 * c * (q_norms + max_norm) ** 2
+    return 5.0 * np.sqrt(c) * (q_norms + max_norm)  # euclidean: |sqrt(a) - sqrt(b)| <= sqrt(|a - b|)
+
+
+def dense_top_k(
+    metric: Metric, q64: np.ndarray, v64: np.ndarray, v_sq: np.ndarray, k: int, first_label: int = 0,
+    max_norm: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exact k nearest rows of float64 `v64` (squared norms `v_sq`, largest norm `max_norm` if known) to
+    each float64 query, as `top_k_of` gives them (labels from `first_label`), ranked as if every row's product
+    were summed in the same order; not for manhattan.
+
+    One BLAS product ranks the rows, but BLAS may sum a row differently by where it sits (two identical rows
+    came out one rounding step apart in about 2 % of random cases), which would order exact duplicates by
+    position. Where the k nearest and the next one all lie further apart than `_resum_margins`, no order of
+    summing could change the ranking, and it stands (the common case); for the other queries, every row within
+    the margin of the k-th is summed again, row by row in one order (einsum), and those sums rank the answer."""
+    nq, n = len(q64), len(v64)
+    keep = min(k, n)
+    q_sq = np.einsum("ij,ij->i", q64, q64)
+    dist = from_products(metric, q64 @ v64.T, q_sq[:, None], v_sq[None, :])
+    if keep == 0 or nq == 0:
+        return top_k_of(metric, dist, np.broadcast_to(np.arange(n, dtype=np.int64), dist.shape), k)
+    keys = -dist if metric is Metric.DOT_PRODUCT else dist
+    width = min(keep + 1, n)  # the k nearest and the next one
+    if max_norm is None:
+        max_norm = float(np.sqrt(v_sq.max()))
+    margin = _resum_margins(metric, q64.shape[1], np.sqrt(q_sq), max_norm)
+    rows = np.arange(nq)[:, None]
+    if n > 4 * width:  # choose them, then sort them (equal keys are close, so this order need not be stable)
+        near = np.argpartition(keys, width - 1, axis=1)[:, :width]
+        near = near[rows, np.argsort(keys[rows, near], axis=1)]
+    else:
+        near = np.argsort(keys, axis=1)[:, :width]
+    near_keys = keys[rows, near]
+    # A NaN key (never compares) lets the ranking stand, NaN last, as before.
+    close = ((near_keys[:, 1:] - near_keys[:, :-1]) <= margin[:, None]).any(axis=1)
+    out_d, out_l = dist[rows, near[:, :keep]], near[:, :keep] + first_label
+    if close.any():
+        redo = np.flatnonzero(close)
+        d, lab = _resummed_top_k(metric, q64[redo], v64, q_sq[redo], v_sq, keys[redo],
+                                 near_keys[redo, keep - 1] + margin[redo], keep)
+        out_d[redo], out_l[redo] = d, lab + first_label
+    if keep == k:
+        return out_d, out_l
+    pad_d = np.full((nq, k), worst_distance(metric), dtype=np.float64)
+    pad_l = np.full((nq, k), -1, dtype=np.int64)
+    pad_d[:, :keep], pad_l[:, :keep] = out_d, out_l
+    return pad_d, pad_l
+
+
+def _resummed_top_k(
+    metric: Metric, q64: np.ndarray, v64: np.ndarray, q_sq: np.ndarray, v_sq: np.ndarray, keys: np.ndarray,
+    limit: np.ndarray, keep: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`dense_top_k` for queries with near-ties: every row whose BLAS key is within `limit` (the k-th key plus
+    the margin) summed again by einsum, ranked by those sums, ties by the lower row."""
+    nq = len(q64)
+    with np.errstate(invalid="ignore"):  # NaN never compares greater: a NaN key or limit keeps the row
+        qi, ri = np.nonzero(~(keys > limit[:, None]))
+    dots = np.empty(len(qi), dtype=np.float64)
+    step = max(1, _RESUM_BYTES // (8 * max(q64.shape[1], 1)))
+    for s in range(0, len(qi), step):
+        dots[s : s + step] = np.einsum("ij,ij->i", q64[qi[s : s + step]], v64[ri[s : s + step]])
+    d = from_products(metric, dots, q_sq[qi], v_sq[ri])
+    order = np.lexsort((ri, sort_keys(metric, d), qi))  # per query (nonzero gives them in order), nearest first
+    starts = np.concatenate(([0], np.cumsum(np.bincount(qi, minlength=nq))[:-1]))
+    pick = order[(starts[:, None] + np.arange(keep)).ravel()]
+    return d[pick].reshape(nq, keep), ri[pick].reshape(nq, keep).astype(np.int64)
+
+
 def exact_top_k(
     metric: Metric | str, queries: np.ndarray | SparseRows, vectors: np.ndarray | SparseRows, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The exact k nearest vectors of each query: (distances float64 [q, k], labels int64 [q, k]).
 
-    Labels are row positions; nearest first, ties broken by the lower label; padded with label -1 and
-    distance +inf (-inf for dot_product) when there are fewer than k vectors.
+    Labels are row positions; nearest first, ties broken by the lower label (exact duplicates included);
+    padded with label -1 and distance +inf (-inf for dot_product) when there are fewer than k vectors.
     """
     metric = as_metric(metric)
+    if metric is not Metric.MANHATTAN and not isinstance(queries, SparseRows) and not isinstance(vectors, SparseRows):
+        q = np.asarray(queries, dtype=np.float64)
+        v = np.asarray(vectors, dtype=np.float64)
+        if q.ndim != 2 or v.ndim != 2 or q.shape[1] != v.shape[1]:
+            raise ValidationError(f"queries {q.shape} and vectors {v.shape} must be 2-d with equal dimension")
+        return dense_top_k(metric, q, v, np.einsum("ij,ij->i", v, v), k)
     dist = exact_distances(metric, queries, vectors)
     labels = np.broadcast_to(np.arange(dist.shape[1], dtype=np.int64), dist.shape)
     return top_k_of(metric, dist, labels, k)
