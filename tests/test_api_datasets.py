@@ -359,6 +359,26 @@ def test_error_codes_on_every_route(api: tuple[httpx.Client, Settings], monkeypa
 # -- vectors, search, stats ------------------------------------------------------------------------------------
 
 
+def test_a_write_token_past_the_head_is_refused_and_later_writes_stay_visible(
+        serve: Serve, connect: Callable[..., httpx.Client], make_settings: Callable[..., Settings]) -> None:
+    """A `min_write_token` no upload gave (past the log head) answers 400 naming it. Before, the searcher read
+    the log "up to" it, then took every later write as covered already: strong and at_least searches missed
+    them until the process restarted."""
+    settings = anonymous(make_settings("local", young_tier_max_seqs=0))
+    http = connect(serve(settings), admin_key(settings))
+    create(http, "tok", 2, metric_type="euclidean", index_type="flat")
+    head = upsert(http, "tok", vec("a", [1, 0]), vec("b", [0, 3]))
+    query = {"vector": [0, 0], "top_k": 1}
+    for invented in (head + 1, 2**63 - 1):
+        r = http.post("/datasets/tok/search", json=query | {"min_write_token": invented})
+        assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
+        assert f"write token {invented} is past the log head {head}" in r.json()["message"], r.text
+    later = upsert(http, "tok", vec("c", [0, 0.5]))
+    for level in ({"min_write_token": later}, {"consistency": "strong"}, {"min_write_token": head}):
+        r = http.post("/datasets/tok/search", json=query | level)
+        assert [(h["id"], h["score"]) for h in r.json()["results"]] == [("c", 0.5)], level
+
+
 def test_vectors_search_and_stats(serve: Serve, connect: Callable[..., httpx.Client],
                                   make_settings: Callable[..., Settings]) -> None:
     # No young tier: eventual shows only what workers built (none run here), at_least and strong the log.

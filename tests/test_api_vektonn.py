@@ -71,9 +71,25 @@ def test_vektonn_quick_start_over_http(served: tuple[str, Settings]) -> None:
             r = http.post("/api/v1/upload/QuickStart.Source/1.0",
                           json=[{"attributes": [{"key": "id", "value": {"int64": 1}}], "isDeleted": True}])
             assert r.status_code == 200
+            deleted = int(r.headers["X-Shoal-Write-Token"])
             r = http.post("/api/v1/search/QuickStart.Index/1.0", json=query,
-                          headers={"X-Shoal-Required-Token": r.headers["X-Shoal-Write-Token"]})
+                          headers={"X-Shoal-Required-Token": str(deleted)})
             assert [p["distance"] for p in r.json()[0]["nearestDataPoints"]] == [4.25, 5.0]
+
+            # A token no upload gave (past the head) is refused, and leaves read-your-writes working: before, the
+            # searcher read the log "up to" it and then took every later write as already covered.
+            for invented in (deleted + 1, 2**63 - 1):
+                r = http.post("/api/v1/search/QuickStart.Index/1.0", json=query,
+                              headers={"X-Shoal-Required-Token": str(invented)})
+                assert r.status_code == 400, r.text
+                assert r.json()["errorMessages"] == [
+                    f"invalid query: write token {invented} is past the log head {deleted}: a write token comes "
+                    f"from an upload to this data source"]
+            r = http.post("/api/v1/upload/QuickStart.Source/1.0", json=[point(4, "fourth data point", [0.0, 2.5])])
+            later = {"X-Shoal-Required-Token": r.headers["X-Shoal-Write-Token"]}
+            for headers in (later, {"X-Shoal-Consistency": "strong"}):
+                r = http.post("/api/v1/search/QuickStart.Index/1.0", json=query, headers=headers)
+                assert [p["distance"] for p in r.json()[0]["nearestDataPoints"]] == [0.25, 4.25], headers
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,9 @@ class SearchService:
             required = 0
         elif consistency.level == "at_least":
             required = consistency.seq
+            young = self._tails.get(view.index.id)
+            if required > max(young.end if young is not None else 0, served.min_watermark):
+                self._check_token(view.source.id, required)
         else:
             read = self._head_read(view.source.id)
             if read is None:
@@ -316,6 +319,23 @@ class SearchService:
         if head is not None and floor is not None and head >= floor[1]:
             return head
         return self._catalog_head(source_id)
+
+    def _check_token(self, source_id: int, token: int) -> None:
+        """Refuse a write token past the log's head: tokens come from commits, which reach the catalog before
+        they are acknowledged, so such a token was never issued for this data source. (Read up to it, the young
+        tier would claim to cover seqs no commit has taken yet, and miss the writes that later take them.)"""
+        read = self._head_read(source_id)
+        head = -1
+        if read is not None:
+            try:
+                head = self._read_head(read, source_id)
+            finally:
+                read.close()
+        if head < token:  # an announcement may trail its commit: the catalog decides
+            head = self._catalog_head(source_id)
+        if token > head:
+            raise QueryError(f"write token {token} is past the log head {head}: a write token comes from an "
+                             f"upload to this data source")
 
     def _catalog_head(self, source_id: int) -> int:
         """The data source's head as the catalog has it now; while following announcements, it is also the
