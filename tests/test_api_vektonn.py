@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
 import httpx
+import numpy as np
+import pyarrow as pa
 import pytest
+from conftest import serve_api
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -90,6 +94,49 @@ def test_vektonn_quick_start_over_http(served: tuple[str, Settings]) -> None:
             for headers in (later, {"X-Shoal-Consistency": "strong"}):
                 r = http.post("/api/v1/search/QuickStart.Index/1.0", json=query, headers=headers)
                 assert [p["distance"] for p in r.json()[0]["nearestDataPoints"]] == [0.25, 4.25], headers
+
+
+def test_a_search_that_could_return_too_many_hits_is_refused(make_settings: Callable[..., Settings]) -> None:
+    """Vektonn's k has no bound, so one search of many query vectors with a huge k would make every row a hit
+    of every query (1,000 x 59,004 rows: about 18 GB held). Over HTTP a search may return at most
+    SHOAL_MAX_SEARCH_HITS hits, k counted up to the rows the index holds: a k past every row stays fine where
+    the rows are few, built ones and log-tail ones alike."""
+    settings = make_settings("local", max_search_hits=50)
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    with Shoal(settings, notify=False) as shoal, serve_api(settings) as url:
+        shoal.create_data_source(DataSourceSpec("Many", "1", 2, {"id": "int64", "payload": "string"}, ["id"]))
+        index = shoal.create_index(IndexSpec("Many.Index", "1", "Many", "1", algorithm="FaissIndex.L2"))
+        producer = shoal.producer("Many", "1")
+        token = producer.upload_columns(np.arange(40, dtype=np.float32).reshape(20, 2),
+                                        {"id": np.arange(20), "payload": pa.array(["p"] * 20)}).seq
+        for shard in index.shards:
+            ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+
+        def search(queries: int, k: int, **headers: str) -> httpx.Response:
+            body = {"k": k, "queryVectors": [{"coordinates": [0.0, 1.0]}] * queries}
+            return httpx.post(f"{url}/api/v1/search/Many.Index/1", json=body, headers=headers, timeout=30)
+
+        built = {"X-Shoal-Required-Token": str(token)}
+        for queries, k, hits in ((1, 2**31 - 1, 20), (2, 10**9, 40), (5, 10, 50)):
+            r = search(queries, k, **built)
+            assert r.status_code == 200, r.text
+            assert sum(len(q["nearestDataPoints"]) for q in r.json()) == hits
+        for queries, k, message in (
+            (3, 10**9, "the search could return 60 hits (3 query vectors x 20: k 1,000,000,000, at most every row)"),
+            (6, 10, "the search could return 60 hits (6 query vectors x k 10)"),
+        ):
+            r = search(queries, k, **built)
+            assert r.status_code == 400, r.text
+            assert r.json()["errorMessages"] == [
+                f"invalid query: {message}, more than the 50 a search may (SHOAL_MAX_SEARCH_HITS): ask for a smaller "
+                f"k or fewer query vectors"]
+        # The log tail's rows count too: with 6 more (26 rows), two queries may no longer ask for every row.
+        later = producer.upload_columns(np.zeros((6, 2), np.float32),
+                                        {"id": np.arange(20, 26), "payload": pa.array(["q"] * 6)}).seq
+        r = search(2, 10**9, **{"X-Shoal-Required-Token": str(later)})
+        assert r.status_code == 400 and "could return 52 hits" in r.json()["errorMessages"][0], r.text
+        r = search(1, 10**9, **{"X-Shoal-Consistency": "strong"})
+        assert r.status_code == 200 and len(r.json()[0]["nearestDataPoints"]) == 26
 
 
 @pytest.mark.parametrize(

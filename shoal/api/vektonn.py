@@ -214,6 +214,7 @@ def _search_answer(
                 as_of=_int_header(headers, "x-shoal-as-of"),
                 filters=query.filter,
                 shards=shards,
+                max_hits=settings.max_search_hits,
             )
         except ValidationError as exc:
             raise QueryError.of(exc) from None

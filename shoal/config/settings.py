@@ -127,6 +127,12 @@ class Settings(BaseSettings):
         f"x {BODY_BYTES_PER_POINT} bytes (about 100 MB at the default 100,000 points).",
     )
     max_query_vectors: int = Field(default=1_000, ge=1, description="Most query vectors one search may carry.")
+    max_search_hits: int = Field(
+        default=100_000, ge=1,
+        description="Most hits one search over HTTP may return: query vectors x k, k counted up to the rows the "
+        "index holds (so a k past every row is fine on a small index); a search that could return more is "
+        "refused (400) before it runs.",
+    )
     group_commit_max_points: int = Field(
         default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
     )

@@ -84,6 +84,27 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
     return flt
 
 
+def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int, max_hits: int) -> None:
+    """Refuse (ValidationError) a search that could return more than `max_hits` hits: its query vectors times k,
+    k counted up to the rows it can find (the view's segment rows and the keys its tails touch), so that a k past
+    every row (Vektonn's k has no bound) is refused only when the rows are that many. Before this, one search of
+    1,000 query vectors and a huge k over 59,004 rows would have held about 18 GB."""
+    try:
+        count = len(queries)
+    except TypeError:
+        return  # not a sequence of query vectors: the query's own check names what is wrong with it
+    if count * k <= max_hits:
+        return
+    rows = sum(seg.segment.rows.num_rows for shard in view.shards for seg in shard.segments)
+    rows += sum(len(t.touched) for t in tails.values())
+    most = count * min(k, rows)
+    if most > max_hits:
+        per_query = f"k {k:,}" if k <= rows else f"{rows:,}: k {k:,}, at most every row"
+        raise ValidationError(
+            f"the search could return {most:,} hits ({count:,} query vectors x {per_query}), more than the "
+            f"{max_hits:,} a search may (SHOAL_MAX_SEARCH_HITS): ask for a smaller k or fewer query vectors")
+
+
 def _stored_only(view: IndexView, flt: Filter) -> Filter:
     """`flt`, unless it tests an attribute the index's segments do not keep per row (ValidationError)."""
     stored = set(view.index.spec.stored_attributes())
@@ -163,14 +184,17 @@ class SearchService:
         search_params: Mapping[str, int] | None = None,
         filters: Mapping[str, Any] | Filter | None = None,
         shards: Collection[int] | None = None,
+        max_hits: int | None = None,
     ) -> list[Hits]:
         """`Searcher.search` for the tenant of `scope`; `shards` restricts it to those shards (which this process
-        must serve: a fanned-out search's part, shoal.api.fanout)."""
+        must serve: a fanned-out search's part, shoal.api.fanout); `max_hits` bounds the hits it may return
+        (`check_hits`)."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         if tag is not None or as_of is not None:
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
-                                        retrieve_vectors, consistency, tag, as_of, search_params, filters, shards)
+                                        retrieve_vectors, consistency, tag, as_of, search_params, filters, shards,
+                                        max_hits)
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get(key) or self._load(scope, index_name, index_version)
@@ -199,7 +223,7 @@ class SearchService:
                 covered = max(young.end if young is not None else 0, served.min_watermark)
                 try:
                     answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
-                                          search_params, filters)
+                                          search_params, filters, max_hits)
                     head = self._read_head(read, view.source.id)
                 finally:
                     read.close()
@@ -207,12 +231,12 @@ class SearchService:
                     return answer
                 required = head
         return self._answer(view, served, queries, k, split_filter, retrieve_vectors, required, search_params,
-                            filters)
+                            filters, max_hits)
 
     def _answer(
         self, view: IndexView, served: IndexView, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, required: int, search_params: Mapping[str, int] | None,
-        filters: Mapping[str, Any] | Filter | None,
+        filters: Mapping[str, Any] | Filter | None, max_hits: int | None = None,
     ) -> list[Hits]:
         """The search over `view` (a part of `served`, or itself) and its young tier, covering the log up to
         `required` at least."""
@@ -236,6 +260,8 @@ class SearchService:
             tails = self._tail(served, required)
         if view is not served and tails:
             tails = {n: t for n, t in tails.items() if n in view.shard_numbers}
+        if max_hits is not None:
+            check_hits(view, tails, queries, k, max_hits)
         if filters is not None:  # only filtered searches take this branch: the unfiltered path is unchanged
             flt = _checked_filter(view, filters)
             if flt is not None:
@@ -350,7 +376,7 @@ class SearchService:
         self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
         search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None = None,
-        wanted: Collection[int] | None = None,
+        wanted: Collection[int] | None = None, max_hits: int | None = None,
     ) -> list[Hits]:
         from shoal.index import history
 
@@ -391,6 +417,8 @@ class SearchService:
             batches = list(read_log(self.engine, self.storage, source.id, view.min_watermark, as_of))
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
+        if max_hits is not None:
+            check_hits(view, tails, q, k, max_hits)
         return execute(view, q, k, matches, tails, retrieve_vectors, params, flt)
 
     def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
