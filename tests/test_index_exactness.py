@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
 from shoal.engines.metrics import Metric, exact_top_k, higher_is_nearer
-from shoal.errors import NotFoundError
+from shoal.errors import NotFoundError, QueryError
 from shoal.index.builder import ShardBuilder
 from shoal.index.sharding import shard_numbers
 from shoal.log.records import IndexSpec
@@ -237,6 +237,15 @@ class IndexMachine(RuleBasedStateMachine):
         served = self.searcher.served_watermarks(self.index.spec.name, "1")
         marks = {s: max(w, token) for s, w in served.items()}
         self._check(Consistency.at_least(token), lambda: marks, query, k, None)
+
+    @rule(query=VECTORS, past=st.integers(1, 2**40))
+    def search_past_the_head(self, query: list[float], past: int) -> None:
+        """A token no write gave is refused, naming it; every search after it is still exact (before, the young
+        tier took the log as read up to it, and strong and at_least searches missed later writes)."""
+        token = self.log.head + past
+        with pytest.raises(QueryError, match=f"write token {token} is past the log head {self.log.head}"):
+            self.searcher.search(self.index.spec.name, "1", [np.asarray(query, dtype=np.float32)], 1,
+                                 consistency=Consistency.at_least(token))
 
     @rule(
         query=VECTORS,
