@@ -86,11 +86,17 @@ def _dense_l1(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     return out
 
 
-def _dense_distances(metric: Metric, queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+def _dense_pair(queries: np.ndarray, vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Queries and vectors as float64 matrices of one dimension (ValidationError otherwise)."""
     q = np.asarray(queries, dtype=np.float64)
     v = np.asarray(vectors, dtype=np.float64)
     if q.ndim != 2 or v.ndim != 2 or q.shape[1] != v.shape[1]:
         raise ValidationError(f"queries {q.shape} and vectors {v.shape} must be 2-d with equal dimension")
+    return q, v
+
+
+def _dense_distances(metric: Metric, queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    q, v = _dense_pair(queries, vectors)
     if metric is Metric.MANHATTAN:
         return _dense_l1(q, v)
     q_sq = np.einsum("ij,ij->i", q, q)[:, None]
@@ -237,10 +243,7 @@ def exact_top_k(
     """
     metric = as_metric(metric)
     if metric is not Metric.MANHATTAN and not isinstance(queries, SparseRows) and not isinstance(vectors, SparseRows):
-        q = np.asarray(queries, dtype=np.float64)
-        v = np.asarray(vectors, dtype=np.float64)
-        if q.ndim != 2 or v.ndim != 2 or q.shape[1] != v.shape[1]:
-            raise ValidationError(f"queries {q.shape} and vectors {v.shape} must be 2-d with equal dimension")
+        q, v = _dense_pair(queries, vectors)
         return dense_top_k(metric, q, v, np.einsum("ij,ij->i", v, v), k)
     dist = exact_distances(metric, queries, vectors)
     labels = np.broadcast_to(np.arange(dist.shape[1], dtype=np.int64), dist.shape)
