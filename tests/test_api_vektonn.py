@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from conftest import serve_api
 
-from shoal import DataSourceSpec, Shoal
+from shoal import DataPoint, DataSourceSpec, Shoal
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
@@ -137,6 +137,42 @@ def test_a_search_that_could_return_too_many_hits_is_refused(make_settings: Call
         assert r.status_code == 400 and "could return 52 hits" in r.json()["errorMessages"][0], r.text
         r = search(1, 10**9, **{"X-Shoal-Consistency": "strong"})
         assert r.status_code == 200 and len(r.json()[0]["nearestDataPoints"]) == 26
+
+
+def test_strong_after_a_drop_and_a_new_index_under_the_name_answers_the_new_one(
+        make_settings: Callable[..., Settings]) -> None:
+    """The API's searcher serves an index; another process drops it with its data source and makes them again
+    under the same names, and the drop's announcement never arrives (no broker; no poll within the test). A
+    strong search answers the new index's points at once: it found the old data source gone and reloaded, where
+    it answered 404 "data source N not found" before. Dropped for good, the index answers 404."""
+    settings = make_settings("local", searcher_poll_s=3600)
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    strong = {"X-Shoal-Consistency": "strong"}
+    query = {"k": 10, "queryVectors": [{"coordinates": [0.0, 0.0]}]}
+
+    def make(shoal: Shoal, first: int) -> None:
+        shoal.create_data_source(DataSourceSpec("Again", "1", 2, {"id": "int64", "payload": "string"}, ["id"]))
+        shoal.create_index(IndexSpec("Again.Index", "1", "Again", "1", algorithm="FaissIndex.L2"))
+        shoal.producer("Again", "1").upload([DataPoint({"id": first + i, "payload": "p"}, [float(i), 0.0])
+                                             for i in range(3)])
+
+    with Shoal(settings, notify=False) as shoal, serve_api(settings) as url, httpx.Client(base_url=url) as http:
+        def ids() -> list[int]:
+            r = http.post("/api/v1/search/Again.Index/1", json=query, headers=strong, timeout=30)
+            assert r.status_code == 200, r.text
+            return [p["attributes"][0]["value"]["int64"] for p in r.json()[0]["nearestDataPoints"]]
+
+        make(shoal, 0)
+        assert ids() == [0, 1, 2]
+        shoal.drop_index("Again.Index", "1")
+        shoal.drop_data_source("Again", "1")
+        make(shoal, 100)
+        assert ids() == [100, 101, 102]
+        assert http.post("/api/v1/search/Again.Index/1", json=query).status_code == 200  # eventual: the new one
+        shoal.drop_index("Again.Index", "1")
+        shoal.drop_data_source("Again", "1")
+        r = http.post("/api/v1/search/Again.Index/1", json=query, headers=strong, timeout=30)
+        assert r.status_code == 404 and "not found" in r.json()["errorMessages"][0], r.text
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,10 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
     return flt
 
 
+class _SourceGone(Exception):
+    """A head read found the served view's data source gone from the catalog (SearchService.search reloads)."""
+
+
 def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int, max_hits: int) -> None:
     """Refuse (ValidationError) a search that could return more than `max_hits` hits: its query vectors times k,
     k counted up to the rows it can find (the view's segment rows and the keys its tails touch), so that a k past
@@ -198,6 +202,28 @@ class SearchService:
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get(key) or self._load(scope, index_name, index_version)
+        try:
+            return self._search_view(scope, key, view, queries, k, split_filter, retrieve_vectors, consistency,
+                                     search_params, filters, shards, max_hits)
+        except _SourceGone:
+            # The view's data source is gone from the catalog: the index was dropped, perhaps made again under its
+            # name, and this searcher has not heard yet (an announcement lost, or not polled since). Serve what
+            # the name holds now (NotFoundError when nothing does), rather than a 404 or the dropped data.
+            self._unload(key)
+            view = self._load(scope, index_name, index_version)
+            try:
+                return self._search_view(scope, key, view, queries, k, split_filter, retrieve_vectors,
+                                         consistency, search_params, filters, shards, max_hits)
+            except _SourceGone:
+                raise NotFoundError(f"index {index_name}/{index_version} was dropped") from None
+
+    def _search_view(
+        self, scope: Scope, key: tuple[int, str, str], view: IndexView, queries: Any, k: int,
+        split_filter: Mapping[str, Any] | None, retrieve_vectors: bool, consistency: Consistency | None,
+        search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None,
+        shards: Collection[int] | None, max_hits: int | None,
+    ) -> list[Hits]:
+        """`search` over one served view; _SourceGone when a head read finds its data source gone."""
         self._used[key] = time.monotonic()
         served = view
         if shards is not None or view.partial:
@@ -211,11 +237,17 @@ class SearchService:
             required = consistency.seq
             young = self._tails.get(view.index.id)
             if required > max(young.end if young is not None else 0, served.min_watermark):
-                self._check_token(view.source.id, required)
+                try:
+                    self._check_token(view.source.id, required)
+                except NotFoundError:
+                    raise _SourceGone from None
         else:
             read = self._head_read(view.source.id)
             if read is None:
-                required = self._catalog_head(view.source.id)
+                try:
+                    required = self._catalog_head(view.source.id)
+                except NotFoundError:
+                    raise _SourceGone from None
             else:
                 # The head is on its way; meanwhile answer over what the young tier covers now. Nothing
                 # missing (the common case): that is the answer, and the round trip cost no extra time.
@@ -225,6 +257,8 @@ class SearchService:
                     answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
                                           search_params, filters, max_hits)
                     head = self._read_head(read, view.source.id)
+                except NotFoundError:
+                    raise _SourceGone from None
                 finally:
                     read.close()
                 if head <= covered:
