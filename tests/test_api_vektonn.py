@@ -188,6 +188,8 @@ def test_strong_after_a_drop_and_a_new_index_under_the_name_answers_the_new_one(
         ("/api/v1/search/QS.Index/1", {"k": 0, "queryVectors": [{"coordinates": [0, 0]}]}, 400, "k must be"),
         ("/api/v1/search/QS.Index/1", {"k": 1, "queryVectors": []}, 400, "at least one query vector"),
         ("/api/v1/search/QS.Index/1", {"k": 1, "queryVectors": [{"coordinates": [0, 0, 1]}]}, 400, "dimension"),
+        ("/api/v1/search/QS.Index/1", {"k": 1, "queryVectors": [{"coordinates": [0, 0]}, {"coordinates": [0, -1e39]}]},
+         400, "query coordinates must be finite float32 values: -1e+39 at index 1 is past float32's range"),
         ("/api/v1/search/QS.Index/1", {"k": 1, "queryVectors": [{"isSparse": True, "coordinates": [1],
                                                                    "coordinateIndices": [0]}]}, 400, "dense vectors"),
         ("/api/v1/search/QS.Index/1", {"k": 1, "queryVectors": [{"coordinates": [0, 0]}],

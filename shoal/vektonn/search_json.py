@@ -119,10 +119,13 @@ def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.nd
     if problems:
         raise ValidationError(problems)
     if not spec.vectors_are_sparse and out and len(set(map(len, out))) == 1:
-        # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher. A double beyond
-        # float32's range becomes inf here, which the searcher refuses by name: no overflow warning for it.
+        # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher. With a double
+        # beyond float32's range, the float64 rows go on: the searcher names that number (its float32 cast
+        # would only show an infinity).
+        given = np.array(out, dtype=np.float64)
         with np.errstate(over="ignore"):
-            return np.array(out, dtype=np.float64).astype(np.float32)
+            vectors = given.astype(np.float32)
+        return vectors if np.isfinite(vectors).all() else given
     return out
 
 
