@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from shoal.errors import Problem, ShoalError, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, WriteToken
-from shoal.log.validation import ARROW_TYPES
+from shoal.log.validation import ARROW_TYPES, to_float32
 
 if TYPE_CHECKING:  # the client sits above ingest; only its type is needed here
     from shoal.intake.producer import Producer
@@ -375,8 +375,7 @@ def _vectors(column: pa.ChunkedArray | pa.Array, dim: int, name: str) -> np.ndar
     if values.null_count:
         raise ValidationError(f"vector column {name!r}: coordinates must not be null")
     given = values.to_numpy(zero_copy_only=False)
-    with np.errstate(over="ignore"):  # past float32's range: inf, named below
-        out = np.asarray(given, dtype=np.float32).reshape(len(arr), dim)
+    out = to_float32(given).reshape(len(arr), dim)  # past float32's range: inf, named below
     if given.dtype != np.float32 and not np.isfinite(out).all():
         # The values as given, so that the upload's check names a number past float32's range as such (not as
         # "NaN or infinity", which is what the cast made of it).

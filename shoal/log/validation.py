@@ -125,6 +125,13 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def to_float32(values: Any) -> np.ndarray:
+    """`values` as a float32 array, a number past float32's range made infinite without an overflow warning:
+    the check that follows names it (`coordinates_problem`)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(values, dtype=np.float32)
+
+
 def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
     """None when every coordinate of `row` (`original` cast to float32, 1-d) is finite; else what is wrong with
     the first that is not: NaN or infinity, or a finite number past float32's range, which the cast made
@@ -188,7 +195,8 @@ def points_to_table(
     sparse_idx: list[Any] = [None] * n
     sparse_val: list[Any] = [None] * n
 
-    # A coordinate past float32's range becomes inf in the cast, which _check_dense refuses by name: no warning.
+    # A coordinate past float32's range becomes inf in the casts, which _check_dense and _check_sparse refuse by
+    # name: no warning. (One errstate around the loop, not one per point.)
     with np.errstate(over="ignore"):
         for pos, item in enumerate(items):
             if isinstance(item, DataPoint):
@@ -281,8 +289,7 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
         return None
     try:
         idx = np.asarray(vector.indices, dtype=np.int64)
-        with np.errstate(over="ignore"):  # past float32's range: inf, refused below by name
-            val = np.asarray(vector.values, dtype=np.float32)
+        val = np.asarray(vector.values, dtype=np.float32)  # past float32's range: inf, refused below by name
     except OverflowError:  # an index beyond 64 bits (2**70): out of range whatever the dimension
         problems.add(f"sparse index out of range 0..{dim - 1}", pos, "vector")
         return None
@@ -363,8 +370,7 @@ def columns_to_table(
             arrays[VECTOR] = pa.nulls(n, pa.list_(pa.float32(), spec.vector_dimension))
     else:
         assert vectors is not None
-        with np.errstate(over="ignore"):  # float64 past float32's range: inf, refused below by name
-            flat = np.ascontiguousarray(vectors, dtype=np.float32)
+        flat = np.ascontiguousarray(to_float32(vectors))
         finite = np.isfinite(flat).all(axis=1)
         if not finite.all():
             for pos in np.flatnonzero(~finite)[:MAX_PROBLEMS]:

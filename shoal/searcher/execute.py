@@ -19,7 +19,14 @@ from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
-from shoal.log.validation import SPARSE_INDICES, SPARSE_VALUES, VECTOR, check_value, coordinates_problem
+from shoal.log.validation import (
+    SPARSE_INDICES,
+    SPARSE_VALUES,
+    VECTOR,
+    check_value,
+    coordinates_problem,
+    to_float32,
+)
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
 from shoal.searcher.repeat_cache import RepeatCache
@@ -70,8 +77,7 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
     given: Any = queries
     if isinstance(queries, np.ndarray):
         try:
-            with np.errstate(over="ignore"):  # float64 past float32's range: inf, refused below by name
-                arr = np.asarray(queries, dtype=np.float32)
+            arr = to_float32(queries)
         except (TypeError, ValueError):
             raise ValidationError(Problem("query vectors must be numbers", attribute="queryVectors")) from None
     else:
@@ -81,8 +87,7 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
                 Problem("the index holds dense vectors: query with dense vectors", attribute="queryVectors")
             )
         try:
-            with np.errstate(over="ignore"):  # past float32's range: inf, refused below by name
-                arr = np.asarray(items, dtype=np.float32)
+            arr = to_float32(items)
         except ValueError:
             raise ValidationError(
                 Problem("query vectors must be lists of numbers, all of one dimension", attribute="queryVectors")

@@ -15,6 +15,7 @@ import numpy as np
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import DataSourceSpec
+from shoal.log.validation import to_float32
 from shoal.vektonn.json_fields import (
     attributes_dict,
     canon,
@@ -123,8 +124,7 @@ def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.nd
         # beyond float32's range, the float64 rows go on: the searcher names that number (its float32 cast
         # would only show an infinity).
         given = np.array(out, dtype=np.float64)
-        with np.errstate(over="ignore"):
-            vectors = given.astype(np.float32)
+        vectors = to_float32(given)
         return vectors if np.isfinite(vectors).all() else given
     return out
 

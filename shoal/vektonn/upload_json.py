@@ -27,7 +27,7 @@ import pydantic
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, Tombstone
-from shoal.log.validation import ARROW_TYPES, MAX_PROBLEMS, columns_to_table, points_to_table
+from shoal.log.validation import ARROW_TYPES, MAX_PROBLEMS, columns_to_table, points_to_table, to_float32
 from shoal.vektonn.json_fields import (
     GUID,
     HYPHENATED_GUID,
@@ -269,8 +269,7 @@ def _finite32(matrix: np.ndarray, dim: int) -> np.ndarray | None:
     """A float64 [n, dim] matrix as float32, or None when it has another width or a value beyond float32."""
     if matrix.shape[1] != dim:
         return None
-    with np.errstate(over="ignore"):
-        vectors = matrix.astype(np.float32)
+    vectors = to_float32(matrix)
     # A double beyond float32's range becomes inf: the exact path names the point and index.
     return vectors if np.isfinite(vectors).all() else None
 
