@@ -139,6 +139,18 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
         assert abs(loaded[a] + loaded[b] - loaded[one]) <= 0.02 * loaded[one], loaded
         assert _cache_bytes(router, token) == 0
 
+        # SHOAL_MAX_SEARCH_HITS (100,000 here) bounds a search the same wherever its shards are: 20 query vectors
+        # with a k past every row could return 120,000 hits, which one process refuses. Each node's part holds
+        # half the rows and passes alone; the merged answer is refused all the same.
+        every = _body(queries[:20], k=ROWS)
+        want = search(one, "Pkg.Flat", every)
+        assert want.status_code == 400 and "SHOAL_MAX_SEARCH_HITS" in want.text, want.text
+        assert search(a, "Pkg.Flat", every, **{"X-Shoal-Shards": "0,1"}).status_code == 200
+        for node in (a, b, router):
+            got = search(node, "Pkg.Flat", every)
+            assert got.status_code == 400, (node, got.text)
+            assert "20 query vectors" in got.text and "more than the 100,000 a search may" in got.text, got.text
+
         # Write tokens and strong consistency hold across the fan-out: points written now (in no built segment,
         # on every shard) are found through either node as the one process finds them.
         new = -base[:40]  # far from the old points, their own nearest neighbours

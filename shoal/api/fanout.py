@@ -23,7 +23,7 @@ from fastapi import Response
 from starlette.concurrency import run_in_threadpool
 
 from shoal.api.security import TenantContext
-from shoal.errors import ShardsUnavailableError
+from shoal.errors import QueryError, ShardsUnavailableError
 from shoal.searcher.placement import IndexPlacement, Placement
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class FanOut:
                 f"send {PARTIAL_HEADER}: true to accept the other shards' results", sorted(missing))
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
         parts += [(min(shards), results) for shards, results in remote]
+        # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a
+        # search is refused the same whether one process serves the index or several.
+        check_merged(parts, part.k, ctx.handle.shoal.settings.max_search_hits)
         content = merge(parts, part.k, part.higher_is_nearer)
         extra = {MISSING_HEADER: ",".join(map(str, sorted(missing)))} if missing else {}
         return Response(content, media_type="application/json", headers=extra)
@@ -186,6 +189,20 @@ class FanOut:
     async def close(self) -> None:
         """Close the pooled connections."""
         await self.client.close()
+
+
+def check_merged(parts: list[tuple[int, list[dict[str, Any]]]], k: int, max_hits: int) -> None:
+    """Refuse (QueryError) a fanned-out search whose merged answer would hold more than `max_hits` hits: per query
+    vector, k or what all parts found together if fewer (SHOAL_MAX_SEARCH_HITS, as one searcher bounds it)."""
+    count = len(parts[0][1])
+    if count * k <= max_hits:
+        return
+    total = sum(min(k, sum(len(results[i]["nearestDataPoints"]) for _, results in parts)) for i in range(count))
+    if total > max_hits:
+        raise QueryError(
+            f"the search returns {total:,} hits over its shards ({count:,} query vectors x up to k {k:,}), more "
+            f"than the {max_hits:,} a search may (SHOAL_MAX_SEARCH_HITS): ask for a smaller k or fewer query "
+            "vectors")
 
 
 def merge(parts: list[tuple[int, list[dict[str, Any]]]], k: int, higher_is_nearer: bool) -> bytes:
