@@ -104,6 +104,24 @@ def test_eventual_shows_a_write_no_worker_built_within_a_second(setup: Callable[
     assert rows[(s.index, 0)][4] == 20
 
 
+def test_the_first_eventual_search_of_a_searcher_shows_what_was_written_before_it_loaded_the_index(
+    setup: Callable[..., Setup],
+) -> None:
+    """A searcher that loads the index now (a process started, the index searched there for the first time)
+    answers its first eventual search with every write acknowledged before, built or not: no announcement will
+    come for those, and its next poll may be far off (30 s here)."""
+    s = setup()
+    s.upload(np.array([2_000]))
+    s.upload(np.array([2_001, 2_002]))
+    late = s.shoal.searcher(follow=True, poll_interval=30.0)
+    try:
+        for point in (2_000, 2_001, 2_002, 7):
+            hits = late.search(s.index, "1", _vectors(np.array([point])), 1)[0]
+            assert [h.attributes["id"] for h in hits] == [point]
+    finally:
+        late.close()
+
+
 def test_a_new_version_is_served_with_its_young_tier_and_a_stale_extension_does_not_replace_it(
     setup: Callable[..., Setup],
 ) -> None:

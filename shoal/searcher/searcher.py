@@ -143,6 +143,7 @@ class SearchService:
         # Per index: its young tier (shoal.searcher.young), the log entries its served versions do not reflect.
         self._tails: dict[int, TailCache] = {}
         self.young_max_seqs = runtime.settings.young_tier_max_seqs
+        self.follows = follow
         self._heads: dict[int, int] = {}  # data source id -> the newest head announced or read
         # Strong searches take the head announced on Redis only while this searcher is subscribed to the
         # announcements (so it notices Redis going away) and only when it is at least the head the catalog gave
@@ -549,11 +550,12 @@ class SearchService:
                 record = versions[shard.active_version_id] if shard.active_version_id else None
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
-            self._saw_head(source.id, source.head_seq)
             with self._lock:
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
+            # Only once the view is served: the follower this may wake extends served views alone.
+            self._saw_head(source.id, source.head_seq)
             self._fit_budget(key)
         # The young tier for the new versions, derived now in the loader (only the shards whose version changed
         # are, cut from what is held: no I/O). Until it is served, searches answer from the young tier's own view.
@@ -563,6 +565,16 @@ class SearchService:
                 self._extend(view, young.end)
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
+        elif old is None and self.follows and self.young_max_seqs > 0 and view.shards:
+            # A view loaded now answers its first eventual search with the log up to the head read with it, as a
+            # followed view does: writes acknowledged before the load (maybe long before, with no worker
+            # building) are shown at once, not from the follower's next wake, up to a poll later.
+            target = min(source.head_seq, view.min_watermark + self.young_max_seqs)
+            if target > view.min_watermark:
+                try:
+                    self._extend(view, target)
+                except Exception as exc:  # noqa: BLE001 - the follower extends it then
+                    log.debug("young tier of index %s not read at load: %s", name, exc)
         self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
                                       if s.version_id is not None and s.version_id not in held})
         return view
