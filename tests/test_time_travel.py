@@ -122,3 +122,48 @@ def test_time_travel_over_http(make_settings) -> None:  # type: ignore[no-untype
         assert httpx.put(f"{base}/api/v1/indexes/tt/1/tags/v2", timeout=30).status_code == 200
         assert httpx.delete(f"{base}/api/v1/indexes/tt/1/tags/v1", timeout=30).status_code == 204
         assert list(httpx.get(f"{base}/api/v1/indexes/tt/1/tags", timeout=30).json()) == ["v2"]
+
+
+def test_a_tag_answers_as_it_was_after_a_reindex_and_keeps_its_generation(local_shoal: Shoal) -> None:
+    """"A tag always works": a reindex swaps in a new generation (another index row), but a tag taken before it
+    still answers from the versions it pinned, and the sweep of old generations keeps the tagged one until the
+    tag is removed."""
+    from shoal.index.reindex import drop_expired_generations
+
+    local_shoal.create_data_source(SPEC)
+    local_shoal.create_index(IndexSpec("tr", "1", "tt", "1", algorithm="flat", metric="euclidean",
+                                       id_attributes=["id"], shard_count=2))
+    rng = np.random.default_rng(11)
+    producer = local_shoal.producer("tt", "1")
+    first = rng.normal(size=(60, DIM)).astype(np.float32)
+    producer.upload_columns(first, {"id": np.arange(60)})
+    builder = ShardBuilder(local_shoal.engine, local_shoal.storage)
+    for shard in local_shoal.get_index("tr", "1").shards:
+        builder.materialize(shard.id)
+    pinned = local_shoal.tag_index("tr", "1", "v1")
+    producer.upload_columns(rng.normal(size=(40, DIM)).astype(np.float32), {"id": np.arange(20, 60)})
+    queries = rng.normal(size=(8, DIM)).astype(np.float32)
+    want = _exact_ids(dict(enumerate(first)), queries, 5)
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        ids_of = lambda res: [[h.attributes["id"] for h in hits] for hits in res]  # noqa: E731
+        assert ids_of(searcher.search("tr", "1", queries, 5, tag="v1")) == want
+        job = local_shoal.reindex("tr", "1", metric="l2_squared", wait=True)
+        assert job.state == "swapped", job
+        assert local_shoal.get_index("tr", "1").spec.metric != "euclidean"  # the new generation serves
+        assert local_shoal.index_tags("tr", "1") == {"v1": pinned}
+        assert ids_of(searcher.search("tr", "1", queries, 5, tag="v1")) == want
+        # Past its keep time the old generation would go; the tag keeps it, and so its answers.
+        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0) == 0
+        assert ids_of(searcher.search("tr", "1", queries, 5, tag="v1")) == want
+        # A tag of the same name on the new generation replaces the old one; once no tag names the old
+        # generation, the sweep drops it.
+        local_shoal.tag_index("tr", "1", "v1")
+        assert local_shoal.index_tags("tr", "1") != {"v1": pinned}
+        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0) == 1
+        local_shoal.untag_index("tr", "1", "v1")
+        assert local_shoal.index_tags("tr", "1") == {}
+        with pytest.raises(NotFoundError, match="tag 'v1' not found"):
+            searcher.search("tr", "1", queries, 5, tag="v1")
+    finally:
+        searcher.close()

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
-from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, ReindexJob, Tenant
+from shoal.catalog.models import DataSource, Index, IndexAlias, IndexShard, IndexTag, ReindexJob, Tenant
 from shoal.errors import ConflictError, NotFoundError, ReindexConflictError
 from shoal.log.records import GENERATION_MARK
 
@@ -207,7 +207,7 @@ class Generations:
 
     def expired_generations(self, keep_s: float, tenant_id: int | None = None) -> list[tuple[int, str, str, str]]:
         """(index id, tenant, name, hidden version) of generations no longer needed: kept for rollback longer
-        than `keep_s`, or built by a job that failed or was cancelled."""
+        than `keep_s`, or built by a job that failed or was cancelled, and named by no tag."""
         cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=keep_s)
         with Session(self.engine) as s:
             hidden = s.execute(
@@ -218,7 +218,8 @@ class Generations:
             jobs = s.execute(
                 select(ReindexJob.from_index_id, ReindexJob.to_index_id, ReindexJob.state, ReindexJob.updated_at)
             ).all()
-        needed: set[int] = set()
+            # A tag taken on a generation still answers from it (shoal.index.history): kept until untagged.
+            needed: set[int] = set(s.scalars(select(IndexTag.index_id).distinct()))
         for from_id, to_id, state, updated in jobs:
             if state == "building" and to_id is not None:
                 needed.add(to_id)  # being built (the job's own failure path removes it)

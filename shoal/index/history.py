@@ -6,33 +6,62 @@ Kept are: every shard's active version, every tagged version, every version made
 for each shard the newest version made before that window (so every seq since the window began has a version
 at or below it). The rest are deleted, their files queued for the garbage collector, which deletes a file only
 when no remaining version or log segment names it.
+
+A tag belongs to the generation it was taken on (shoal.index.generations): after a reindex it still names that
+generation's versions, which answer as they were, and the generation is kept while a tag names it. Tag names
+are one namespace across an index's generations.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 
-from sqlalchemy import Engine, delete, select
+from sqlalchemy import Engine, delete, or_, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from shoal.catalog.indexes import VersionRecord, _version
-from shoal.catalog.models import IndexShard, IndexTag, IndexVersion, LogCompaction
+from shoal.catalog.models import Index, IndexShard, IndexTag, IndexVersion, LogCompaction
 from shoal.errors import NotFoundError
 from shoal.index.segment import manifest_files
-from shoal.log.records import check_name
+from shoal.log.records import GENERATION_MARK, check_name
 from shoal.upkeep import gc_queue as garbage
 
 PRUNED = "index-version-pruned"  # garbage reason of files whose versions were pruned
 
 
+@dataclass(frozen=True)
+class Tagged:
+    """What a tag pinned: the generation (index row) it was taken on, and shard id -> version (None: empty)."""
+
+    index_id: int
+    versions: dict[int, VersionRecord | None]
+
+
+def _generations(s: Session, index_id: int) -> list[int]:
+    """The index rows of every generation of the index `index_id` serves under: itself, and those built aside
+    or kept for rollback (`{version}~g{n}`)."""
+    row = s.get(Index, index_id)
+    if row is None:
+        return []
+    base = row.version.partition(GENERATION_MARK)[0]
+    return list(s.scalars(select(Index.id).where(
+        Index.tenant_id == row.tenant_id, Index.name == row.name,
+        or_(Index.version == base, Index.version.startswith(base + GENERATION_MARK, autoescape=True)),
+    )))
+
+
 def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
-    """Pin the version every shard of the index serves now under `name` (replacing an older tag of that
-    name); returns shard id -> version id (None for a shard with nothing built yet)."""
+    """Pin the version every shard of the index serves now under `name` (replacing a tag of that name, on this
+    generation or an older one); returns shard id -> version id (None for a shard with nothing built yet)."""
     check_name("tag", name)
     with Session(engine) as s, s.begin():
         shards = s.execute(select(IndexShard.id, IndexShard.active_version_id).where(IndexShard.index_id == index_id))
         versions = {int(sid): (int(v) if v is not None else None) for sid, v in shards}
+        others = [g for g in _generations(s, index_id) if g != index_id]
+        if others:
+            s.execute(delete(IndexTag).where(IndexTag.index_id.in_(others), IndexTag.tag == name))
         s.execute(
             insert(IndexTag)
             .values(index_id=index_id, tag=name, versions={str(k): v for k, v in versions.items()})
@@ -43,29 +72,34 @@ def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
 
 
 def tags(engine: Engine, index_id: int) -> dict[str, dict[int, int | None]]:
-    """The index's tags: name -> shard id -> version id."""
+    """The index's tags, on every generation: name -> shard id -> version id."""
     with Session(engine) as s:
-        rows = s.execute(select(IndexTag.tag, IndexTag.versions).where(IndexTag.index_id == index_id))
+        rows = s.execute(select(IndexTag.tag, IndexTag.versions).where(
+            IndexTag.index_id.in_(_generations(s, index_id))))
         return {t: {int(k): v for k, v in vs.items()} for t, vs in rows}
 
 
 def untag(engine: Engine, index_id: int, name: str) -> None:
-    """Remove a tag (its versions become prunable like any other); NotFoundError if there is none."""
+    """Remove a tag, on whichever generation holds it (its versions become prunable like any other, and a
+    generation no tag names any more is dropped once its keep time is over); NotFoundError if there is none."""
     with Session(engine) as s, s.begin():
-        gone = s.execute(delete(IndexTag).where(IndexTag.index_id == index_id, IndexTag.tag == name)).rowcount
+        gone = s.execute(delete(IndexTag).where(IndexTag.index_id.in_(_generations(s, index_id)),
+                                                IndexTag.tag == name)).rowcount
     if not gone:
         raise NotFoundError(f"tag {name!r} not found")
 
 
-def tagged_versions(engine: Engine, index_id: int, name: str) -> dict[int, VersionRecord | None]:
-    """Shard id -> the version the tag pinned (None: the shard was empty then); NotFoundError if no tag."""
-    pinned = tags(engine, index_id).get(name)
-    if pinned is None:
-        raise NotFoundError(f"tag {name!r} not found")
+def tagged_versions(engine: Engine, index_id: int, name: str) -> Tagged:
+    """The generation the tag was taken on and the versions it pinned; NotFoundError if there is no such tag."""
     with Session(engine) as s:
+        row = s.execute(select(IndexTag.index_id, IndexTag.versions).where(
+            IndexTag.index_id.in_(_generations(s, index_id)), IndexTag.tag == name)).first()
+        if row is None:
+            raise NotFoundError(f"tag {name!r} not found")
+        pinned = {int(k): v for k, v in row.versions.items()}
         ids = [v for v in pinned.values() if v is not None]
         found = {r.id: _version(r) for r in s.scalars(select(IndexVersion).where(IndexVersion.id.in_(ids)))}
-    return {sid: (found[v] if v is not None else None) for sid, v in pinned.items()}
+    return Tagged(int(row.index_id), {sid: (found[v] if v is not None else None) for sid, v in pinned.items()})
 
 
 def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, VersionRecord | None]:
@@ -101,8 +135,6 @@ def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, Version
 
 
 def _source_of(s: Session, index_id: int) -> int:
-    from shoal.catalog.models import Index
-
     return int(s.scalar(select(Index.data_source_id).where(Index.id == index_id)) or 0)
 
 

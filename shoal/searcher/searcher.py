@@ -423,7 +423,13 @@ class SearchService:
             raise ValidationError(f"as_of must be a seq (an integer), got {as_of!r}")
         index = scope.indexes.get_index(name, version)
         if tag is not None:
-            versions = history.tagged_versions(self.engine, index.id, tag)
+            tagged = history.tagged_versions(self.engine, index.id, tag)
+            versions = tagged.versions
+            if tagged.index_id != index.id:  # taken before a reindex: its own generation answers, as it was
+                found = self.shards.index_by_id(tagged.index_id)
+                if found is None:
+                    raise NotFoundError(f"tag {tag!r} not found")
+                index = found[1]
         else:
             assert as_of is not None
             head = head_of(self.engine, index.source_id)[0]
