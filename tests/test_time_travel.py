@@ -167,3 +167,40 @@ def test_a_tag_answers_as_it_was_after_a_reindex_and_keeps_its_generation(local_
             searcher.search("tr", "1", queries, 5, tag="v1")
     finally:
         searcher.close()
+
+
+def test_time_travel_is_refused_below_what_compaction_dropped_and_only_there(local_shoal: Shoal) -> None:
+    """A compaction that merged segments and dropped nothing leaves time travel answering; one that dropped
+    superseded entries makes it refuse the seqs below, and keeps refusing them after a later run that reached
+    less far (a new index at watermark 0 holds the bound down), rather than answer from the thinned log."""
+    local_shoal.create_data_source(SPEC)
+    local_shoal.create_index(IndexSpec("ta", "1", "tt", "1", algorithm="flat", metric="euclidean",
+                                       id_attributes=["id"]))
+    producer = local_shoal.producer("tt", "1")
+    point = lambda x: np.array([[x, 0.0, 0.0, 0.0]], dtype=np.float32)  # noqa: E731
+    first = producer.upload_columns(point(0.0), {"id": np.array([1])}).seq
+    producer.upload_columns(point(1.0), {"id": np.array([2])})
+    builder = ShardBuilder(local_shoal.engine, local_shoal.storage)
+    builder.materialize(local_shoal.get_index("ta", "1").shards[0].id)
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        at_first = lambda: [h.attributes["id"] for h in  # noqa: E731
+                            searcher.search("ta", "1", point(0.0), 5, as_of=first)[0]]
+        assert at_first() == [1]
+        merged = local_shoal.compact("tt", "1")
+        assert merged.changed and merged.entries_dropped == 0  # two small segments merged into one
+        assert at_first() == [1]  # every entry is still in the log, at its seq
+
+        producer.upload_columns(point(9.0), {"id": np.array([1])})  # supersedes seq `first`
+        builder.materialize(local_shoal.get_index("ta", "1").shards[0].id)
+        dropped = local_shoal.compact("tt", "1")
+        assert dropped.entries_dropped == 1
+        with pytest.raises(NotFoundError, match="compacted"):
+            at_first()
+        local_shoal.create_index(IndexSpec("tb", "1", "tt", "1", algorithm="flat", metric="euclidean",
+                                           id_attributes=["id"]))
+        assert local_shoal.compact("tt", "1").bound == 0  # the new index has built nothing: nothing to touch
+        with pytest.raises(NotFoundError, match="compacted"):
+            at_first()
+    finally:
+        searcher.close()

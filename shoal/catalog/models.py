@@ -134,7 +134,9 @@ class LogCompaction(Base):
     data_source_id: Mapped[int] = mapped_column(
         ForeignKey("data_sources.id", ondelete="CASCADE"), primary_key=True
     )
-    compacted_through: Mapped[int] = mapped_column(BigInteger)  # the highest seq the last run could touch
+    compacted_through: Mapped[int] = mapped_column(BigInteger)  # the highest seq a run could touch (never lowered)
+    # The highest bound of a run that dropped entries: time travel below it may need what was dropped.
+    dropped_through: Mapped[int] = mapped_column(BigInteger, server_default="0")
     compacted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
     runs: Mapped[int] = mapped_column(BigInteger, server_default="0")
     segments_before: Mapped[int] = mapped_column(BigInteger, server_default="0")

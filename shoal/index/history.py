@@ -121,8 +121,10 @@ def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, Version
             if at is None and rows and rows[-1].parent_id is not None:
                 raise NotFoundError(f"index versions as of seq {seq} were pruned (SHOAL_VERSION_KEEP_S)")
             out[sid] = _version(at) if at is not None else None
+        # How far compactions dropped entries (not how far they reached: a run that only merged segments
+        # leaves every entry, with its seq, in the log).
         compacted = s.scalar(
-            select(LogCompaction.compacted_through).where(LogCompaction.data_source_id == _source_of(s, index_id))
+            select(LogCompaction.dropped_through).where(LogCompaction.data_source_id == _source_of(s, index_id))
         )
     if compacted:
         lowest = min((v.watermark if v else 0) for v in out.values()) if out else seq

@@ -148,18 +148,26 @@ def _record_run(
     conn: Connection, source_id: int, through: int, segments_before: int, segments_after: int, dropped: int
 ) -> None:
     values = {
-        "compacted_through": through,
         "compacted_at": func.now(),
         "segments_before": segments_before,
         "segments_after": segments_after,
         "entries_dropped": dropped,
     }
+    dropped_through = through if dropped else 0
+    # Neither bound ever goes back: a later run may reach less far (an index built from scratch holds the
+    # lowest watermark at 0) while what earlier runs dropped stays dropped.
     conn.execute(
         insert(LogCompaction)
-        .values(data_source_id=source_id, runs=1, **values)
+        .values(data_source_id=source_id, runs=1, compacted_through=through, dropped_through=dropped_through,
+                **values)
         .on_conflict_do_update(
             index_elements=[LogCompaction.data_source_id],
-            set_={**values, "runs": LogCompaction.runs + 1},
+            set_={
+                **values,
+                "compacted_through": func.greatest(LogCompaction.compacted_through, through),
+                "dropped_through": func.greatest(LogCompaction.dropped_through, dropped_through),
+                "runs": LogCompaction.runs + 1,
+            },
         )
     )
 
