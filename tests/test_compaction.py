@@ -440,6 +440,36 @@ def test_gc_keeps_index_files_a_kept_version_still_uses(make_shoal: Callable[...
     same_answers(search_all(shoal, "v", queries, 5), brute_force(shoal, queries, 5))
 
 
+def test_a_drop_keeps_its_grace_period_for_files_queued_before(make_shoal: Callable[..., Shoal]) -> None:
+    """Version pruning queues the files of a pruned version that later versions still use (GC keeps them); a
+    drop queuing the same files again must not inherit the earlier, already passed due time: every file of the
+    dropped index stays until the drop's own grace period is over."""
+    from shoal.index.history import prune_versions
+    from shoal.index.segment import segment_files
+
+    shoal = make_shoal(gc_grace_s=3600)
+    shoal.create_data_source(COMPACT_SPEC)
+    flat_index(shoal, "d")
+    producer = shoal.producer(NAME, VERSION)
+    for i in range(3):
+        producer.upload(init_batch(f"d{i}", range(i * 10, i * 10 + 10)))
+        build(shoal, "d")
+    shard = shoal.get_index("d", "1").shards[0].id
+    active = shoal.shards.active_version(shard)
+    assert active is not None
+    files = {f for e in active.manifest["segments"] for f in segment_files(e)}
+    # Pruning two hours ago (a negative keep window prunes all but the active version and the newest before):
+    # the first version's files were due an hour ago, and no GC ran since.
+    two_hours_ago = dt.datetime.now(dt.UTC) - dt.timedelta(hours=2)
+    assert prune_versions(shoal.engine, keep_s=-3 * 3600, grace_s=3600, now=two_hours_ago) == 1
+    shoal.drop_index("d", "1")
+    done = shoal.collect_garbage(scan=False)
+    assert done.deleted == 0, done
+    assert all(shoal.storage.exists(p) for p in files)
+    later = shoal.collect_garbage(scan=False, now=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1, minutes=1))
+    assert later.deleted >= len(files) and not any(shoal.storage.exists(p) for p in files)
+
+
 def test_cli_log_compact_expire_and_gc(make_shoal: Callable[..., Shoal], monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 

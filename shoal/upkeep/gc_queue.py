@@ -48,10 +48,13 @@ def _escape_like(value: str) -> str:
 def enqueue(
     engine_or_conn: Engine | Connection, paths: Iterable[str], reason: str, delete_after: dt.datetime
 ) -> int:
-    """Queue files for deletion after `delete_after`; a path already queued keeps its row. How many new.
+    """Queue files for deletion after `delete_after`; a path already queued keeps its row, due at the later of
+    the two times (with that time's reason). How many new.
 
     A path whose row records an earlier deletion is queued again: only a few files have fixed names (a
-    dataset's metadata mirror), and such a file may well have been written again since."""
+    dataset's metadata mirror), and such a file may well have been written again since. A pending row is never
+    brought forward: a drop's grace period (searchers may still reload the file) holds even for a file that
+    version pruning queued earlier, due already, and GC has not looked at since."""
     rows = [{"path": p, "reason": reason, "delete_after": delete_after} for p in sorted(set(paths))]
     if not rows:
         return 0
@@ -68,6 +71,13 @@ def enqueue(
             where=GarbageFile.deleted_at.is_not(None),
         ).returning(GarbageFile.id)
         queued += len(engine_or_conn.execute(stmt).all())
+        chunk = [r["path"] for r in rows[start : start + ENQUEUE_CHUNK]]
+        engine_or_conn.execute(
+            update(GarbageFile)
+            .where(GarbageFile.path.in_(chunk), GarbageFile.deleted_at.is_(None),
+                   GarbageFile.delete_after < delete_after)
+            .values(delete_after=delete_after, reason=reason)
+        )
     return queued
 
 
