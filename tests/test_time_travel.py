@@ -130,6 +130,7 @@ def test_a_tag_answers_as_it_was_after_a_reindex_and_keeps_its_generation(local_
     tag is removed."""
     from shoal.index.reindex import drop_expired_generations
 
+    tenant = local_shoal.catalog.tenant_id  # the sweep of this test's tenant only: the catalog is shared
     local_shoal.create_data_source(SPEC)
     local_shoal.create_index(IndexSpec("tr", "1", "tt", "1", algorithm="flat", metric="euclidean",
                                        id_attributes=["id"], shard_count=2))
@@ -154,13 +155,13 @@ def test_a_tag_answers_as_it_was_after_a_reindex_and_keeps_its_generation(local_
         assert local_shoal.index_tags("tr", "1") == {"v1": pinned}
         assert ids_of(searcher.search("tr", "1", queries, 5, tag="v1")) == want
         # Past its keep time the old generation would go; the tag keeps it, and so its answers.
-        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0) == 0
+        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0, tenant_id=tenant) == 0
         assert ids_of(searcher.search("tr", "1", queries, 5, tag="v1")) == want
         # A tag of the same name on the new generation replaces the old one; once no tag names the old
         # generation, the sweep drops it.
         local_shoal.tag_index("tr", "1", "v1")
         assert local_shoal.index_tags("tr", "1") != {"v1": pinned}
-        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0) == 1
+        assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0, tenant_id=tenant) == 1
         local_shoal.untag_index("tr", "1", "v1")
         assert local_shoal.index_tags("tr", "1") == {}
         with pytest.raises(NotFoundError, match="tag 'v1' not found"):
