@@ -15,6 +15,7 @@ import select
 import signal
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +43,7 @@ from shoal.log import retention
 from shoal.log.compaction_swap import compaction_states
 from shoal.log.records import IndexSpec
 from shoal.log.validation import columns_to_table
+from shoal.searcher.consistency import Consistency
 from shoal.upkeep import gc_queue as garbage
 
 NAME, VERSION = COMPACT_SPEC.name, COMPACT_SPEC.version
@@ -662,3 +664,41 @@ def test_sigkill_during_compaction_and_gc_loses_nothing(make_shoal: Callable[...
     assert set(shoal.storage.list_files(shoal.log_dir(NAME, VERSION))) == {
         s.path for s in shoal.log_segments(NAME, VERSION)
     }
+
+
+def test_a_log_read_below_a_compaction_shows_a_state_the_log_had(make_shoal: Callable[..., Shoal]) -> None:
+    """An index made after a compaction reads the log from seq 0. A read ending below the compaction's bound
+    would miss the keys whose entries there were superseded later (dropped) and show a state the log never had:
+    `at_least` a write token from before the compaction reads on to the bound instead, and the young tier, when
+    the bound is past its own, shows nothing rather than part of the log."""
+    shoal = make_shoal(young_tier_max_seqs=60)
+    spec = DataSourceSpec("below", "1", 4, {"id": "int64"}, ["id"])
+    shoal.create_data_source(spec)
+    rng = np.random.default_rng(3)
+    first, second = rng.normal(size=(50, 4)).astype(np.float32), rng.normal(size=(25, 4)).astype(np.float32)
+    producer = shoal.producer("below", "1")
+    token = producer.upload_columns(first, {"id": np.arange(50)})  # seqs 1-50
+    producer.upload_columns(second, {"id": np.arange(25)})  # seqs 51-75: keys 0-24 again
+    done = shoal.compact("below", "1")  # no index yet: the whole log, 25 superseded entries dropped
+    assert (done.bound, done.entries_dropped) == (75, 25)
+    shoal.create_index(IndexSpec("below.flat", "1", "below", "1", algorithm="flat", metric="euclidean",
+                                 id_attributes=["id"]))
+    state = {i: (second[i] if i < 25 else first[i]) for i in range(50)}
+    query = np.zeros((1, 4), dtype=np.float32)
+
+    def found(searcher: Any, **options: Any) -> dict[int, list[float]]:
+        hits = searcher.search("below.flat", "1", query, 100, retrieve_vectors=True, **options)[0]
+        return {h.attributes["id"]: list(h.vector) for h in hits}
+
+    plain = shoal.searcher(follow=False)
+    following = shoal.searcher(follow=True, poll_interval=30.0)
+    try:
+        at_token = found(plain, consistency=Consistency.at_least(token))
+        assert at_token == {i: v.tolist() for i, v in state.items()}  # the state at 75, which is at least 50
+        # The young tier (at most 60 seqs) cannot reach the bound (75): eventual shows the built state (none)
+        # rather than seqs 1-60 of the compacted log (keys 25-49 and 0-9: keys 10-24 missing).
+        assert found(following) == {}
+        assert found(following, consistency=Consistency.strong()) == at_token
+    finally:
+        plain.close()
+        following.close()

@@ -120,6 +120,16 @@ def lowest_watermark(engine: Engine, source_id: int) -> int | None:
         return None if value is None else int(value)
 
 
+def dropped_through(engine: Engine, source_id: int) -> int:
+    """The highest bound of a compaction of the source that dropped entries (0: none did). A log read from below
+    it up to a seq below it misses entries that were superseded later: the state it shows never existed."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            select(LogCompaction.dropped_through).where(LogCompaction.data_source_id == source_id)
+        ).scalar_one_or_none()
+    return int(found or 0)
+
+
 def compaction_states(engine: Engine, source_ids: Sequence[int] | None = None) -> list[CompactionState]:
     """The compaction state of every data source (of `source_ids` when given), for the sweep."""
     low = _lowest_watermark_expr(DataSource.id)

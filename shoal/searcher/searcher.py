@@ -30,6 +30,7 @@ from shoal.errors import (
     ShoalError,
     ValidationError,
 )
+from shoal.log.compaction_swap import dropped_through
 from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement
 from shoal.log.reader import read_log
 from shoal.runtime import Runtime, Scope
@@ -469,10 +470,22 @@ class SearchService:
         return self._extend(view, required).tails
 
     def _extend(self, view: IndexView, required: int) -> TailCache:
+        """The young tier of `view` reaching at least `required` (further past a compacted range: see
+        `_past_compaction`)."""
+        made = self._extend_within(view, required, None)
+        assert made is not None  # no limit: always made
+        return made
+
+    def _extend_within(self, view: IndexView, required: int, limit: int | None) -> TailCache | None:
+        """`_extend`, unless reaching past a compacted range would take the young tier past `limit` (its
+        bound): then it is left as it is, and None returned."""
         with self._lock:
             cached = self._tails.get(view.index.id)
         if cached is not None and cached.versions == view.versions and cached.end >= required:
             return cached
+        required = self._past_compaction(view, cached, required)
+        if limit is not None and required > limit:
+            return None
         made = extend(cached, view, required, lambda after, up_to: self._read_log(view, after, up_to),
                       time.monotonic())
         with self._lock:
@@ -489,6 +502,19 @@ class SearchService:
             if keep:
                 self._tails[view.index.id] = made
         return made
+
+    def _past_compaction(self, view: IndexView, cached: TailCache | None, required: int) -> int:
+        """`required`, or the bound of the source's compactions when the extension would read from below it to
+        below it: those entries superseded later are gone from the log, so such a read would show keys missing
+        or old values, a state the log never had (an index made after the compaction, its first builds not
+        done, or a searcher serving a version from before it). Reading on to the bound shows the state there."""
+        start = view.min_watermark
+        if cached is not None and cached.start <= start <= cached.end:
+            start = cached.end  # what the young tier holds was read before, whole
+        if required <= start:
+            return required
+        floor = dropped_through(self.engine, view.source.id)
+        return floor if start < floor and required < floor else required
 
     def _read_log(self, view: IndexView, after: int, up_to: int) -> pa.Table | None:
         batches = list(read_log(self.engine, self.storage, view.source.id, after, up_to))
@@ -568,7 +594,7 @@ class SearchService:
         young = self._tails.get(index.id)
         if old is not None and young is not None and young.versions != view.versions:
             try:
-                self._extend(view, young.end)
+                self._extend_within(view, young.end, max(young.end, view.min_watermark + self.young_max_seqs))
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
         elif old is None and self.follows and self.young_max_seqs > 0 and view.shards:
@@ -578,7 +604,7 @@ class SearchService:
             target = min(source.head_seq, view.min_watermark + self.young_max_seqs)
             if target > view.min_watermark:
                 try:
-                    self._extend(view, target)
+                    self._extend_within(view, target, view.min_watermark + self.young_max_seqs)
                 except Exception as exc:  # noqa: BLE001 - the follower extends it then
                     log.debug("young tier of index %s not read at load: %s", name, exc)
         self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
@@ -702,7 +728,7 @@ class SearchService:
             if cached is not None and cached.versions == view.versions and cached.end >= target:
                 continue
             try:
-                self._extend(view, target)
+                self._extend_within(view, target, view.min_watermark + self.young_max_seqs)
             except Exception as exc:  # noqa: BLE001 - an outage or a dropped index: eventual serves what it has
                 log.debug("young tier of index %s not extended: %s", view.index.spec.name, exc)
 
