@@ -192,13 +192,13 @@ class Shoal:
         return self.indexes.list_indexes()
 
     def drop_index(self, name: str, version: str) -> int:
-        """Delete an index with all its versions, and queue their files for GC in the same transaction (they
-        go once SHOAL_GC_GRACE_S passed, so searchers still reading them finish); return how many files were
-        queued."""
+        """Delete an index with all its versions and generations (a reindex building ends as cancelled), and
+        queue their files for GC in the same transaction (they go once SHOAL_GC_GRACE_S passed, so searchers
+        still reading them finish); return how many files were queued."""
         from shoal.upkeep.drops import drop_index
 
         index = self.get_index(name, version)
-        paths = drop_index(self.engine, index.id, delete_after=self._drop_grace_end())
+        paths = drop_index(self.engine, index.id, delete_after=self._drop_grace_end(), generations=True)
         if self.runtime.notify:
             self._announce_index(index)  # searchers stop serving it now, not at their next poll
         return len(paths)

@@ -3,6 +3,7 @@ under continuous searches), rolled back, cancelled; failed jobs leave the old ge
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from shoal.errors import InvalidNameError, NotFoundError, ReindexConflictError
 from shoal.index.builder import ShardBuilder
 from shoal.index.reindex import drop_expired_generations, start_reindex
 from shoal.log.records import AttributeType, IndexSpec
+from shoal.upkeep import gc_queue as garbage
 
 DIM = 16
 SPEC = DataSourceSpec("docs", "1", DIM, {"id": AttributeType.INT64}, ["id"])
@@ -282,3 +284,44 @@ def test_a_reindex_task_run_is_one_bounded_step_while_the_new_generation_lags(  
             if shoal.generations.running(shoal.catalog.tenant_id, "ix", "1") is not None:
                 shoal.cancel_reindex("ix", "1")  # ends a run that polls (the code before the continuation)
             ShoalTask.reset_context()
+
+
+def test_params_given_with_the_algorithm_kept_change_only_those(local_shoal: Shoal) -> None:
+    """`shoal reindex NAME VERSION --param M=32`, as the README writes it: HNSW takes its params all or none at
+    creation, but a reindex keeping the algorithm changes the ones given and keeps the others."""
+    _setup(local_shoal, algorithm="hnsw", params=HNSW16, n=300)
+    job = local_shoal.reindex("ix", "1", params={"M": 32}, wait=True)
+    assert job.state == "swapped", job
+    assert local_shoal.get_index("ix", "1").spec.params == HNSW32
+
+
+def test_dropping_an_index_drops_its_generations_and_ends_its_reindex(local_shoal: Shoal) -> None:
+    """A drop takes every generation of the index with it (one building, one kept for rollback) and ends a
+    reindex still building, so an index made again under the name starts clean: no hidden rows, no job that
+    blocks its own reindex, and every file queued for GC."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from shoal.catalog.models import Index
+
+    def rows() -> list[str]:
+        with Session(local_shoal.engine) as s:
+            return sorted(s.scalars(select(Index.version).where(
+                Index.tenant_id == local_shoal.catalog.tenant_id, Index.name == "ix")))
+
+    _setup(local_shoal, n=300)
+    assert local_shoal.reindex("ix", "1", algorithm="hnsw", params=HNSW16, wait=True).state == "swapped"
+    start_reindex(local_shoal.catalog, local_shoal.indexes, "ix", "1", params=HNSW32)  # left building
+    assert rows() == ["1", "1~g1", "1~g3"]
+    root = Path(local_shoal.storage.root)
+    index_files = {f for f in _files(root) if "/indexes/" in f}
+    assert {f.split("/gen-")[1].split("/")[0] for f in index_files} == {"1", "2"}  # g3 has built nothing yet
+    local_shoal.drop_index("ix", "1")
+    assert rows() == []
+    far = dt.datetime.now(dt.UTC) + dt.timedelta(days=365)
+    queued = {r.path for r in garbage.due(local_shoal.engine, far, tenant=local_shoal.tenant)}
+    assert index_files <= queued  # every generation's files, due after the drop's grace
+    local_shoal.create_index(IndexSpec("ix", "1", "docs", "1", algorithm="flat", metric="euclidean",
+                                       id_attributes=["id"]))
+    job = local_shoal.reindex("ix", "1", algorithm="hnsw", params=HNSW16, wait=True)
+    assert job.state == "swapped", job

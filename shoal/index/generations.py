@@ -14,7 +14,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Connection, Engine, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
@@ -33,6 +33,19 @@ def hidden_version(version: str, generation: int) -> str:
 def is_hidden(version: str) -> bool:
     """Whether an index version names a generation that does not serve (built aside or kept for rollback)."""
     return HIDDEN in version
+
+
+def generation_ids(conn: Connection | Session, index_id: int) -> list[int]:
+    """The index rows of every generation of the index `index_id` belongs to: the serving one and those built
+    aside or kept for rollback (`{version}~g{n}`), `index_id` among them; empty when it is gone."""
+    row = conn.execute(select(Index.tenant_id, Index.name, Index.version).where(Index.id == index_id)).one_or_none()
+    if row is None:
+        return []
+    base = row.version.partition(HIDDEN)[0]
+    return list(conn.execute(select(Index.id).where(
+        Index.tenant_id == row.tenant_id, Index.name == row.name,
+        or_(Index.version == base, Index.version.startswith(base + HIDDEN, autoescape=True)),
+    ).order_by(Index.id)).scalars())
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,16 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, delete, or_, select
+from sqlalchemy import Engine, delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from shoal.catalog.indexes import VersionRecord, _version
 from shoal.catalog.models import Index, IndexShard, IndexTag, IndexVersion, LogCompaction
 from shoal.errors import NotFoundError
+from shoal.index.generations import generation_ids
 from shoal.index.segment import manifest_files
-from shoal.log.records import GENERATION_MARK, check_name
+from shoal.log.records import check_name
 from shoal.upkeep import gc_queue as garbage
 
 PRUNED = "index-version-pruned"  # garbage reason of files whose versions were pruned
@@ -39,19 +40,6 @@ class Tagged:
     versions: dict[int, VersionRecord | None]
 
 
-def _generations(s: Session, index_id: int) -> list[int]:
-    """The index rows of every generation of the index `index_id` serves under: itself, and those built aside
-    or kept for rollback (`{version}~g{n}`)."""
-    row = s.get(Index, index_id)
-    if row is None:
-        return []
-    base = row.version.partition(GENERATION_MARK)[0]
-    return list(s.scalars(select(Index.id).where(
-        Index.tenant_id == row.tenant_id, Index.name == row.name,
-        or_(Index.version == base, Index.version.startswith(base + GENERATION_MARK, autoescape=True)),
-    )))
-
-
 def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
     """Pin the version every shard of the index serves now under `name` (replacing a tag of that name, on this
     generation or an older one); returns shard id -> version id (None for a shard with nothing built yet)."""
@@ -59,7 +47,7 @@ def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
     with Session(engine) as s, s.begin():
         shards = s.execute(select(IndexShard.id, IndexShard.active_version_id).where(IndexShard.index_id == index_id))
         versions = {int(sid): (int(v) if v is not None else None) for sid, v in shards}
-        others = [g for g in _generations(s, index_id) if g != index_id]
+        others = [g for g in generation_ids(s, index_id) if g != index_id]
         if others:
             s.execute(delete(IndexTag).where(IndexTag.index_id.in_(others), IndexTag.tag == name))
         s.execute(
@@ -75,7 +63,7 @@ def tags(engine: Engine, index_id: int) -> dict[str, dict[int, int | None]]:
     """The index's tags, on every generation: name -> shard id -> version id."""
     with Session(engine) as s:
         rows = s.execute(select(IndexTag.tag, IndexTag.versions).where(
-            IndexTag.index_id.in_(_generations(s, index_id))))
+            IndexTag.index_id.in_(generation_ids(s, index_id))))
         return {t: {int(k): v for k, v in vs.items()} for t, vs in rows}
 
 
@@ -83,7 +71,7 @@ def untag(engine: Engine, index_id: int, name: str) -> None:
     """Remove a tag, on whichever generation holds it (its versions become prunable like any other, and a
     generation no tag names any more is dropped once its keep time is over); NotFoundError if there is none."""
     with Session(engine) as s, s.begin():
-        gone = s.execute(delete(IndexTag).where(IndexTag.index_id.in_(_generations(s, index_id)),
+        gone = s.execute(delete(IndexTag).where(IndexTag.index_id.in_(generation_ids(s, index_id)),
                                                 IndexTag.tag == name)).rowcount
     if not gone:
         raise NotFoundError(f"tag {name!r} not found")
@@ -93,7 +81,7 @@ def tagged_versions(engine: Engine, index_id: int, name: str) -> Tagged:
     """The generation the tag was taken on and the versions it pinned; NotFoundError if there is no such tag."""
     with Session(engine) as s:
         row = s.execute(select(IndexTag.index_id, IndexTag.versions).where(
-            IndexTag.index_id.in_(_generations(s, index_id)), IndexTag.tag == name)).first()
+            IndexTag.index_id.in_(generation_ids(s, index_id)), IndexTag.tag == name)).first()
         if row is None:
             raise NotFoundError(f"tag {name!r} not found")
         pinned = {int(k): v for k, v in row.versions.items()}

@@ -66,13 +66,16 @@ def start_reindex(
         raise ReindexConflictError(f"index {name!r} version {version!r} is being reindexed already")
     source = catalog.get_data_source(current.spec.source_name, current.spec.source_version)
     changes: dict[str, Any] = {}
-    if algorithm is not None:
+    same_algorithm = algorithm is None or algorithm == current.spec.algorithm
+    if not same_algorithm:
         changes["algorithm"] = algorithm
         changes["params"] = {}  # the old algorithm's params may not apply to the new one
     if metric is not None:
         changes["metric"] = metric
     if params is not None:
-        changes["params"] = dict(params)
+        # With the algorithm kept, the params given change those the index has (`--param M=32` changes M alone:
+        # HNSW takes its params all or none); a new algorithm takes only what is given, the rest its defaults.
+        changes["params"] = {**current.spec.params, **params} if same_algorithm else dict(params)
     generation = gens.next_generation(indexes.tenant_id, name, version)
     spec = dataclasses.replace(current.spec, version=hidden_version(version, generation), **changes)
     resolved = resolve_index(spec, source.spec)

@@ -24,11 +24,12 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import pyarrow.fs as pafs
-from sqlalchemy import Connection, Engine, delete, select
+from sqlalchemy import Connection, Engine, delete, func, select, update
 
 from shoal.catalog.locks import lock_source
-from shoal.catalog.models import DataSource, Index, LogSegment
+from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.errors import NotFoundError
+from shoal.index.generations import generation_ids
 from shoal.storage import Storage
 from shoal.upkeep import gc
 from shoal.upkeep import gc_queue as garbage
@@ -48,10 +49,14 @@ def drop_index(
     reason: str = INDEX_DROPPED,
     delete_after: dt.datetime,
     version: str | None = None,
+    generations: bool = False,
 ) -> list[str]:
     """Delete the live index `index_id` (still under `version` when given: a swap renames generations) with
     its shards and versions, and queue every file its versions referenced to go after `delete_after`, in one
-    transaction; the files queued. NotFoundError if the index is gone, in the trash or renamed."""
+    transaction; the files queued. With `generations` (an owner's drop), every other generation of the index
+    goes with it (one being built, one kept for rollback or for a tag) and a reindex still building ends as
+    cancelled, so a new index under the name starts clean. NotFoundError if the index is gone, in the trash or
+    renamed."""
     with engine.begin() as conn:
         query = select(Index.id).where(Index.id == index_id, Index.deleted_at.is_(None))
         if version is not None:
@@ -59,9 +64,18 @@ def drop_index(
         found = conn.execute(query.with_for_update()).one_or_none()
         if found is None:
             raise NotFoundError(f"index {index_id} not found")
-        garbage.lock_shards(conn, [index_id])  # a publish in flight commits first (and is listed) or fails
-        files = sorted(garbage.index_files_of(conn, [index_id]))
-        conn.execute(delete(Index).where(Index.id == index_id))  # cascades to shards, versions, index_files
+        ids = generation_ids(conn, index_id) if generations else [index_id]
+        garbage.lock_shards(conn, ids)  # a publish in flight commits first (and is listed) or fails
+        files = sorted(garbage.index_files_of(conn, ids))
+        if generations:
+            conn.execute(
+                update(ReindexJob)
+                .where(ReindexJob.state == "building",
+                       (ReindexJob.from_index_id.in_(ids)) | (ReindexJob.to_index_id.in_(ids)))
+                .values(state="cancelled", error="the index was dropped", updated_at=func.now(),
+                        finished_at=func.now())
+            )
+        conn.execute(delete(Index).where(Index.id.in_(ids)))  # cascades to shards, versions, index_files
         garbage.enqueue(conn, files, reason, delete_after)
     return files
 
