@@ -8,7 +8,7 @@ import httpx
 import pytest
 from test_api_vektonn import point
 
-from shoal import Shoal
+from shoal import DataSourceSpec, Shoal
 from shoal.auth import create_key
 from shoal.config.settings import Settings
 from shoal.errors import ValidationError
@@ -241,3 +241,24 @@ def test_shoal_api_and_apply_commands(tmp_path: Path, make_settings) -> None:  #
         assert r.json()[0]["nearestDataPoints"][0]["distance"] == 2.0  # inner product, larger is nearer
     finally:
         stop_process(server)
+
+
+def test_the_dataset_key_in_a_data_sources_metadata_is_refused(served: tuple[str, Settings]) -> None:
+    """`shoal.dataset` in custom metadata is where the dataset API keeps a dataset's definition: a data source
+    made with it any other way (the management route, the CLI, the Python API) would pass for a broken dataset
+    and break the tenant's dataset listing. It is refused, naming the key, and nothing is written."""
+    url, settings = served
+    body = {"name": "Fake.Dataset", "version": "1", "vectorDimension": 2, "attributeValueTypes": {"id": "int64"},
+            "permanentAttributes": ["id"], "customMetadata": {"shoal.dataset": {"x": 1}}}
+    with Shoal(settings, notify=False) as shoal:
+        admin = {"Authorization": f"ApiKey {create_key(shoal.engine, settings.tenant, 'admin')[1]}"}
+        with httpx.Client(base_url=url, timeout=30, headers=admin) as http:
+            refused = http.post("/api/v1/data-sources", json=body)
+            assert refused.status_code == 400, refused.text
+            assert "'shoal.dataset'" in refused.text and "reserved" in refused.text
+            listed = http.get("/api/v1/datasets")
+            assert listed.status_code == 200, listed.text
+        assert [s.spec.name for s in shoal.list_data_sources()] == []
+        with pytest.raises(ValidationError, match="reserved"):
+            shoal.create_data_source(DataSourceSpec("Fake.Dataset", "1", 2, {"id": "int64"}, ["id"],
+                                                    custom_metadata={"shoal.dataset": {}}))

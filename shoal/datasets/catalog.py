@@ -25,11 +25,12 @@ from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, Index, IndexFile, IndexShard, LogSegment, ReindexJob, Tenant
 from shoal.datasets.errors import not_found
 from shoal.datasets.rules import VERSION
+from shoal.log.records import DATASET_KEY
 
 if TYPE_CHECKING:  # only a type here: shoal.client reaches this module through the reindex's mirror refresh
     from shoal.client import Shoal
 
-MARKER = "shoal.dataset"  # key of the dataset definition inside the data source's custom metadata
+MARKER = DATASET_KEY  # key of the dataset definition inside the data source's custom metadata
 FORMAT = 1  # version of the definition's layout
 
 

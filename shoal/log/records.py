@@ -32,6 +32,9 @@ MAX_CUSTOM_METADATA_BYTES = 256 * 1024
 # its folder in the storage layout.
 SOURCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 GENERATION_MARK = "~g"  # see IndexSpec.__post_init__
+# The custom-metadata key under which the dataset API keeps a dataset's definition (shoal.datasets.catalog): set
+# only by that API, refused in data sources made any other way (a dataset listing would read it as a dataset).
+DATASET_KEY = "shoal.dataset"
 TENANT_NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")
 # Attribute keys become Parquet column names; the "__" prefix is reserved for the log's own columns.
 ATTRIBUTE_NAME_RE = re.compile(r"^(?!__)[A-Za-z0-9_.-]{1,100}$")

@@ -31,7 +31,7 @@ from shoal.errors import CommitError, ConflictError
 from shoal.log.commit import BatchSlot, commit_group
 from shoal.log.compaction_swap import sources_with_metadata
 from shoal.log.reader import fold, read_log
-from shoal.log.records import DataSourceSpec
+from shoal.log.records import DATASET_KEY, DataSourceSpec
 from shoal.log.segment_file import WrittenSegment, build_segment_table, store_segment
 from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
 from shoal.storage import Storage
@@ -39,7 +39,7 @@ from shoal.storage import Storage
 log = logging.getLogger(__name__)
 
 METADATA_KEY = "retention_days"
-DATASET_MARKER = "shoal.dataset"  # where the dataset API keeps a dataset's definition (shoal.datasets.catalog)
+DATASET_MARKER = DATASET_KEY  # where the dataset API keeps a dataset's definition (shoal.datasets.catalog)
 BATCH_PREFIX = "shoal-retention:"
 ATTEMPTS = 8  # head moved under us this often in a row: give up for this run (the next one retries)
 
