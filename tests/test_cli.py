@@ -9,8 +9,10 @@ tenant.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,14 +23,18 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner, Result
 
+import shoal.api.serve
+import shoal.servers.broker
 from shoal import Shoal
 from shoal.cli import app
 from shoal.config.settings import mask_url
 from shoal.demo import load_demo
+from shoal.errors import ConfigurationError
 from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 DIM = 384
+up_module = importlib.import_module("shoal.cli.up")  # `shoal.cli.up` is also the name of the command function
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +190,7 @@ def test_import_parquet_with_extra_columns_is_idempotent(tenant: str, sample: tu
 
     again = shoal_cli("import", "pk", "1", str(path), "--vectors-column", "emb", "--batch-size", "500")
     assert "3 of 3 batches were imported before" in again.stdout
+    assert "Imported 0 points" in again.stdout and "read 1,200" in again.stdout  # this run wrote nothing
     assert "Last write token: pk/1@1200" in again.stdout
     assert head("pk") == 1200
 
@@ -240,6 +247,47 @@ def test_import_rejects_bad_rows_naming_the_file_row(tenant: str, sample: tuple)
     assert head("bad") == 20
 
 
+def test_log_takes_options_before_the_name(tenant: str, sample: tuple) -> None:
+    vectors16, table, _ = sample
+    create_packages("opt")
+    with Shoal() as client:
+        cols = {c: table[c].slice(0, 5) for c in ("id", "package", "section")}
+        client.producer("opt", "1").upload_columns(vectors16[:5], cols)
+    # Options before NAME were refused ("No such option"): only a first argument without "-" meant `show`.
+    shown = shoal_cli("log", "--tenant", tenant, "opt", "1").stdout
+    assert f"Log of opt/1 (tenant {tenant!r})" in shown and ".parquet" not in shown
+    assert shoal_cli("log", "--segments", "opt", "1").stdout.count(".parquet") == 1
+    assert "live points" in shoal_cli("log", "--show", "2", "--tenant", tenant, "opt", "1").stdout
+    other = shoal_cli("log", "--tenant", tenant + "-b", "opt", "1", code=1)
+    assert "not found" in other.stderr
+    # Subcommands and the group's help are what they were.
+    help_text = shoal_cli("log", "--help").stdout
+    assert "compact" in help_text and "expire" in help_text and "show" in help_text
+    assert "Compaction of opt/1" in shoal_cli("log", "compact", "opt", "1", "--tenant", tenant).stdout
+    assert "nothing to expire" in shoal_cli("log", "expire", "--tenant", tenant, "opt", "1").stdout
+    shoal_cli("log", "--no-such-option", "opt", "1", code=2)
+
+
+def test_search_errors_speak_of_the_query(tenant: str, tmp_path: Path) -> None:
+    shoal_cli("source", "create", "sq", "1", "--dim", "2", "--attr", "id:int64,lang:string", "--permanent", "id,lang")
+    shoal_cli("index", "create", "sq.flat", "1", "--source", "sq", "--source-version", "1", "--metric", "euclidean",
+              "--split-attr", "lang")
+    # A split value of the wrong type said "invalid input, nothing written" on a read.
+    line = one_error_line(shoal_cli("search", "sq.flat", "1", "--query", "0,1", "--split", "id=abc", code=1))
+    assert line.startswith("error: invalid query: attribute 'id': 'abc' is not a int64 value"), line
+    assert "nothing written" not in line
+    # A complex query file was taken, its imaginary part dropped with a ComplexWarning.
+    for name, array in (("cplx.npy", np.array([[1 + 2j, 3 + 0j]])), ("bools.npy", np.array([[True, False]]))):
+        np.save(tmp_path / name, array)
+        refused = shoal_cli("search", "sq.flat", "1", "--query-file", str(tmp_path / name), code=2)
+        assert f"{name} must hold real numbers" in " ".join(refused.stderr.replace("│", " ").split())
+    for array in (np.array([[1, 2]], dtype=np.int16), np.array([0.5, 1], dtype=np.float16)):
+        np.save(tmp_path / "ok.npy", array)
+        got = json.loads(shoal_cli("search", "sq.flat", "1", "--query-file", str(tmp_path / "ok.npy"),
+                                   "--json").stdout)
+        assert got == [{"query": 0, "hits": []}]
+
+
 # -- log, servers, settings ---------------------------------------------------------------------------------
 
 
@@ -273,6 +321,113 @@ def test_server_status_and_settings(cli_env: Path, tenant: str) -> None:
     assert secret.exit_code == 0 and "hunter2" not in secret.stdout and "hunter3" not in secret.stdout
     bad = runner.invoke(app, ["source", "list"], env={"SHOAL_MAX_BATCH_POINTS": "many"})
     assert bad.exit_code == 1 and "invalid settings: max_batch_points" in bad.stderr
+
+
+def one_error_line(result: Result) -> str:
+    """The one red line a failed command printed on stderr (no traceback, nothing on stdout)."""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == ""
+    return lines[0]
+
+
+def test_config_file_named_but_missing_or_malformed(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mistyped SHOAL_CONFIG was ignored: every command ran on the defaults (the embedded catalog).
+    monkeypatch.setenv("SHOAL_CONFIG", "/nonexistent/shoal.toml")
+    for args in (["settings"], ["source", "list"], ["migrate"]):
+        line = one_error_line(shoal_cli(*args, code=1))
+        assert "SHOAL_CONFIG" in line and "/nonexistent/shoal.toml" in line and "no such file" in line
+    # A malformed file was a traceback on every command.
+    bad = cli_env / "bad.toml"
+    bad.write_text("database_url = [\n")
+    monkeypatch.setenv("SHOAL_CONFIG", str(bad))
+    for args in (["settings"], ["source", "list"]):
+        line = one_error_line(shoal_cli(*args, code=1))
+        assert str(bad) in line and "is not valid TOML: Invalid value" in line
+
+
+def test_api_port_out_of_range_is_a_usage_error(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    served: list[dict] = []
+    monkeypatch.setattr(shoal.api.serve, "serve", lambda app, **options: served.append(options))
+    # 70000 listened on 70000 mod 65536 (4464) while saying 70000; -1 failed obscurely inside uvicorn.
+    for port in ("70000", "65536", "0", "-1"):
+        shoal_cli("api", "--port", port, "--workers", "2", code=2)
+    assert served == []
+    shoal_cli("api", "--port", "65535", "--workers", "2")
+    assert [(o["host"], o["port"]) for o in served] == [("127.0.0.1", 65535)]
+
+
+class _FakeProc:
+    """Stands in for a child process of `shoal up` that never exits."""
+
+    pid = 0
+
+    def poll(self) -> int | None:
+        return None
+
+
+def test_up_refuses_anonymous_writes_beyond_loopback(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Keyless callers may write (whatever catalog the session uses): `shoal api` refuses 0.0.0.0 then.
+    monkeypatch.setenv("SHOAL_ANONYMOUS_TENANT", "anon")
+    monkeypatch.setenv("SHOAL_ANONYMOUS_ROLE", "write")
+    monkeypatch.delenv("SHOAL_ALLOW_ANONYMOUS_WRITES", raising=False)
+
+    def catalog_reached(_: object) -> None:
+        raise ConfigurationError("the catalog check was reached")  # the first thing `up` starts
+
+    monkeypatch.setattr(up_module, "_check_catalog", catalog_reached)
+    # It started the API child, which refused, and restarted it forever.
+    line = one_error_line(shoal_cli("up", "--host", "0.0.0.0", "--port", "1", "--no-consumer", code=1))
+    assert line.startswith("error: refusing to listen on 0.0.0.0") and "--allow-anonymous-writes" in line
+    no_api = shoal_cli("up", "--no-api", "--host", "0.0.0.0", "--no-consumer", code=1)  # no API: nothing to refuse
+    assert one_error_line(no_api) == "error: the catalog check was reached"
+
+    # --allow-anonymous-writes (as `shoal api` has) lets it start, and reaches the API child's argv.
+    started: list[list[str]] = []
+
+    def start(argv: list[str], *_: object) -> _FakeProc:
+        started.append(argv)
+        return _FakeProc()
+
+    def supervise(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt  # as Ctrl-C would, once everything started
+
+    monkeypatch.setattr(up_module, "_check_catalog", lambda _: None)
+    monkeypatch.setattr(shoal.servers.broker, "broker_url", lambda _: "redis://127.0.0.1:1/0")
+    monkeypatch.setattr(up_module, "redis_status", lambda _: "reachable")
+    monkeypatch.setattr(up_module, "start_worker_process", start)
+    monkeypatch.setattr(up_module, "stop_worker_process", lambda *_: "stopped")
+    monkeypatch.setattr(up_module, "_start", start)
+    monkeypatch.setattr(up_module, "_supervise", supervise)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shoal_cli("up", "--host", "0.0.0.0", "--port", str(port), "--no-consumer", "--allow-anonymous-writes")
+    api = [argv for argv in started if "api" in argv]
+    assert len(api) == 1 and api[0][-5:] == ["--host", "0.0.0.0", "--port", str(port), "--allow-anonymous-writes"]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_up_port_check_takes_ipv6_hosts() -> None:
+    # An IPv6 host was bound with an IPv4 socket: "port N on ::1 is in use" for any free port.
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    assert not up_module._port_taken("::1", port)
+    assert not up_module._port_taken("::", port)
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))
+        s.listen()
+        assert up_module._port_taken("::1", port)
 
 
 def test_mask_url() -> None:

@@ -11,7 +11,7 @@ from shoal.cli.common import load_settings, out
 
 def api(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8080,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes (one per core scales search).")] = 1,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="Log every request.")] = True,
     allow_anonymous_writes: Annotated[

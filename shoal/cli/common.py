@@ -91,7 +91,10 @@ def typer_app(help_text: str) -> ShoalTyper:
 
 
 def load_settings() -> Settings:
-    """The effective settings; ConfigurationError listing every invalid one (instead of pydantic's report)."""
+    """The effective settings; ConfigurationError listing every invalid one (instead of pydantic's report).
+
+    A missing, unreadable or malformed config file is a ConfigurationError of Settings itself, naming the file.
+    """
     try:
         return Settings()
     except pydantic.ValidationError as exc:

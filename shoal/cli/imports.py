@@ -51,9 +51,10 @@ def _progress_bar() -> Progress:
 
 def _report(result: ImportResult, file: Path, name: str, version: str) -> None:
     rate = result.points / max(result.seconds, 1e-9)
+    # "Imported" counts what this run wrote; a re-run that finds every batch committed before wrote nothing.
     out.print(
-        f"Imported {count(result.points)} points from {file.name} into {name}/{version} in {result.seconds:.2f} s "
-        f"({count(int(rate))} points/s)."
+        f"Imported {count(result.new_points)} points from {file.name} into {name}/{version} in "
+        f"{result.seconds:.2f} s (read {count(result.points)}, {count(int(rate))} points/s)."
     )
     if result.skipped_batches:
         out.print(

@@ -1,7 +1,8 @@
 """`shoal log` (show, compact, expire) and `shoal gc`: the log's upkeep from the command line.
 
-`shoal log NAME VERSION` still shows the log: a first argument naming no subcommand means `show` (a data
-source literally named `compact` or `expire` is shown with `shoal log show ...`).
+`shoal log NAME VERSION` still shows the log: a first argument naming no subcommand (a NAME or an option of
+`show`, such as --tenant) means `show` (a data source literally named `compact` or `expire` is shown with
+`shoal log show ...`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from shoal.cli.logview import log
 
 
 class _LogGroup(TyperGroup):
-    """A group whose unknown first argument is the `show` command's NAME."""
+    """A group whose first argument, unless it names a subcommand or asks for the group's help, starts the
+    `show` command's arguments: its NAME, or one of its options (`shoal log --tenant t NAME VERSION`)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and not args[0].startswith("-"):
+        # The group's only option of its own is --help; any other option belongs to `show`.
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
             args = ["show", *args]
         return super().parse_args(ctx, args)
 

@@ -15,7 +15,7 @@ from shoal.cli.common import AsJson, Tenant, open_shoal, out, split_pairs
 from shoal.cli.formatting import cell, count, echo_json
 from shoal.cli.indexes import IndexName, IndexVersion
 from shoal.engines.metrics import Metric, higher_is_nearer
-from shoal.errors import Problem, ValidationError
+from shoal.errors import Problem, QueryError, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
@@ -71,9 +71,11 @@ def load_query_file(path: Path, sparse: bool) -> list[Any]:
         raise typer.BadParameter(f"cannot read {path.name} as .npy: {exc}", param_hint="--query-file") from None
     if array.ndim == 1:
         array = array[None, :]
-    if array.ndim != 2 or not np.issubdtype(array.dtype, np.number):
+    # Real numbers only: np.number takes complex too, whose imaginary part the cast below would silently drop.
+    if array.ndim != 2 or array.dtype.kind not in "fiu":
         raise typer.BadParameter(
-            f"{path.name} must hold numbers shaped [d] or [n, d], not {array.dtype} {list(array.shape)}",
+            f"{path.name} must hold real numbers (floats or integers) shaped [d] or [n, d], not {array.dtype} "
+            f"{list(array.shape)}",
             param_hint="--query-file",
         )
     # float64, which holds every number a .npy file may (float16..64, ints): the searcher casts to float32 and
@@ -227,6 +229,10 @@ def search(
                 search_params=search_params,
             )
             served = searcher.served_watermarks(index, version)
+        except ValidationError as exc:
+            # A search writes nothing: its broken rules (a split value of the wrong type, say) must not be
+            # reported as "invalid input, nothing written".
+            raise QueryError.of(exc) from None
         finally:
             searcher.close()
     if as_json:

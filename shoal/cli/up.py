@@ -37,6 +37,7 @@ from shoal.cli.worker import (
     worker_argv,
 )
 from shoal.config.settings import mask_url
+from shoal.errors import ConfigurationError
 
 LOG_DIR = "logs"  # under SHOAL_DATA_DIR: one file per child, appended to across runs
 TAIL_LINES = 25  # lines of a dead child's log shown
@@ -91,10 +92,19 @@ def _mark(log_path: Path, name: str) -> None:
 
 
 def _port_taken(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Whether binding `host`:`port` fails, as the child's own bind would; the address family is the host's
+    (an IPv6 literal such as ::1 or :: needs an IPv6 socket). ConfigurationError when the host does not
+    resolve."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigurationError(f"cannot listen on {host!r}: {exc.strerror or exc}") from None
+    with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError:
             return True
     return False
@@ -167,6 +177,14 @@ def up(
         typer.Option("--restart/--no-restart", help="Start a child that died on its own again, with backoff "
                      "(--no-restart: stop everything and exit 1 instead)."),
     ] = True,
+    allow_anonymous_writes: Annotated[
+        bool,
+        typer.Option(
+            "--allow-anonymous-writes",
+            help="Let the HTTP API serve uploads and creates without an API key on an address beyond loopback "
+            "(refused otherwise; also SHOAL_ALLOW_ANONYMOUS_WRITES).",
+        ),
+    ] = False,
 ) -> None:
     """Run Shoal on this machine in the foreground: a worker (with beat and task events), the message
     consumer, the HTTP API and, with --flower, Flower; each a child process logging to SHOAL_DATA_DIR/logs/.
@@ -179,9 +197,16 @@ def up(
     kill). A child that dies on its own is started again after a backoff (1 s doubling to 30 s), and said so;
     with --no-restart the others are stopped instead and `shoal up` exits with status 1.
     """
+    from shoal.api.security import check_exposure
     from shoal.servers.broker import broker_url
 
     settings = load_settings()
+    if allow_anonymous_writes:
+        settings = settings.model_copy(update={"allow_anonymous_writes": True})
+    if api:
+        # The API child would refuse the exposure itself, and be restarted forever: refuse it here, before
+        # anything starts, with the same message `shoal api` gives.
+        check_exposure(settings, host)
     for what, wanted, h, p in (("the HTTP API", api, host, port), ("Flower", flower, "127.0.0.1", flower_port)):
         if wanted and _port_taken(h, p):
             fail(f"port {p} on {h} is in use: cannot start {what} (choose another port or stop what uses it)")
@@ -222,7 +247,8 @@ def up(
                 _say(f"intake:  shoal consume (pid {children[-1].proc.pid}), group {settings.intake_group!r} on "
                      f"exchange {settings.intake_exchange!r}")
             if api:
-                api_argv = [sys.executable, "-m", "shoal", "api", "--host", host, "--port", str(port)]
+                api_argv = [sys.executable, "-m", "shoal", "api", "--host", host, "--port", str(port),
+                            *(["--allow-anonymous-writes"] if allow_anonymous_writes else [])]
                 shown = f"[{host}]" if ":" in host else host
                 url = f"http://{shown}:{port}"
                 children.append(_child("api", logs, lambda: _start(api_argv, logs / "api.log", env),

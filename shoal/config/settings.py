@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -16,6 +17,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from shoal.errors import ConfigurationError
+
 # The request body budget per point of SHOAL_MAX_BATCH_POINTS when SHOAL_MAX_BODY_BYTES is unset: a point with
 # a 64-dimensional vector and a few attributes is about 1 KiB of JSON (a 256-dimensional one in Arrow).
 BODY_BYTES_PER_POINT = 1024
@@ -27,10 +30,19 @@ ANONYMOUS_TENANT = "anonymous"
 
 
 def config_file() -> Path | None:
-    """The TOML file named by SHOAL_CONFIG, else ./shoal.toml when present."""
+    """The TOML file named by SHOAL_CONFIG, else ./shoal.toml when present.
+
+    A file SHOAL_CONFIG names must exist (ConfigurationError otherwise): pydantic-settings skips a missing
+    one, so a typo would silently fall back to the defaults, and to the embedded catalog.
+    """
     named = os.environ.get("SHOAL_CONFIG")
     if named:
-        return Path(named)
+        path = Path(named)
+        if not path.exists():
+            raise ConfigurationError(f"invalid settings: SHOAL_CONFIG: no such file: {named}")
+        if not path.is_file():
+            raise ConfigurationError(f"invalid settings: SHOAL_CONFIG: not a file: {named}")
+        return path
     local = Path("shoal.toml")
     return local if local.is_file() else None
 
@@ -275,7 +287,7 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         path = config_file()
         if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            sources.append(_toml_source(settings_cls, path))
         return tuple(sources)
 
     @property
@@ -306,6 +318,17 @@ class Settings(BaseSettings):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])
         return shown
+
+
+def _toml_source(settings_cls: type[BaseSettings], path: Path) -> TomlConfigSettingsSource:
+    """The settings in the TOML file `path`; ConfigurationError naming the file when it cannot be read or
+    parsed (the source reads it at once, and its own errors would reach the operator as a traceback)."""
+    try:
+        return TomlConfigSettingsSource(settings_cls, toml_file=path)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"invalid settings: {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigurationError(f"invalid settings: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _half_of_memory() -> int:
