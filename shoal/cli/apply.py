@@ -2,13 +2,99 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from shoal.cli.common import Tenant, open_shoal, out
-from shoal.vektonn.yaml_config import read_folder
+from shoal.client import Shoal
+from shoal.errors import AlreadyExistsError, InvalidNameError, NotFoundError
+from shoal.index.spec import resolve_index
+from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec
+from shoal.vektonn.yaml_config import SOURCES_DIR, Declared, naming_file, read_folder
+
+# The fields `DataSourceSpec.same_definition` compares, by the names the YAML gives them.
+SOURCE_FIELDS = {"vector_dimension": "vectorDimension", "vectors_are_sparse": "vectorsAreSparse",
+                 "attribute_types": "attributeValueTypes", "permanent_attributes": "permanentAttributes"}
+
+
+@dataclass
+class Plan:
+    """What to create once every file checked out: definitions, each marked as already in the catalog or not."""
+
+    sources: list[tuple[DataSourceSpec, bool]] = field(default_factory=list)
+    indexes: list[tuple[IndexSpec, bool]] = field(default_factory=list)
+
+
+def _differences(mine: dict[str, Any], theirs: dict[str, Any], names: dict[str, str] | None = None) -> str:
+    """`field: X here, Y in the catalog` for each field that differs; `names` (field -> name shown) picks and
+    renames the fields compared, else all of `mine` are."""
+    names = names or {name: name for name in mine}
+    return "; ".join(
+        f"{shown}: {mine[name]!r} here, {theirs[name]!r} in the catalog"
+        for name, shown in names.items()
+        if mine[name] != theirs[name]
+    )
+
+
+def _source_spec(shoal: Shoal, spec: DataSourceSpec) -> DataSourceSpec | None:
+    try:
+        return shoal.get_data_source(spec.name, spec.version).spec
+    except NotFoundError:
+        return None
+
+
+def _index_spec(shoal: Shoal, spec: IndexSpec) -> IndexSpec | None:
+    try:
+        return shoal.get_index(spec.name, spec.version).spec
+    except NotFoundError:
+        return None
+
+
+def check(shoal: Shoal, folder: Path, declared: Declared) -> Plan:
+    """Check every declared definition against the others and the tenant's catalog, writing nothing: each
+    index against its data source (declared in the folder or already in the catalog) by the same rules
+    `Shoal.create_index` applies, and each definition that exists already against the stored one. The first
+    error names its file; only a Plan that passed every check is ever applied, so no file is half applied."""
+    plan = Plan()
+    for spec in declared.sources:
+        with naming_file(declared.source_files[(spec.name, spec.version)]):
+            existing = _source_spec(shoal, spec)
+            # What `create_data_source(exist_ok=True)` would refuse, found before anything is written.
+            if existing is not None and not existing.same_definition(spec):
+                raise AlreadyExistsError(
+                    f"data source {spec.name!r} version {spec.version!r} exists with another definition: "
+                    + _differences(spec.to_json(), existing.to_json(), SOURCE_FIELDS)
+                )
+            spec.check_storable()
+        plan.sources.append((spec, existing is not None))
+    in_folder = {(s.name, s.version): s for s in declared.sources}
+    for index in declared.indexes:
+        with naming_file(declared.index_files[(index.name, index.version)]):
+            if GENERATION_MARK in index.version:  # as Shoal.create_index refuses it
+                raise InvalidNameError(f"index version {index.version!r}: '~' is reserved for reindex generations")
+            key = (index.source_name, index.source_version)
+            source = in_folder.get(key)
+            if source is None:
+                try:
+                    source = shoal.get_data_source(*key).spec
+                except NotFoundError:
+                    raise NotFoundError(
+                        f"dataSourceId names data source {key[0]!r} version {key[1]!r}, which is neither in "
+                        f"{folder / SOURCES_DIR} nor in tenant {shoal.tenant!r}"
+                    ) from None
+            resolved = resolve_index(index, source)
+            existing_index = _index_spec(shoal, index)
+            # The catalog compares resolved definitions; so does this.
+            if existing_index is not None and existing_index != resolved:
+                raise AlreadyExistsError(
+                    f"index {index.name!r} version {index.version!r} exists with another definition: "
+                    + _differences(asdict(resolved), asdict(existing_index))
+                )
+        plan.indexes.append((index, existing_index is not None))
+    return plan
 
 
 def apply(
@@ -16,16 +102,15 @@ def apply(
     tenant: Tenant = None,
 ) -> None:
     """Read `data-sources/{name}/{version}.yaml` and `indices/{name}/{version}.yaml`; create what is missing and
-    check that what exists has the same definition (AlreadyExistsError names any difference)."""
-    declared = read_folder(folder)
+    check that what exists has the same definition. Every file is checked before anything is written (its fields,
+    each index against its data source, each definition against the one the tenant holds already); an error
+    names the file and, for a definition the tenant holds with other values, the fields that differ."""
+    declared = read_folder(folder)  # before open_shoal: a malformed folder starts no server
     with open_shoal(tenant) as shoal:
-        for spec in declared.sources:
-            existed = any(
-                (r.spec.name, r.spec.version) == (spec.name, spec.version) for r in shoal.list_data_sources()
-            )
+        plan = check(shoal, folder, declared)
+        for spec, existed in plan.sources:
             shoal.create_data_source(spec, exist_ok=True)
             out.print(f"data source {spec.name}/{spec.version}: {'unchanged' if existed else 'created'}")
-        for index in declared.indexes:
-            existed = any((r.spec.name, r.spec.version) == (index.name, index.version) for r in shoal.list_indexes())
+        for index, existed in plan.indexes:
             shoal.create_index(index, exist_ok=True)
             out.print(f"index {index.name}/{index.version}: {'unchanged' if existed else 'created'}")

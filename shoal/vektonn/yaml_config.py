@@ -2,108 +2,234 @@
 
 Every scalar is read as text first (YAML's BaseLoader), so a version written `1.10` stays "1.10" instead of
 becoming the number 1.1; numbers and booleans are converted only where a field needs one. Unknown keys are
-ignored, as Vektonn ignores them.
+ignored, as Vektonn ignores them. Keys are matched without regard to case.
+
+Every value is checked for its shape (text, list or mapping) before it is used: a malformed file is refused with
+a ValidationError naming the file and the field, never a Python error from deep inside.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from shoal.errors import Problem, ValidationError
+from shoal.errors import AlreadyExistsError, NotFoundError, Problem, ValidationError
 from shoal.log.records import DataSourceSpec, IndexSpec
 
 # Vektonn's attribute value type names (any case) -> ours.
 VALUE_TYPES = {"string": "string", "guid": "guid", "bool": "bool", "int64": "int64", "float64": "float64",
                "datetime": "datetime"}
+SOURCES_DIR = "data-sources"
+INDICES_DIR = "indices"
+# BaseLoader reads YAML's null spellings as text; they mean "not given", as in Vektonn's reader.
+NULLS = ("", "~", "null", "Null", "NULL")
+
+
+@contextlib.contextmanager
+def naming_file(path: Path) -> Iterator[None]:
+    """Put `path` in front of the message of a validation, not-found or already-exists error raised in the
+    block (re-raised as the same type), so the one line the CLI prints says which file is at fault."""
+    try:
+        yield
+    except ValidationError as exc:
+        # One problem: "FILE: what; what" reads better than the file repeated before every problem.
+        raise type(exc)(Problem(f"{path}: {'; '.join(str(p) for p in exc.problems)}")) from None
+    except (NotFoundError, AlreadyExistsError) as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    """What a YAML value is, for messages: BaseLoader builds only text, lists and mappings."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else type(value).__name__
+
+
+def _absent(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip() in NULLS)
+
+
+def _keys_folded(name: str, data: dict[Any, Any]) -> dict[str, Any]:
+    """`data` with lower-case keys; a key given twice in different case is refused rather than one dropped."""
+    folded: dict[str, Any] = {}
+    for key, value in data.items():
+        low = str(key).lower()
+        if low in folded:
+            where = f"{name}: " if name else ""
+            raise ValidationError(Problem(f"{where}key {key!r} is given twice (keys ignore case)"))
+        folded[low] = value
+    return folded
 
 
 def _load(path: Path) -> dict[str, Any]:
+    """The file's top-level mapping, keys lower-cased; ValidationError (without the path) when it is none."""
+    # The glob finds anything named like a YAML file; read_text cannot read a directory or a dangling link.
+    if path.is_dir():
+        raise ValidationError(Problem("is a directory, not a YAML file"))
+    if not path.is_file():
+        raise ValidationError(Problem("is not a regular file"))
     try:
-        data = yaml.load(path.read_text(), Loader=yaml.BaseLoader)  # noqa: S506 - BaseLoader builds no objects
+        text = path.read_text(encoding="utf-8")  # YAML is UTF-8 whatever the locale says
+    except UnicodeDecodeError as exc:
+        raise ValidationError(Problem(f"is not UTF-8 text (byte {exc.start}: {exc.reason})")) from None
+    except OSError as exc:
+        raise ValidationError(Problem(f"cannot be read: {exc.strerror or exc}")) from None
+    try:
+        data = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 - BaseLoader builds no objects
     except yaml.YAMLError as exc:
-        raise ValidationError(Problem(f"{path}: not valid YAML: {exc}")) from None
+        raise ValidationError(Problem(f"not valid YAML: {exc}")) from None
     if not isinstance(data, dict):
-        raise ValidationError(Problem(f"{path}: expected a mapping at the top"))
-    return {str(k).lower(): v for k, v in data.items()}
+        got = "an empty file" if data is None else _kind(data)
+        raise ValidationError(Problem(f"expected a mapping at the top, got {got}"))
+    return _keys_folded("", data)
 
 
-def _int(path: Path, name: str, value: Any) -> int:
+def _text(name: str, value: Any) -> str:
+    """A required scalar given as text (a name, a version, a type)."""
+    if _absent(value):
+        raise ValidationError(Problem(f"{name} is required"))
+    if not isinstance(value, str):
+        raise ValidationError(Problem(f"{name} must be text, got {_kind(value)}"))
+    return value
+
+
+def _int(name: str, value: Any) -> int:
+    if _absent(value):
+        raise ValidationError(Problem(f"{name} is required (an integer)"))
+    if not isinstance(value, str):
+        raise ValidationError(Problem(f"{name} must be an integer, got {_kind(value)}"))
     try:
-        return int(str(value))
+        return int(value)
     except ValueError:
-        raise ValidationError(Problem(f"{path}: {name} must be an integer, got {value!r}")) from None
+        raise ValidationError(Problem(f"{name} must be an integer, got {value!r}")) from None
 
 
-def _bool(path: Path, name: str, value: Any) -> bool:
-    text = str(value).strip().lower()
+def _bool(name: str, value: Any) -> bool:
+    if _absent(value):
+        return False
+    if not isinstance(value, str):
+        raise ValidationError(Problem(f"{name} must be true or false, got {_kind(value)}"))
+    text = value.strip().lower()
     if text in ("true", "yes", "on", "1"):
         return True
-    if text in ("false", "no", "off", "0", ""):
+    if text in ("false", "no", "off", "0"):
         return False
-    raise ValidationError(Problem(f"{path}: {name} must be true or false, got {value!r}"))
+    raise ValidationError(Problem(f"{name} must be true or false, got {value!r}"))
 
 
-def _names(value: Any) -> list[str]:
-    return [str(v) for v in value] if isinstance(value, list) else []
+def _names(name: str, value: Any) -> list[str]:
+    """A list of attribute names; not given: none. A single name is refused, not read as an empty list."""
+    if _absent(value):
+        return []
+    if not isinstance(value, list):
+        # Refused rather than read as one name: YAML's `[id]` and `id` are easy to confuse, and silently taking
+        # either reading could define another key than the author meant.
+        raise ValidationError(Problem(f"{name} must be a list of attribute names, got {_kind(value)}"))
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or _absent(item):
+            got = "nothing" if _absent(item) else _kind(item)
+            raise ValidationError(Problem(f"{name} must be a list of attribute names, item {i + 1} is {got}"))
+    return list(value)
+
+
+def _mapping(name: str, value: Any) -> dict[Any, Any]:
+    """A mapping as given (keys untouched); not given: an empty one."""
+    if _absent(value):
+        return {}
+    if not isinstance(value, dict):
+        raise ValidationError(Problem(f"{name} must be a mapping, got {_kind(value)}"))
+    return value
+
+
+def _source(path: Path, data: dict[str, Any]) -> tuple[DataSourceSpec, list[str]]:
+    """The data source a file declares, and the attribute keys of its sharders."""
+    types = _mapping("attributeValueTypes", data.get("attributevaluetypes"))
+    bad = {k: v for k, v in types.items() if not isinstance(v, str) or v.lower() not in VALUE_TYPES}
+    if bad:
+        shown = ", ".join(f"{k}: {v!r}" for k, v in bad.items())
+        raise ValidationError(
+            Problem(f"attributeValueTypes: unknown value types ({shown}); known: {', '.join(VALUE_TYPES.values())}")
+        )
+    spec = DataSourceSpec(
+        name=path.parent.name,
+        version=path.stem,
+        vector_dimension=_int("vectorDimension", data.get("vectordimension")),
+        vectors_are_sparse=_bool("vectorsAreSparse", data.get("vectorsaresparse")),
+        attribute_types={str(k): VALUE_TYPES[v.lower()] for k, v in types.items()},
+        permanent_attributes=_names("permanentAttributes", data.get("permanentattributes")),
+    )
+    sharders = _mapping("shardersByAttributeKey", data.get("shardersbyattributekey"))
+    return spec, [str(k) for k in sharders]
+
+
+def _index(path: Path, data: dict[str, Any], sharders: dict[tuple[str, str], list[str]]) -> IndexSpec:
+    """The index a file declares, as far as it can be checked without its data source."""
+    source_id = _keys_folded("dataSourceId", _mapping("dataSourceId", data.get("datasourceid")))
+    if not source_id:
+        raise ValidationError(Problem("dataSourceId is required: a mapping {name, version}"))
+    source_name = _text("dataSourceId.name", source_id.get("name"))
+    source_version = _text("dataSourceId.version", source_id.get("version"))
+    algorithm = _keys_folded("indexAlgorithm", _mapping("indexAlgorithm", data.get("indexalgorithm")))
+    if not algorithm:
+        raise ValidationError(Problem("indexAlgorithm is required: a mapping {type, params}"))
+    algorithm_type = _text("indexAlgorithm.type", algorithm.get("type"))
+    params = _mapping("indexAlgorithm.params", algorithm.get("params"))
+    for key, value in params.items():
+        if not isinstance(value, str):
+            raise ValidationError(Problem(f"indexAlgorithm.params.{key} must be a single value, got {_kind(value)}"))
+    shards = _mapping("shardsById", data.get("shardsbyid"))
+    return IndexSpec(
+        name=path.parent.name,
+        version=path.stem,
+        source_name=source_name,
+        source_version=source_version,
+        algorithm=algorithm_type,
+        params=params,
+        id_attributes=_names("idAttributes", data.get("idattributes")),
+        split_attributes=_names("splitAttributes", data.get("splitattributes")),
+        shard_attributes=sharders.get((source_name, source_version), []),
+        shard_count=max(1, len(shards)),
+    )
 
 
 @dataclass
 class Declared:
-    """What a configuration folder declares."""
+    """What a configuration folder declares, and the file each definition came from (by name and version)."""
 
     sources: list[DataSourceSpec] = field(default_factory=list)
     indexes: list[IndexSpec] = field(default_factory=list)
     sharders: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    source_files: dict[tuple[str, str], Path] = field(default_factory=dict)
+    index_files: dict[tuple[str, str], Path] = field(default_factory=dict)
 
 
 def read_folder(folder: Path) -> Declared:
-    """Parse every data source and index file under `folder`; ValidationError names the file and field."""
+    """Parse every data source and index file under `folder`; ValidationError names the file and field. A
+    folder without any such file is refused: it is most likely the wrong folder (or one level too deep)."""
+    source_paths = sorted((folder / SOURCES_DIR).glob("*/*.yaml"))
+    index_paths = sorted((folder / INDICES_DIR).glob("*/*.yaml"))
+    if not source_paths and not index_paths:
+        raise ValidationError(
+            Problem(f"{folder} holds no Vektonn configuration: expected {SOURCES_DIR}/{{name}}/{{version}}.yaml "
+                    f"or {INDICES_DIR}/{{name}}/{{version}}.yaml files in it")
+        )
     declared = Declared()
-    for path in sorted((folder / "data-sources").glob("*/*.yaml")):
-        data = _load(path)
-        name, version = path.parent.name, path.stem
-        types = data.get("attributevaluetypes") or {}
-        if not isinstance(types, dict):
-            raise ValidationError(Problem(f"{path}: attributeValueTypes must be a mapping"))
-        unknown = {k: v for k, v in types.items() if str(v).lower() not in VALUE_TYPES}
-        if unknown:
-            raise ValidationError(Problem(f"{path}: unknown attribute value types {unknown}"))
-        declared.sources.append(
-            DataSourceSpec(
-                name=name,
-                version=version,
-                vector_dimension=_int(path, "vectorDimension", data.get("vectordimension")),
-                vectors_are_sparse=_bool(path, "vectorsAreSparse", data.get("vectorsaresparse", "false")),
-                attribute_types={str(k): VALUE_TYPES[str(v).lower()] for k, v in types.items()},
-                permanent_attributes=_names(data.get("permanentattributes")),
-            )
-        )
-        sharders = data.get("shardersbyattributekey") or {}
-        declared.sharders[(name, version)] = [str(k) for k in sharders] if isinstance(sharders, dict) else []
-    for path in sorted((folder / "indices").glob("*/*.yaml")):
-        data = _load(path)
-        source_id = {str(k).lower(): v for k, v in (data.get("datasourceid") or {}).items()}
-        algorithm = {str(k).lower(): v for k, v in (data.get("indexalgorithm") or {}).items()}
-        if "name" not in source_id or "version" not in source_id or "type" not in algorithm:
-            raise ValidationError(Problem(f"{path}: needs dataSourceId {{name, version}} and indexAlgorithm {{type}}"))
-        source_key = (str(source_id["name"]), str(source_id["version"]))
-        shards = data.get("shardsbyid") or {}
-        declared.indexes.append(
-            IndexSpec(
-                name=path.parent.name,
-                version=path.stem,
-                source_name=source_key[0],
-                source_version=source_key[1],
-                algorithm=str(algorithm["type"]),
-                params=dict(algorithm.get("params") or {}),
-                id_attributes=_names(data.get("idattributes")),
-                split_attributes=_names(data.get("splitattributes")),
-                shard_attributes=declared.sharders.get(source_key, []),
-                shard_count=max(1, len(shards)) if isinstance(shards, dict) else 1,
-            )
-        )
+    for path in source_paths:
+        with naming_file(path):
+            spec, sharders = _source(path, _load(path))
+        declared.sources.append(spec)
+        declared.sharders[(spec.name, spec.version)] = sharders
+        declared.source_files[(spec.name, spec.version)] = path
+    for path in index_paths:
+        with naming_file(path):
+            index = _index(path, _load(path), declared.sharders)
+        declared.indexes.append(index)
+        declared.index_files[(index.name, index.version)] = path
     return declared
