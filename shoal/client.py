@@ -15,13 +15,13 @@ from sqlalchemy import Engine
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings
-from shoal.errors import InvalidNameError, NotFoundError, Problem, ValidationError
+from shoal.errors import InvalidNameError, NotFoundError
 from shoal.index.generations import Generations, JobRecord
 from shoal.index.manifest import segments_of
 from shoal.intake.backpressure import Backpressure
 from shoal.intake.producer import Producer
 from shoal.log.reader import fold, read_log
-from shoal.log.records import DATASET_KEY, GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name
+from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name, refuse_dataset_key
 from shoal.log.validation import SEQ, segment_schema
 from shoal.runtime import Runtime
 from shoal.storage import Storage
@@ -99,10 +99,7 @@ class Shoal:
     def create_data_source(self, spec: DataSourceSpec, *, exist_ok: bool = False) -> SourceRecord:
         """Create a data source; AlreadyExistsError if it exists (unless `exist_ok` and identical). Its custom
         metadata may not hold `shoal.dataset`, the dataset API's own key (ValidationError)."""
-        if DATASET_KEY in spec.custom_metadata:
-            raise ValidationError(Problem(
-                f"customMetadata key {DATASET_KEY!r} is reserved: the dataset API keeps a dataset's definition there "
-                "(create a dataset through POST /api/v1/datasets instead)", attribute=DATASET_KEY))
+        refuse_dataset_key(spec.custom_metadata)
         return self.catalog.create_data_source(spec, exist_ok=exist_ok)
 
     def get_data_source(self, name: str, version: str) -> SourceRecord:

@@ -35,6 +35,14 @@ GENERATION_MARK = "~g"  # see IndexSpec.__post_init__
 # The custom-metadata key under which the dataset API keeps a dataset's definition (shoal.datasets.catalog): set
 # only by that API, refused in data sources made any other way (a dataset listing would read it as a dataset).
 DATASET_KEY = "shoal.dataset"
+
+
+def refuse_dataset_key(custom_metadata: Mapping[str, Any]) -> None:
+    """Raise ValidationError when custom metadata holds DATASET_KEY (a data source made outside the dataset API)."""
+    if DATASET_KEY in custom_metadata:
+        raise ValidationError(Problem(
+            f"customMetadata key {DATASET_KEY!r} is reserved: the dataset API keeps a dataset's definition there "
+            "(create a dataset through POST /api/v1/datasets instead)", attribute=DATASET_KEY))
 TENANT_NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")
 # Attribute keys become Parquet column names; the "__" prefix is reserved for the log's own columns.
 ATTRIBUTE_NAME_RE = re.compile(r"^(?!__)[A-Za-z0-9_.-]{1,100}$")
