@@ -37,13 +37,17 @@ def is_hidden(version: str) -> bool:
 
 def generation_ids(conn: Connection | Session, index_id: int) -> list[int]:
     """The index rows of every generation of the index `index_id` belongs to: the serving one and those built
-    aside or kept for rollback (`{version}~g{n}`), `index_id` among them; empty when it is gone."""
-    row = conn.execute(select(Index.tenant_id, Index.name, Index.version).where(Index.id == index_id)).one_or_none()
+    aside or kept for rollback (`{version}~g{n}`), `index_id` among them; empty when it is gone. Generations
+    share their data source: an index of the same name over another one (a trashed source's, while a new
+    source took its names) is not one of them."""
+    row = conn.execute(
+        select(Index.tenant_id, Index.name, Index.version, Index.data_source_id).where(Index.id == index_id)
+    ).one_or_none()
     if row is None:
         return []
     base = row.version.partition(HIDDEN)[0]
     return list(conn.execute(select(Index.id).where(
-        Index.tenant_id == row.tenant_id, Index.name == row.name,
+        Index.tenant_id == row.tenant_id, Index.name == row.name, Index.data_source_id == row.data_source_id,
         or_(Index.version == base, Index.version.startswith(base + HIDDEN, autoescape=True)),
     ).order_by(Index.id)).scalars())
 
