@@ -187,3 +187,20 @@ def _access_log_lines(url: str, lines: list[str], answered_on_the_spot: list[boo
     clients = [line.split(" ", 1)[0] for line in searches()]
     assert all(c.startswith("127.0.0.1:") for c in clients[:3])
     assert clients[3] == clients[4] == "10.1.2.3:0"
+
+
+@pytest.mark.parametrize("first, second", [("bogus", "eventual"), ("eventual", "bogus")])
+def test_a_header_sent_twice_counts_by_its_first_value_everywhere(
+    index: str, answered_on_the_spot: list[bool], first: str, second: str
+) -> None:
+    """The routes read a repeated header's first value (as a key sent twice is read): a search answered on the
+    spot must read the same one, or it answers as another key, tenant or consistency level than the route."""
+    answers = {}
+    for path in (INDEX, INDEX + "?via=routes"):
+        with _connect(index) as sock:
+            sock.sendall(_request(_query(1), f"X-Shoal-Consistency: {first}", f"X-Shoal-Consistency: {second}",
+                                  path=path))
+            answers[path] = _responses(sock, 1)[0]
+    (spot_status, _, spot), (routed_status, _, routed) = answers.values()
+    assert spot_status == routed_status == (400 if first == "bogus" else 200), (spot, routed)
+    assert spot == routed

@@ -158,8 +158,13 @@ class FastSearchAPI(FastAPI):
 
 
 def _wanted(raw_headers: list[tuple[bytes, bytes]]) -> tuple[dict[str, str], str | None]:
-    """The headers a search reads (lower-case names, as text), and the declared Content-Length apart."""
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers if k in WANTED}
+    """The headers a search reads (lower-case names, as text), and the declared Content-Length apart. A header
+    sent twice counts by its first value, as the routes read it (Starlette's `Headers.get`): the fast path must
+    not answer as another key, tenant or consistency level than the route would."""
+    headers: dict[str, str] = {}
+    for k, v in raw_headers:
+        if k in WANTED:
+            headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
     return headers, headers.pop("content-length", None)
 
 
