@@ -686,3 +686,27 @@ def test_tenants_are_isolated_and_roles_enforced(
     assert r.headers["WWW-Authenticate"] == "ApiKey"
     assert_error(connect(url, "shoal_000000000000_" + "x" * 43).get("/datasets/secret"), 401, "UNAUTHORIZED")
     assert a.get("/datasets/secret").json()["description"] == "A's"
+
+
+def test_the_management_routes_do_not_drop_what_a_dataset_holds(
+    api: tuple[httpx.Client, Settings], connect: Callable[..., httpx.Client]
+) -> None:
+    """A dataset is its data source and index; dropping either through the Vektonn management routes would
+    destroy it for good with a write key (no trash, past the admin-only hard delete) and leave the dataset's
+    caches answering it. Those routes refuse (403, naming the dataset route); the dataset API deletes it."""
+    http, settings = api
+    create(http, "owned", metric_type="euclidean", index_type="flat")
+    upsert(http, "owned", vec("a", [1.0, 0.0]))
+    with Shoal(settings, notify=False) as shoal:
+        writer = create_key(shoal.engine, settings.tenant, "write")[1]
+    root = str(http.base_url)
+    for client in (connect(root, writer), http):  # a write key, and an admin key alike
+        for path in ("/data-sources/owned/1", "/indexes/owned/1"):
+            refused = client.delete(path)
+            assert refused.status_code == 403, refused.text
+            assert "belongs to dataset 'owned'" in refused.text and "/api/v1/datasets/owned" in refused.text
+    assert http.get("/datasets/owned").status_code == 200
+    found = http.post("/datasets/owned/search", json={"vector": [1.0, 0.0], "top_k": 1, "consistency": "strong"})
+    assert found.status_code == 200 and [h["id"] for h in found.json()["results"]] == ["a"], found.text
+    assert http.delete("/datasets/owned").status_code == 200  # to the trash, restorable
+    assert [d["id"] for d in http.get("/trash").json()["datasets"]] == ["owned"]
