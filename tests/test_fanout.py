@@ -184,6 +184,9 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
         # A node asked for a shard it does not serve says so.
         wrong = search(a, "Pkg.Hnsw", _body(queries[:1]), **{"X-Shoal-Shards": "2"})
         assert wrong.status_code == 503 and "shard 2" in wrong.text, wrong.text
+        # A shard the index does not have is the caller's mistake (400), not one to retry later (503).
+        beyond = search(a, "Pkg.Hnsw", _body(queries[:1]), **{"X-Shoal-Shards": "1,7"})
+        assert beyond.status_code == 400 and "has 4 shards (0..3): no shard 7" in beyond.text, beyond.text
 
         # Node b goes away: its shards are named in a 503, never silently left out...
         stop_process(pb)

@@ -340,6 +340,12 @@ class SearchService:
         """The shards a search asks for (None: every shard of the index), all of them among `held` (the shards
         this process serves), else ShardsUnavailableError naming the others and where they are placed."""
         wanted = frozenset(range(len(index.shards))) if shards is None else frozenset(shards)
+        beyond = sorted(n for n in wanted if n >= len(index.shards))
+        if beyond:  # no node could answer it: the caller's mistake, not a shard to retry later
+            spec = index.spec
+            raise ValidationError(
+                f"index {spec.name}/{spec.version} has {len(index.shards)} shard{'s' if len(index.shards) > 1 else ''}"
+                f" (0..{len(index.shards) - 1}): no shard {', '.join(map(str, beyond))}")
         missing = sorted(wanted - held)
         if missing:
             spec = index.spec
