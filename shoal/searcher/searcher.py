@@ -266,22 +266,23 @@ class SearchService:
                 if head <= covered:
                     return answer
                 required = head
+        # A strong search's `required` is a head, never below a compaction's bound: no need to ask for it.
         return self._answer(view, served, queries, k, split_filter, retrieve_vectors, required, search_params,
-                            filters, max_hits)
+                            filters, max_hits, at_head=consistency is not None and consistency.level == "strong")
 
     def _answer(
         self, view: IndexView, served: IndexView, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, required: int, search_params: Mapping[str, int] | None,
-        filters: Mapping[str, Any] | Filter | None, max_hits: int | None = None,
+        filters: Mapping[str, Any] | Filter | None, max_hits: int | None = None, at_head: bool = False,
     ) -> list[Hits]:
         """The search over `view` (a part of `served`, or itself) and its young tier, covering the log up to
-        `required` at least."""
+        `required` at least (`at_head`: `required` is a head the catalog or Redis gave)."""
         params = view.engine_class.check_search_params(search_params) if search_params else None
         # The young tier as far as it reaches (no I/O), or further when the consistency level needs more.
         # (The young tier is kept for the served view; a part of it takes its own shards' tails.)
         young = self._tails.get(view.index.id)
         if young is None:
-            tails = self._tail(served, required) if required > served.min_watermark else {}
+            tails = self._tail(served, required, at_head) if required > served.min_watermark else {}
         elif young.end >= required:
             tails = young.tails
             if young.versions != served.versions:
@@ -293,7 +294,7 @@ class SearchService:
                 view = served if len(shards) == len(served.shards) else IndexView(
                     served.index, served.source, tuple(s for s in served.shards if s.shard_no in shards))
         else:
-            tails = self._tail(served, required)
+            tails = self._tail(served, required, at_head)
         if view is not served and tails:
             tails = {n: t for n, t in tails.items() if n in view.shard_numbers}
         if max_hits is not None:
@@ -469,27 +470,29 @@ class SearchService:
             check_hits(view, tails, q, k, max_hits)
         return execute(view, q, k, matches, tails, retrieve_vectors, params, flt)
 
-    def _tail(self, view: IndexView, required: int) -> dict[int, Tail]:
+    def _tail(self, view: IndexView, required: int, at_head: bool = False) -> dict[int, Tail]:
         """The log tail (served watermark, at least `required`] per shard: the young tier, extended (and
         re-derived for newly served versions) as needed. A tail reaching past `required` still reflects every
         write up to it."""
-        return self._extend(view, required).tails
+        return self._extend(view, required, at_head).tails
 
-    def _extend(self, view: IndexView, required: int) -> TailCache:
+    def _extend(self, view: IndexView, required: int, at_head: bool = False) -> TailCache:
         """The young tier of `view` reaching at least `required` (further past a compacted range: see
-        `_past_compaction`)."""
-        made = self._extend_within(view, required, None)
+        `_past_compaction`; `at_head`: `required` is a head, at or past any compaction's bound)."""
+        made = self._extend_within(view, required, None, at_head)
         assert made is not None  # no limit: always made
         return made
 
-    def _extend_within(self, view: IndexView, required: int, limit: int | None) -> TailCache | None:
+    def _extend_within(self, view: IndexView, required: int, limit: int | None, at_head: bool = False
+                       ) -> TailCache | None:
         """`_extend`, unless reaching past a compacted range would take the young tier past `limit` (its
         bound): then it is left as it is, and None returned."""
         with self._lock:
             cached = self._tails.get(view.index.id)
         if cached is not None and cached.versions == view.versions and cached.end >= required:
             return cached
-        required = self._past_compaction(view, cached, required)
+        if not at_head:
+            required = self._past_compaction(view, cached, required)
         if limit is not None and required > limit:
             return None
         made = extend(cached, view, required, lambda after, up_to: self._read_log(view, after, up_to),
