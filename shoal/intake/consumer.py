@@ -8,9 +8,15 @@ message, the message id as its batch id), and only then acknowledges them. So:
   after the visibility timeout;
 - one that dies after the commit but before the acknowledgements gets them back too, and their message ids,
   already recorded with the commit, make the second commit write nothing;
-- a message that fails validation (bad JSON, wrong dimension, unknown data source ...) is never retried: it
-  goes to the group's dead-letter queue with the reason in a header and is acknowledged, so it never
-  blocks the queue; one that fails for a transient reason (catalog or storage away) is requeued.
+- a message that fails validation (bad JSON, wrong dimension, unknown data source, a message id the catalog
+  cannot store ...) is never retried: it goes to the group's dead-letter queue with the reason in a header and
+  is acknowledged, so it never blocks the queue; one that fails for a transient reason (catalog or storage
+  away) is requeued.
+
+A data source's definition is read at most every `SOURCE_TTL_S` (as the HTTP upload routes read it), and again
+before a message is refused or a batch dead-lettered for a source dropped in flight: a source dropped and made
+again (with another definition, perhaps) is written to as soon as it exists, and every message is judged
+against the definition of the source it is committed to.
 """
 
 from __future__ import annotations
@@ -34,15 +40,15 @@ from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalEr
 from shoal.intake import codec, topology
 from shoal.intake.delivery import ReliableQueue
 from shoal.intake.producer import Producer as LogProducer
+from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
-from shoal.runtime import Runtime
+from shoal.runtime import SOURCE_TTL_S, Runtime
 from shoal.servers.broker import broker_url
 
 log = logging.getLogger(__name__)
 
 # Failures worth a retry of the same message later: the catalog or storage was briefly away.
 TRANSIENT = (OperationalError, OSError, CommitError, ConfigurationError)
-MAX_MESSAGE_ID = 190  # batch ids hold at most 200 characters
 
 
 @dataclass
@@ -65,6 +71,7 @@ class _Held:
     target: Target
     message_id: str | None
     table: pa.Table
+    source_id: int  # the data source whose definition `table` was validated against
 
 
 class IntakeConsumer:
@@ -80,7 +87,7 @@ class IntakeConsumer:
         self.stop = threading.Event()
         self.paused = False  # true while backpressure holds intake
         self._runtime: Runtime | None = None  # the process's catalog pool, storage and log writers
-        self._producers: dict[Target, Any] = {}
+        self._producers: dict[Target, tuple[float, LogProducer]] = {}  # (when read, producer) per data source
         self._held: list[_Held] = []
         self._held_points = 0
         self._first_held_at = 0.0
@@ -180,13 +187,13 @@ class IntakeConsumer:
         headers = message.headers or {}
         message_id = headers.get(topology.MESSAGE_ID) or message.properties.get("message_id")
         try:
-            bad_id = not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID
-            if message_id is not None and bad_id:
-                raise ValidationError(f"message id must be a string of 1 to {MAX_MESSAGE_ID} characters")
+            # Before the id meets the catalog: a NUL or a lone surrogate there fails every commit of the batch
+            # (and killed the consumer), so the message would never leave the queue.
+            problem = None if message_id is None else message_id_problem(message_id)
+            if problem:
+                raise ValidationError(problem)
             target = topology.target_of(headers)
-            producer = self._producer(target)
-            table = codec.decode(producer.spec, message.content_type, message.body,
-                                 self.settings.max_batch_points)
+            producer, table = self._decode(target, message)
         except (ValidationError, NotFoundError) as exc:
             self._dead_letter(message, str(exc))
             return
@@ -197,19 +204,56 @@ class IntakeConsumer:
             return
         if not self._held:
             self._first_held_at = time.monotonic()
-        self._held.append(_Held(message, target, message_id, table))
+        self._held.append(_Held(message, target, message_id, table, producer.source.id))
         self._held_points += table.num_rows
 
-    def _producer(self, target: Target) -> Any:
-        # One catalog lookup per data source, not per message (bench/intake.py: 3-4 ms each). A source dropped
-        # or trashed later is still refused: the commit re-reads it under its row lock.
-        producer = self._producers.get(target)
-        if producer is None:
-            runtime = self.runtime()
+    def _decode(self, target: Target, message: Message) -> tuple[LogProducer, pa.Table]:
+        """The message's batch, validated against the data source's definition, and the producer of that source.
+        A message refused by a definition read a moment ago is judged again by the current one, if the source
+        was dropped and made again meanwhile: it is refused only by the definition it would be written with."""
+        asked_at = time.monotonic()
+        producer = self._producer(target)
+        try:
+            return producer, self._decode_for(producer, message)
+        except ValidationError:
+            if self._producers[target][0] >= asked_at:  # read just now: nothing newer to judge it by
+                raise
+            current = self._producer(target, fresh=True)  # NotFoundError (dropped for good): dead letter
+            if current.source.id == producer.source.id:
+                raise
+            return current, self._decode_for(current, message)
+
+    def _decode_for(self, producer: LogProducer, message: Message) -> pa.Table:
+        return codec.decode(producer.spec, message.content_type, message.body, self.settings.max_batch_points)
+
+    def _producer(self, target: Target, *, fresh: bool = False) -> LogProducer:
+        """The data source's producer, its definition read from the catalog at most every SOURCE_TTL_S (one
+        lookup per data source, not per message: bench/intake.py measured 3-4 ms each), or now with `fresh`.
+        A source dropped or trashed since it was read is still refused: the commit re-reads it under its row
+        lock (and `_commit` then reads the definition again)."""
+        cached = self._producers.get(target)
+        if cached is not None and not fresh and time.monotonic() - cached[0] < SOURCE_TTL_S:
+            return cached[1]
+        runtime = self.runtime()
+        read_at = time.monotonic()
+        try:
             record = runtime.scope(target.tenant).catalog.get_data_source(target.source, target.version)
-            producer = LogProducer(record, runtime.writer(record), self.settings.max_batch_points)
-            self._producers[target] = producer
+        except NotFoundError:
+            self._forget(target)
+            raise
+        if cached is not None and cached[1].source.id != record.id:
+            self._forget(target)  # dropped (and made again): its writer and cached shards go too
+        producer = LogProducer(record, runtime.writer(record), self.settings.max_batch_points)
+        self._producers[target] = (read_at, producer)
         return producer
+
+    def _forget(self, target: Target) -> None:
+        """Drop what this consumer keeps for the data source `target` named (gone, or made again)."""
+        cached = self._producers.pop(target, None)
+        if cached is not None:
+            self._written_sources.discard((target.tenant, cached[1].source.id))
+            if self._runtime is not None:
+                self._runtime.forget_source(cached[1].source.id)
 
     def runtime(self) -> Runtime:
         """The consumer's runtime, made on first use (every tenant it writes for shares it)."""
@@ -225,35 +269,62 @@ class IntakeConsumer:
         for h in held:
             by_target[h.target].append(h)
         for target, items in by_target.items():
-            try:
-                producer = self._producer(target)
-                ids = [BATCH_ID_PREFIX + h.message_id if h.message_id else None for h in items]
-                before = self._committed_ids(producer, ids)
-                producer.append_tables([(h.table, bid) for h, bid in zip(items, ids, strict=True)])
-            except NotFoundError as exc:  # dropped (or trashed) between receipt and commit
-                self._producers.pop(target, None)
-                for h in items:
-                    self._dead_letter(h.message, str(exc))
-                continue
-            except TRANSIENT as exc:
-                log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
-                self._requeue([h.message for h in items])
-                self._backoff = 1.0
-                continue
-            self.stats.commits += 1
-            self._written_sources.add((target.tenant, producer.source.id))
-            seen = set(before)
-            for h, bid in zip(items, ids, strict=True):
-                self._ack(h.message)
-                if bid is not None and bid in seen:
-                    self.stats.duplicates += 1
-                else:
-                    if bid is not None:
-                        seen.add(bid)
-                    self.stats.messages += 1
-                    self.stats.points += h.table.num_rows
+            self._commit(target, items)
 
-    def _committed_ids(self, producer: Any, ids: list[str | None]) -> set[str]:
+    def _commit(self, target: Target, items: list[_Held], *, again: bool = True) -> None:
+        """Commit one data source's messages (one batch each, one group commit), then acknowledge them."""
+        try:
+            producer = self._producer(target)
+            items = self._judged(producer, items)
+            if not items:
+                return
+            ids = [BATCH_ID_PREFIX + h.message_id if h.message_id else None for h in items]
+            before = self._committed_ids(producer, ids)
+            producer.append_tables([(h.table, bid) for h, bid in zip(items, ids, strict=True)])
+        except NotFoundError as exc:  # dropped (or trashed) between receipt and commit
+            if again:
+                # The definition read earlier may be of a source dropped since and made again: read it again
+                # and commit once more (each message judged by the new definition); nothing was written.
+                self._forget(target)
+                self._commit(target, items, again=False)
+                return
+            for h in items:
+                self._dead_letter(h.message, str(exc))
+            return
+        except TRANSIENT as exc:
+            log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
+            self._requeue([h.message for h in items])
+            self._backoff = 1.0
+            return
+        self.stats.commits += 1
+        self._written_sources.add((target.tenant, producer.source.id))
+        seen = set(before)
+        for h, bid in zip(items, ids, strict=True):
+            self._ack(h.message)
+            if bid is not None and bid in seen:
+                self.stats.duplicates += 1
+            else:
+                if bid is not None:
+                    seen.add(bid)
+                self.stats.messages += 1
+                self.stats.points += h.table.num_rows
+
+    def _judged(self, producer: LogProducer, items: list[_Held]) -> list[_Held]:
+        """The messages `producer`'s data source takes: one validated against another source's definition (one
+        dropped since, perhaps of another dimension) is decoded again against this one, and dead-lettered if
+        that refuses it."""
+        kept = []
+        for h in items:
+            if h.source_id != producer.source.id:
+                try:
+                    h.table, h.source_id = self._decode_for(producer, h.message), producer.source.id
+                except ValidationError as exc:
+                    self._dead_letter(h.message, str(exc))
+                    continue
+            kept.append(h)
+        return kept
+
+    def _committed_ids(self, producer: LogProducer, ids: list[str | None]) -> set[str]:
         """Which of these batch ids committed before (only to count redeliveries; the commit dedupes)."""
         if not any(ids):
             return set()

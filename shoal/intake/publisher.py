@@ -19,8 +19,23 @@ from kombu import Connection, Producer
 from shoal.config.settings import Settings
 from shoal.errors import ValidationError
 from shoal.intake import codec, topology
-from shoal.log.records import DataPoint, Tombstone
+from shoal.log.records import DataPoint, Tombstone, storable_text
 from shoal.servers.broker import broker_url
+
+MAX_MESSAGE_ID = 190  # the consumer prefixes it into a batch id, which holds at most 200 characters
+
+
+def message_id_problem(message_id: object) -> str | None:
+    """What is wrong with a message id (None when nothing): it becomes a batch id in the catalog, so it must be a
+    string of 1 to MAX_MESSAGE_ID characters that Postgres can store (valid Unicode, no NUL). The consumer
+    dead-letters a message whose id breaks this; the publisher refuses to send one."""
+    if not isinstance(message_id, str) or not 0 < len(message_id) <= MAX_MESSAGE_ID:
+        return f"message id must be a string of 1 to {MAX_MESSAGE_ID} characters"
+    if "\x00" in message_id:
+        return f"message id must not contain NUL characters (the catalog cannot store them), got {message_id!r}"
+    if not storable_text(message_id):
+        return f"message id must be valid Unicode: a lone surrogate cannot be stored, got {message_id!r}"
+    return None
 
 
 class Publisher:
@@ -64,6 +79,9 @@ class Publisher:
             raise ValidationError(f"unsupported content type {content_type!r}: use {' or '.join(codec.CONTENT_TYPES)}")
         target = topology.target(self.tenant, source, version)
         message_id = message_id or uuid.uuid4().hex
+        problem = message_id_problem(message_id)
+        if problem:
+            raise ValidationError(problem)
         producer = self._ensure_producer()
         publish = self._conn.ensure(producer, producer.publish, **self.retry_policy)
         publish(

@@ -392,6 +392,8 @@ def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Probl
     columnar batch a tombstone row may leave its other attributes empty, its key alone deciding."""
     if isinstance(values, pa.ChunkedArray | pa.Array):
         arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+        if not _valid_arrow(name, arr, problems):
+            return
         if kind is AttributeType.DATETIME and pa.types.is_timestamp(arr.type):
             _utc_micros(name, arr, problems)  # notes instants out of range; nulls stay nulls
             return
@@ -412,10 +414,53 @@ def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Probl
 
 
 _FAST_NUMPY_KINDS = {AttributeType.BOOL: "b", AttributeType.INT64: "iu", AttributeType.FLOAT64: "fiu"}
+NOT_UTF8 = "text must be valid UTF-8"
+
+
+def _valid_arrow(name: str, arr: pa.Array, problems: _Problems) -> bool:
+    """True when an Arrow column holds what its type says, before any of its values is read or stored: text
+    that is valid UTF-8 (Arrow takes a string column from an IPC stream as it comes, and every later reader of
+    the log or of search hits would fail on it), offsets and dictionary indices in range. Else the column's
+    bad rows (or, past text, the column) are noted and False. Valid UTF-8 costs one pass of Arrow's validator."""
+    try:
+        arr.validate(full=True)
+        return True
+    except pa.ArrowInvalid as exc:
+        bad = _bad_utf8_rows(arr)
+        if bad:
+            for pos in bad[:MAX_PROBLEMS]:
+                problems.add(NOT_UTF8, pos, name)
+        else:
+            problems.add(f"not a valid Arrow column: {exc}", None, name)
+        return False
+
+
+def _bad_utf8_rows(arr: pa.Array) -> list[int]:
+    """The rows of a string column whose bytes are not UTF-8 (only on the way to an error: Python decodes each
+    value); empty for any other column, or for one whose fault is not its text."""
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+        return []
+    raw = arr.view(pa.binary() if pa.types.is_string(arr.type) else pa.large_binary())
+    try:
+        raw.validate(full=True)  # offsets in range: its bytes can be read
+    except pa.ArrowInvalid:
+        return []
+    bad = []
+    for pos, value in enumerate(raw.to_pylist()):
+        if value is not None:
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                bad.append(pos)
+    return bad
 
 
 def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) -> pa.Array:
     target = ARROW_TYPES[kind]
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array) and not _valid_arrow(name, values, problems):
+        return pa.nulls(len(values), target)
     # Fast paths: typed NumPy or Arrow columns need no per-value checks beyond nulls and NaN.
     if isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
         arr = pa.array(values.astype(np.float64 if kind is AttributeType.FLOAT64 else values.dtype), target)
@@ -423,11 +468,11 @@ def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) ->
         pa.types.is_timestamp(values.type)
     ):
         arr = _utc_micros(name, values, problems)
-    elif isinstance(values, pa.ChunkedArray | pa.Array) and values.type == target and kind is not AttributeType.GUID:
-        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    elif isinstance(values, pa.Array) and values.type == target and kind is not AttributeType.GUID:
+        arr = values
     else:
         out: list[Any] = []
-        for pos, raw in enumerate(values.to_pylist() if isinstance(values, pa.Array | pa.ChunkedArray) else values):
+        for pos, raw in enumerate(values.to_pylist() if isinstance(values, pa.Array) else values):
             value, err = check_value(kind, raw)
             if err:
                 problems.add(err, pos, name)

@@ -1,13 +1,22 @@
 """An upload as an Arrow IPC stream: a `vector` column of float lists, one column per attribute and an optional
 boolean `is_deleted` column, decoded to the validated batch table column-wise (no JSON, no per-point object).
+
+The body limit bounds what a request holds only if decoding cannot make more of it than it carries, so every
+IPC message is looked at before any is decoded (`_check_messages`): compressed buffers (zstd, lz4) are refused,
+the record batches may declare at most `max_points` rows together, and no column (or child of one) may declare
+more values than its message's body could hold (a null-typed list child costs no byte per value).
 """
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 
-from shoal.errors import Problem, ValidationError
+from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import DataSourceSpec
 from shoal.log.validation import columns_to_table
 from shoal.vektonn.runs import runs
@@ -20,10 +29,18 @@ DELETED_COLUMN = "is_deleted"  # optional: true rows are tombstones (the key dec
 def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
     """An Arrow IPC stream body (`vector` column of float lists, one column per attribute, optional boolean
     `is_deleted`) as the validated batch table, order kept; ValidationError naming what is wrong."""
+    buffer = pa.py_buffer(body)
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
+        _check_messages(buffer, max_points)  # before any buffer is decoded: nothing past the limits is made
+        table = pa.ipc.open_stream(buffer).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
         raise ValidationError(f"not an Arrow IPC stream: {exc}") from None
+    repeated = [name for name, count in Counter(table.column_names).items() if count > 1]
+    if repeated:
+        # Looked up by name below (pyarrow raises KeyError for a repeated one, which kombu takes for a lost
+        # connection: the message would come back for ever instead of going to the dead letters).
+        raise ValidationError([Problem("the column appears more than once: send each column once", attribute=name)
+                               for name in repeated])
     if not table.num_rows:
         raise ValidationError("the message holds no data point")
     if spec.vectors_are_sparse:
@@ -79,3 +96,130 @@ def _arrow_vectors(part: pa.Table, dim: int) -> np.ndarray:
     if flat.size != len(col) * dim:
         raise ValidationError(Problem(f"wrong vector dimension: expected {dim}", attribute=VECTOR_COLUMN))
     return flat.reshape(len(col), dim)
+
+
+# -- each IPC message's header, read before its body is decoded ----------------------------------------------
+#
+# pyarrow tells a record batch's row count and compression only by decoding it (decompressing every buffer), so
+# `_check_messages` reads them from each message's flatbuffer header, as Arrow's format/Message.fbs lays it out:
+#
+#   table Message { version: short; header: MessageHeader (union: a ubyte type, then an offset); bodyLength: long;
+#                   custom_metadata: [KeyValue]; }          fields 0, 1 (type), 2 (offset), 3, 4
+#   union MessageHeader { NONE, Schema, DictionaryBatch, RecordBatch, Tensor, SparseTensor }    tags 0..5
+#   table RecordBatch { length: long; nodes: [FieldNode]; buffers: [Buffer]; compression: BodyCompression;
+#                       variadicBufferCounts: [long]; }     fields 0..4
+#   struct FieldNode { length: long; null_count: long; }   16 bytes, one per column and per child, depth first
+#   table DictionaryBatch { id: long; data: RecordBatch; isDelta: bool; }                      fields 0..2
+#
+# A flatbuffer starts with the uint32 offset of its root table; a table starts with the int32 distance back to
+# its vtable (uint16 vtable size, uint16 table size, then one uint16 offset per field, 0 when absent); a field
+# that is a table or a vector holds the uint32 distance to it from where it is stored; a vector starts with its
+# uint32 element count. Arrow verified each header (flatbuffers' verifier) when the MessageReader read it; the
+# reads below check their bounds again all the same (struct.error becomes "not an Arrow IPC stream").
+
+_DICTIONARY_BATCH, _RECORD_BATCH = 2, 3  # MessageHeader union tags
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    """What a record batch (or a dictionary batch's data) declares, read from its header alone."""
+
+    rows: int
+    node_lengths: tuple[int, ...]  # values per column and per child column, depth first
+    compressed: bool
+    dictionary: bool  # a dictionary batch (its rows are dictionary values, not data points)
+
+
+class _Table:
+    """A flatbuffer table at `pos` of `buf`."""
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+        self.vtable = pos - _unpack("<i", buf, pos)
+        self.vtable_size = _unpack("<H", buf, self.vtable)
+
+    def _at(self, field: int) -> int:
+        """Where field `field` is stored, 0 when absent."""
+        slot = 4 + 2 * field
+        if slot >= self.vtable_size:  # written before the field existed: absent
+            return 0
+        offset = _unpack("<H", self.buf, self.vtable + slot)
+        return self.pos + offset if offset else 0
+
+    def scalar(self, field: int, fmt: str, default: int) -> int:
+        at = self._at(field)
+        return _unpack(fmt, self.buf, at) if at else default
+
+    def has(self, field: int) -> bool:
+        return bool(self._at(field))
+
+    def table(self, field: int) -> _Table | None:
+        at = self._at(field)
+        return _Table(self.buf, at + _unpack("<I", self.buf, at)) if at else None
+
+    def vector(self, field: int) -> tuple[int, int]:
+        """(where its first element is, how many elements), (0, 0) when absent."""
+        at = self._at(field)
+        if not at:
+            return 0, 0
+        start = at + _unpack("<I", self.buf, at)
+        return start + 4, _unpack("<I", self.buf, start)
+
+
+def _unpack(fmt: str, buf: bytes, at: int) -> int:
+    if at < 0:
+        raise struct.error("offset before the start of the message header")
+    return int(struct.unpack_from(fmt, buf, at)[0])
+
+
+def batch_header(metadata: bytes) -> BatchHeader | None:
+    """The row count, column lengths and compression a record batch or dictionary batch message declares, from
+    its flatbuffer header (`pa.ipc.Message.metadata`); None for any other message (the schema)."""
+    message = _Table(metadata, _unpack("<I", metadata, 0))
+    kind = message.scalar(1, "<B", 0)
+    if kind not in (_RECORD_BATCH, _DICTIONARY_BATCH):
+        return None
+    batch = message.table(2)
+    if batch is not None and kind == _DICTIONARY_BATCH:
+        batch = batch.table(1)  # DictionaryBatch.data
+    if batch is None:
+        return BatchHeader(0, (), False, kind == _DICTIONARY_BATCH)
+    start, count = batch.vector(1)
+    if start + 16 * count > len(metadata):
+        raise struct.error("field nodes past the end of the message header")
+    lengths = tuple(_unpack("<q", metadata, start + 16 * i) for i in range(count))
+    return BatchHeader(batch.scalar(0, "<q", 0), lengths, batch.has(3), kind == _DICTIONARY_BATCH)
+
+
+def _check_messages(buffer: pa.Buffer, max_points: int) -> None:
+    """Refuse, before any record batch is decoded, a stream whose buffers are compressed, whose record batches
+    declare more than `max_points` rows together, or a column of which declares more values than its message's
+    body could hold (8 per byte, as booleans): what decoding it would make would not be bounded by the body.
+    The MessageReader reads each message's header and slices its body out of `buffer` without copying."""
+    rows = 0
+    for message in pa.ipc.MessageReader.open_stream(buffer):
+        try:
+            header = batch_header(message.metadata.to_pybytes())
+        except struct.error as exc:
+            raise ValidationError(f"not an Arrow IPC stream: unreadable message header ({exc})") from None
+        if header is None:
+            continue
+        if header.compressed:
+            raise ValidationError(
+                "the Arrow stream's buffers are compressed (zstd or lz4): send it uncompressed, as the body limit "
+                "(SHOAL_MAX_BODY_BYTES) is what bounds a request"
+            )
+        if header.rows < 0 or any(n < 0 for n in header.node_lengths):
+            raise ValidationError("not an Arrow IPC stream: a record batch declares a negative length")
+        if not header.dictionary:
+            rows += header.rows
+            if rows > max_points:
+                raise BatchTooLargeError(Problem(
+                    f"batch holds at least {rows} points, more than the configured maximum {max_points}"
+                ))
+        body = message.body.size if message.body is not None else 0
+        if max(header.node_lengths, default=0) > max(max_points, 8 * body):
+            raise ValidationError(
+                f"the Arrow stream declares a column of {max(header.node_lengths)} values in a message of "
+                f"{body} bytes: more than its buffers hold"
+            )
