@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 
-from shoal import DataSourceSpec, Shoal
+from shoal import DataSourceSpec, Shoal, runtime
 from shoal.config.settings import Settings
 from shoal.intake.codec import ARROW, encode_arrow
 from shoal.log.records import IndexSpec
@@ -91,6 +92,24 @@ def test_upload_to_a_source_dropped_and_made_again(served: tuple[str, Settings])
         r = http.post("/api/v1/upload/Up/1", json=_json_points([3]))
         assert (r.status_code, r.headers.get("X-Shoal-Write-Token")) == (200, "1"), r.text
         assert sorted(_state(shoal)) == [3]
+
+
+def test_a_source_made_again_with_another_definition_checks_the_upload_by_its_own(
+    served: tuple[str, Settings], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The route checked an upload against the definition it reused, and when the commit found that source
+    dropped and one made again under the name, wrote the batch there unchecked: 3-d vectors into a 2-d source.
+    The batch is checked again against the new definition: refused (400), nothing written."""
+    monkeypatch.setattr(runtime, "SOURCE_TTL_S", 600.0)  # the route surely reuses the first definition
+    url, settings = served
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=30) as http:
+        shoal.create_data_source(SPEC)
+        assert http.post("/api/v1/upload/Up/1", json=_json_points([1])).status_code == 200
+        shoal.drop_data_source("Up", "1")
+        shoal.create_data_source(DataSourceSpec("Up", "1", 2, {"id": "int64", "title": "string"}, ["id"]))
+        r = http.post("/api/v1/upload/Up/1", json=_json_points([2]))  # 3-d points: the old definition's
+        assert r.status_code == 400 and "wrong dimension: expected 2, got 3" in r.text, r.text
+        assert shoal.get_data_source("Up", "1").head_seq == 0
 
 
 def test_search_echoes_the_query_vector_as_sent(served: tuple[str, Settings]) -> None:

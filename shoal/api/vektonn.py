@@ -114,15 +114,17 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
         # or trashed meanwhile answers 404, as it would have before any body was read.
         shoal.get_data_source(name, version)
         raise
-    batch = [(table, request.headers.get(IDEMPOTENCY_HEADER))]
+    key = request.headers.get(IDEMPOTENCY_HEADER)
     try:
-        token = producer.append_tables(batch)[0]
+        token = producer.append_tables([(table, key)])[0]
     except NotFoundError:
         # The definition this process reused may be of a source dropped since (nothing was written): read
-        # it again; a source of that name made meanwhile takes the batch, else the 404 stands.
+        # it again; a source of that name made meanwhile takes the batch, checked against its own definition
+        # (another dimension or other attributes, perhaps), else the 404 stands.
         shoal.runtime.forget_source(producer.source.id)
         producer = shoal.producer(name, version)
-        token = producer.append_tables(batch)[0]
+        table = _decode_upload(request, producer.spec, body, shoal.settings.max_batch_points)
+        token = producer.append_tables([(table, key)])[0]
     request.app.state.metrics.uploaded.labels(ctx.tenant).inc(table.num_rows)
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
 
