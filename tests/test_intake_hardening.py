@@ -169,6 +169,31 @@ def test_arrow_upload_declaring_more_rows_or_values_than_allowed_is_refused_unre
         assert source_head(shoal, UP) == 10
 
 
+def test_a_dictionary_column_decoding_past_the_body_limit_is_refused(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A dictionary-encoded text column holds each value once and every row names it: one 100 KB title named
+    by 2,000 rows is a 200 KB body that decoded to a 200 MB batch (716 MB at its peak). Such a column may decode
+    to at most what a request could send plain (SHOAL_MAX_BODY_BYTES, 1 MB here); a small dictionary passes."""
+    settings = make_settings("local", max_body_bytes=2**20)
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    n = 2_000
+    titles = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array(["x" * 100_000]))
+    bomb = stream(pa.table({"vector": vectors(n, 3), "id": pa.array(np.arange(n)), "title": titles}))
+    assert len(bomb) < 2**20
+    labels = pa.DictionaryArray.from_arrays(pa.array(np.arange(n, dtype=np.int32) % 3), pa.array(["a", "b", "c"]))
+    fine = stream(pa.table({"vector": vectors(n, 3), "id": pa.array(np.arange(n)), "title": labels}))
+    with serve_api(settings) as url, Shoal(settings, notify=False) as shoal, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        shoal.create_data_source(UP)
+        r = upload(http, bomb)
+        assert r.status_code == 400, r.text
+        assert "attribute 'title': the dictionary-encoded column decodes to 200,000,000 bytes" in r.text, r.text
+        assert source_head(shoal, UP) == 0
+        assert upload(http, fine).status_code == 200
+        assert shoal.fold("Up", "1")["title"].to_pylist()[:4] == ["a", "b", "c", "a"]
+
+
 @pytest.mark.parametrize("repeated", ["title", "vector", "is_deleted", "id"])
 def test_arrow_upload_with_a_repeated_column_is_refused_by_name(served: tuple[str, Settings], repeated: str) -> None:
     url, settings = served

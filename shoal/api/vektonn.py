@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from shoal.api.fanout import SHARDS_HEADER, FanOut, LocalPart, parse_shards
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.config.settings import Settings
 from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
@@ -108,7 +109,7 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
     shoal.check_backpressure(name, version)
     producer = shoal.producer(name, version, fresh=False)
     try:
-        table = _decode_upload(request, producer.spec, body, shoal.settings.max_batch_points)
+        table = _decode_upload(request, producer.spec, body, shoal.settings)
     except ValidationError:
         # The definition may be one this process reused for a moment (runtime.SOURCE_TTL_S): a source dropped
         # or trashed meanwhile answers 404, as it would have before any body was read.
@@ -123,16 +124,17 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
         # (another dimension or other attributes, perhaps), else the 404 stands.
         shoal.runtime.forget_source(producer.source.id)
         producer = shoal.producer(name, version)
-        table = _decode_upload(request, producer.spec, body, shoal.settings.max_batch_points)
+        table = _decode_upload(request, producer.spec, body, shoal.settings)
         token = producer.append_tables([(table, key)])[0]
     request.app.state.metrics.uploaded.labels(ctx.tenant).inc(table.num_rows)
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
 
 
-def _decode_upload(request: Request, spec: Any, body: bytes, max_points: int) -> Any:
+def _decode_upload(request: Request, spec: Any, body: bytes, settings: Settings) -> Any:
     kind = (request.headers.get("content-type") or JSON).split(";")[0].strip().lower()
+    max_points = settings.max_batch_points
     if kind == ARROW:
-        return wire.decode_arrow_upload(spec, body, max_points)
+        return wire.decode_arrow_upload(spec, body, max_points, settings.body_limit_bytes)
     if kind == JSON or kind.endswith("+json") or kind in ("", "text/plain"):
         with _JSON_DECODES, collector_paused():
             return wire.decode_upload(spec, body, max_points)

@@ -24,13 +24,15 @@ from shoal.vektonn.upload_json import EmptyUploadError, UploadBodyError, decode_
 CONTENT_TYPES = (JSON, ARROW)
 
 
-def decode(spec: DataSourceSpec, content_type: str | None, body: bytes, max_points: int) -> pa.Table:
-    """The message's batch, validated against the data source; ValidationError naming what is wrong."""
+def decode(spec: DataSourceSpec, content_type: str | None, body: bytes, max_points: int,
+           max_bytes: int | None = None) -> pa.Table:
+    """The message's batch, validated against the data source; ValidationError naming what is wrong
+    (`max_bytes`: what a message may hold, see `decode_arrow_upload`)."""
     kind = (content_type or "").split(";")[0].strip().lower()
     if kind == JSON:
         return _decode_json(spec, body, max_points)
     if kind == ARROW:
-        return decode_arrow_upload(spec, body, max_points)
+        return decode_arrow_upload(spec, body, max_points, max_bytes)
     raise ValidationError(f"unsupported content type {content_type!r}: use {JSON} or {ARROW}")
 
 

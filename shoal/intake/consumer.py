@@ -224,7 +224,8 @@ class IntakeConsumer:
             return current, self._decode_for(current, message)
 
     def _decode_for(self, producer: LogProducer, message: Message) -> pa.Table:
-        return codec.decode(producer.spec, message.content_type, message.body, self.settings.max_batch_points)
+        return codec.decode(producer.spec, message.content_type, message.body, self.settings.max_batch_points,
+                            self.settings.body_limit_bytes)
 
     def _producer(self, target: Target, *, fresh: bool = False) -> LogProducer:
         """The data source's producer, its definition read from the catalog at most every SOURCE_TTL_S (one

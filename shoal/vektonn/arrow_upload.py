@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import DataSourceSpec
@@ -26,9 +27,12 @@ VECTOR_COLUMN = "vector"  # fixed-size (or equal-length) list of float per row
 DELETED_COLUMN = "is_deleted"  # optional: true rows are tombstones (the key decides)
 
 
-def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
+def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int | None = None
+                        ) -> pa.Table:
     """An Arrow IPC stream body (`vector` column of float lists, one column per attribute, optional boolean
-    `is_deleted`) as the validated batch table, order kept; ValidationError naming what is wrong."""
+    `is_deleted`) as the validated batch table, order kept; ValidationError naming what is wrong. `max_bytes`
+    (default: the body's own size) bounds what a dictionary-encoded text column may decode to: the most a
+    request could send plain (SHOAL_MAX_BODY_BYTES)."""
     buffer = pa.py_buffer(body)
     try:
         _check_messages(buffer, max_points)  # before any buffer is decoded: nothing past the limits is made
@@ -43,6 +47,7 @@ def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> p
                                for name in repeated])
     if not table.num_rows:
         raise ValidationError("the message holds no data point")
+    _check_dictionaries(table, len(body) if max_bytes is None else max(max_bytes, len(body)))
     if spec.vectors_are_sparse:
         raise ValidationError("the Arrow form carries dense vectors only: send sparse vectors as JSON")
     deleted = np.zeros(table.num_rows, dtype=bool)
@@ -71,6 +76,33 @@ def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> p
     if out.num_rows > max_points:
         raise ValidationError(f"the message holds {out.num_rows} points, more than the {max_points} allowed")
     return out
+
+
+def _check_dictionaries(table: pa.Table, limit: int) -> None:
+    """Refuse a dictionary-encoded text column that decodes to more than `limit` bytes: each row takes its value
+    whole when the column is decoded, so one large value referenced by every row would make a batch of hundreds
+    of megabytes from a small body (the body limit bounds what a request sends plain)."""
+    for name in table.column_names:
+        column = table[name]
+        if not pa.types.is_dictionary(column.type):
+            continue
+        kind = column.type.value_type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                or pa.types.is_large_binary(kind)):
+            continue
+        decoded = 0
+        for chunk in column.chunks:
+            try:
+                chunk.validate(full=True)  # indices in range before they index anything here
+            except pa.ArrowInvalid as exc:
+                raise ValidationError(Problem(f"not a valid Arrow column: {exc}", attribute=name)) from None
+            lengths = pc.binary_length(chunk.dictionary).fill_null(0).to_numpy(zero_copy_only=False)
+            indices = chunk.indices.fill_null(0).to_numpy(zero_copy_only=False)
+            decoded += int(lengths.astype(np.int64)[indices].sum()) if len(lengths) else 0
+        if decoded > limit:
+            raise ValidationError(Problem(
+                f"the dictionary-encoded column decodes to {decoded:,} bytes, more than the {limit:,} a message "
+                "may hold (SHOAL_MAX_BODY_BYTES): send fewer points per message", attribute=name))
 
 
 def _arrow_vectors(part: pa.Table, dim: int) -> np.ndarray:
