@@ -194,6 +194,18 @@ def test_a_dictionary_column_decoding_past_the_body_limit_is_refused(
         assert shoal.fold("Up", "1")["title"].to_pylist()[:4] == ["a", "b", "c", "a"]
 
 
+def test_a_problem_in_a_mixed_arrow_message_is_named_by_its_place_in_the_message() -> None:
+    """A message of upserts and tombstones is validated run by run; a bad value is still named by its row in
+    the message, not in its run (rows 0-1 upserts, 2 a tombstone, 3-4 upserts with a bad title at row 4)."""
+    titles = pa.array(["a", "b", None, "d", None])
+    table = pa.table({"vector": vectors(5, 3), "id": pa.array([1, 2, 1, 3, 4]), "title": titles,
+                      "is_deleted": pa.array([False, False, True, False, False])})
+    with pytest.raises(ValidationError) as caught:
+        codec.decode(UP, ARROW, stream(table), 100)
+    assert [(p.position, p.attribute) for p in caught.value.problems] == [(4, "title")], caught.value
+    assert "point 4, attribute 'title'" in str(caught.value)
+
+
 @pytest.mark.parametrize("repeated", ["title", "vector", "is_deleted", "id"])
 def test_arrow_upload_with_a_repeated_column_is_refused_by_name(served: tuple[str, Settings], repeated: str) -> None:
     url, settings = served

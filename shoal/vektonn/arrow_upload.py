@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -60,22 +60,30 @@ def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int, max_
     # Runs of upserts and of tombstones, in message order: later entries win over earlier ones for a key.
     parts = []
     for start, end in runs(deleted):
-        part = table.slice(start, end - start)
-        attrs = {name: part[name].combine_chunks() for name in part.column_names if name != VECTOR_COLUMN}
-        if deleted[start]:
-            # Every attribute column present (Vektonn's form, or a message that also upserts): all go to the
-            # validation, which checks the non-key values' types (nulls allowed) and keeps only the key.
-            # Otherwise the key columns alone, as ever.
-            full = all(name in attrs for name in spec.attribute_types)
-            names = spec.attribute_types if full else spec.permanent_attributes
-            keys = {name: attrs[name] for name in names if name in attrs}
-            parts.append(columns_to_table(spec, None, keys, max_points, delete=True))
-        else:
-            parts.append(columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension), attrs, max_points))
+        try:
+            parts.append(_run_table(spec, table.slice(start, end - start), bool(deleted[start]), max_points))
+        except ValidationError as exc:
+            # A run's problems count points from the run's start: named by their place in the message instead.
+            raise type(exc)([replace(p, position=p.position + start) if p.position is not None else p
+                             for p in exc.problems]) from None
     out = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
     if out.num_rows > max_points:
         raise ValidationError(f"the message holds {out.num_rows} points, more than the {max_points} allowed")
     return out
+
+
+def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: int) -> pa.Table:
+    """One run of upserts, or of tombstones, validated (positions counted from the run's first row)."""
+    attrs = {name: part[name].combine_chunks() for name in part.column_names if name != VECTOR_COLUMN}
+    if deleted:
+        # Every attribute column present (Vektonn's form, or a message that also upserts): all go to the
+        # validation, which checks the non-key values' types (nulls allowed) and keeps only the key.
+        # Otherwise the key columns alone, as ever.
+        full = all(name in attrs for name in spec.attribute_types)
+        names = spec.attribute_types if full else spec.permanent_attributes
+        keys = {name: attrs[name] for name in names if name in attrs}
+        return columns_to_table(spec, None, keys, max_points, delete=True)
+    return columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension), attrs, max_points)
 
 
 def _check_dictionaries(table: pa.Table, limit: int) -> None:
