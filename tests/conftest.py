@@ -75,6 +75,25 @@ def worker_catalog(fresh_db: str) -> str:
     return fresh_db
 
 
+@pytest.fixture
+def intake_settings(make_settings: Callable[..., Settings], redis_url: str) -> Callable[..., Settings]:
+    """Settings with the test broker and an exchange and group of the test's own (the broker is shared)."""
+
+    def make(**overrides: object) -> Settings:
+        tag = uuid.uuid4().hex[:8]
+        values: dict[str, object] = {
+            "redis_url": redis_url,
+            "intake_exchange": f"x{tag}.intake",
+            "intake_group": f"g{tag}",
+            "intake_max_wait_ms": 50,
+            "intake_visibility_timeout_s": 3,
+            **overrides,
+        }
+        return make_settings("local", **values)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis-protocol server (embedded Valkey), stopped after the session."""

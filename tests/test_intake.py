@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,25 +36,6 @@ SPEC = DataSourceSpec("events", "1", DIM, {"id": AttributeType.INT64, "tag": Att
 
 def vector(i: int) -> list[float]:
     return (np.arange(DIM, dtype=np.float64) + i % 1000).tolist()
-
-
-@pytest.fixture
-def intake_settings(make_settings: Callable[..., Settings], redis_url: str) -> Callable[..., Settings]:
-    """Settings with the test broker and an exchange and group of the test's own (the broker is shared)."""
-
-    def make(**overrides: object) -> Settings:
-        tag = uuid.uuid4().hex[:8]
-        values: dict[str, object] = {
-            "redis_url": redis_url,
-            "intake_exchange": f"x{tag}.intake",
-            "intake_group": f"g{tag}",
-            "intake_max_wait_ms": 50,
-            "intake_visibility_timeout_s": 3,
-            **overrides,
-        }
-        return make_settings("local", **values)
-
-    return make
 
 
 def start_consumer(settings: Settings, log: Path) -> subprocess.Popen[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -247,25 +246,6 @@ def test_arrow_text_that_is_not_utf8_is_refused_by_row_and_attribute(
 
 
 # -- the consumer ---------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def intake_settings(make_settings: Callable[..., Settings], redis_url: str) -> Callable[..., Settings]:
-    """Settings with the test broker and an exchange and group of the test's own (the broker is shared)."""
-
-    def make(**overrides: object) -> Settings:
-        tag = uuid.uuid4().hex[:8]
-        values: dict[str, object] = {
-            "redis_url": redis_url,
-            "intake_exchange": f"x{tag}.intake",
-            "intake_group": f"g{tag}",
-            "intake_max_wait_ms": 50,
-            "intake_visibility_timeout_s": 3,
-            **overrides,
-        }
-        return make_settings("local", **values)
-
-    return make
 
 
 @pytest.fixture
