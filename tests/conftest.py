@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import redis
 
 from shoal import Shoal
 from shoal.catalog.db import migrate
@@ -73,6 +74,15 @@ def worker_catalog(fresh_db: str) -> str:
     failing those (in one CI run, 140 s before it reached the test's own shard)."""
     migrate(fresh_db)
     return fresh_db
+
+
+def dead_count(settings: Settings) -> int:
+    """Messages in the dead-letter queue of the settings' intake exchange and group."""
+    client = redis.Redis.from_url(str(settings.redis_url))
+    try:
+        return int(client.llen(f"{settings.intake_exchange}.{settings.intake_group}.dead"))
+    finally:
+        client.close()
 
 
 @pytest.fixture

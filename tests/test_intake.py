@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import redis
-from conftest import run_helper, serve_api, settings_env, stop_process, wait_for
+from conftest import dead_count, run_helper, serve_api, settings_env, stop_process, wait_for
 
 from shoal import Shoal
 from shoal.catalog.repo import head_of
@@ -49,14 +49,6 @@ def start_consumer(settings: Settings, log: Path) -> subprocess.Popen[str]:
 
 def head(shoal: Shoal) -> int:
     return head_of(shoal.engine, shoal.get_data_source(SPEC.name, SPEC.version).id)[0]
-
-
-def dead_count(settings: Settings) -> int:
-    client = redis.Redis.from_url(str(settings.redis_url))
-    try:
-        return int(client.llen(f"{settings.intake_exchange}.{settings.intake_group}.dead"))
-    finally:
-        client.close()
 
 
 # -- codec ------------------------------------------------------------------------------------------------

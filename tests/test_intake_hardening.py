@@ -14,8 +14,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 import pytest
-import redis
-from conftest import serve_api, wait_for
+from conftest import dead_count, serve_api, wait_for
 from kombu import Connection
 from kombu import Producer as KombuProducer
 
@@ -263,14 +262,6 @@ def consumer_thread() -> Iterator[Callable[[Settings], tuple[IntakeConsumer, thr
     for consumer, thread in started:
         consumer.stop.set()
         thread.join(30)
-
-
-def dead_count(settings: Settings) -> int:
-    client = redis.Redis.from_url(str(settings.redis_url))
-    try:
-        return int(client.llen(f"{settings.intake_exchange}.{settings.intake_group}.dead"))
-    finally:
-        client.close()
 
 
 def publish_unchecked(settings: Settings, body: bytes, content_type: str, message_id: str) -> None:
