@@ -598,13 +598,12 @@ def test_searches_stay_exact_with_compaction_and_gc_interleaved(make_settings: C
 NEW_INDEX_PATHS: dict[str, int] = {}
 
 # Whether a compaction may run while the following searcher still serves an older version of the new index than
-# the plain one made the catalog hold served, or the index as it was before its first build. Not yet: such a
-# searcher's tail scan misses the expired tombstones the compaction dropped (the two xfail tests
+# the plain one made the catalog hold served, or the index as it was before its first build. It may: such a
+# searcher reloads the active versions rather than scan the log on from below the compaction's bound (see
 # test_a_searcher_serving_an_older_version_never_shows_a_compacted_tombstone_undone and
-# test_a_searcher_that_loaded_an_index_before_its_first_build_never_shows_a_compacted_tombstone_undone). Set it to
-# True once they pass; until then every compaction first brings the following searcher up to date, as the machine's
-# builds do the plain one.
-LAGGING_SEARCHERS = False
+# test_a_searcher_that_loaded_an_index_before_its_first_build_never_shows_a_compacted_tombstone_undone). False
+# makes every compaction first bring the following searcher up to date, as the machine's builds do the plain one.
+LAGGING_SEARCHERS = True
 
 
 def new_index_machine(client: Shoal, paths: dict[str, int], *, lagging_searchers: bool) -> type:
@@ -1111,11 +1110,6 @@ def test_a_log_read_below_a_compaction_shows_a_state_the_log_had(make_shoal: Cal
         following.close()
 
 
-
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, not fixed yet: index_shards.served_watermark is the highest watermark any searcher reported (it "
-    "never moves back), so compaction may reach past the version another searcher still serves; that searcher's "
-    "tail scan then misses the expired tombstones compaction dropped there and shows deleted points again"))
 def test_a_searcher_serving_an_older_version_never_shows_a_compacted_tombstone_undone(
     make_shoal: Callable[..., Shoal],
 ) -> None:
@@ -1152,10 +1146,6 @@ def test_a_searcher_serving_an_older_version_never_shows_a_compacted_tombstone_u
         newer.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, not fixed yet: a shard with no version is held by its built watermark alone, though a searcher "
-    "that loaded it before its first build scans the log from seq 0; compaction may then reach past what that "
-    "searcher's tail read, and the tail misses the expired tombstones it dropped there"))
 def test_a_searcher_that_loaded_an_index_before_its_first_build_never_shows_a_compacted_tombstone_undone(
     make_shoal: Callable[..., Shoal],
 ) -> None:

@@ -23,6 +23,7 @@ from shoal.catalog.repo import head_of
 from shoal.errors import (
     CapacityError,
     ConfigurationError,
+    ConflictError,
     NotFoundError,
     Problem,
     QueryError,
@@ -87,6 +88,18 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
 
 class _SourceGone(Exception):
     """A head read found the served view's data source gone from the catalog (SearchService.search reloads)."""
+
+
+class _Stale(Exception):
+    """The view's young tier would be read on from below the bound of a compaction that dropped entries, over
+    a state holding points (a served version, or tail entries, below that bound): the log no longer holds the
+    expired tombstones that delete some of them. Compaction never reaches past an active version, so the
+    versions active now are at or above the bound: SearchService.search reloads and answers from them."""
+
+
+# How many times one search reloads a view found stale (_Stale) before it gives up: once is enough unless
+# compactions keep overtaking the loads.
+_STALE_RELOADS = 3
 
 
 def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int, max_hits: int) -> None:
@@ -204,9 +217,9 @@ class SearchService:
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         view = self._views.get(key) or self._load(scope, index_name, index_version)
+        args = (queries, k, split_filter, retrieve_vectors, consistency, search_params, filters, shards, max_hits)
         try:
-            return self._search_view(scope, key, view, queries, k, split_filter, retrieve_vectors, consistency,
-                                     search_params, filters, shards, max_hits)
+            return self._search_current(scope, key, view, *args)
         except _SourceGone:
             # The view's data source is gone from the catalog: the index was dropped, perhaps made again under its
             # name, and this searcher has not heard yet (an announcement lost, or not polled since). Serve what
@@ -214,10 +227,20 @@ class SearchService:
             self._unload(key)
             view = self._load(scope, index_name, index_version)
             try:
-                return self._search_view(scope, key, view, queries, k, split_filter, retrieve_vectors,
-                                         consistency, search_params, filters, shards, max_hits)
+                return self._search_current(scope, key, view, *args)
             except _SourceGone:
                 raise NotFoundError(f"index {index_name}/{index_version} was dropped") from None
+
+    def _search_current(self, scope: Scope, key: tuple[int, str, str], view: IndexView, *args: Any) -> list[Hits]:
+        """`_search_view`, over the versions active now when `view` turns out stale (_Stale: a compaction
+        reached past what it serves)."""
+        for _ in range(_STALE_RELOADS):
+            try:
+                return self._search_view(scope, key, view, *args)
+            except _Stale:
+                view = self._load(scope, key[1], key[2])
+        raise ConflictError(f"index {key[1]}/{key[2]}: compactions of its log kept overtaking the versions this "
+                            f"searcher loaded; retry")
 
     def _search_view(
         self, scope: Scope, key: tuple[int, str, str], view: IndexView, queries: Any, k: int,
@@ -491,8 +514,7 @@ class SearchService:
             cached = self._tails.get(view.index.id)
         if cached is not None and cached.versions == view.versions and cached.end >= required:
             return cached
-        if not at_head:
-            required = self._past_compaction(view, cached, required)
+        required = self._past_compaction(view, cached, required, at_head)
         if limit is not None and required > limit:
             return None
         made = extend(cached, view, required, lambda after, up_to: self._read_log(view, after, up_to),
@@ -512,18 +534,25 @@ class SearchService:
                 self._tails[view.index.id] = made
         return made
 
-    def _past_compaction(self, view: IndexView, cached: TailCache | None, required: int) -> int:
-        """`required`, or the bound of the source's compactions when the extension would read from below it to
-        below it: those entries superseded later are gone from the log, so such a read would show keys missing
-        or old values, a state the log never had (an index made after the compaction, its first builds not
-        done, or a searcher serving a version from before it). Reading on to the bound shows the state there."""
+    def _past_compaction(self, view: IndexView, cached: TailCache | None, required: int, at_head: bool) -> int:
+        """`required`, or the bound of the source's compactions that dropped entries when the extension would
+        read from below it to below it: those entries superseded later are gone from the log, so such a read
+        would show keys missing or old values, a state the log never had. Reading on to the bound shows the
+        state there, but only over an empty start (an index made after the compaction, its first builds not
+        done): over points held from below the bound (a served version, or the young tier's entries) the read
+        misses the expired tombstones that delete some of them. _Stale then: the view must be reloaded.
+        (`at_head`: `required` is a head, so at or past the bound.)"""
         start = view.min_watermark
         if cached is not None and cached.start <= start <= cached.end:
             start = cached.end  # what the young tier holds was read before, whole
         if required <= start:
             return required
         floor = dropped_through(self.engine, view.source.id)
-        return floor if start < floor and required < floor else required
+        if start >= floor:
+            return required
+        if start > 0 or any(s.version_id is not None and s.watermark < floor for s in view.shards):
+            raise _Stale
+        return required if at_head else max(required, floor)
 
     def _read_log(self, view: IndexView, after: int, up_to: int) -> pa.Table | None:
         batches = list(read_log(self.engine, self.storage, view.source.id, after, up_to))
@@ -738,6 +767,8 @@ class SearchService:
                 continue
             try:
                 self._extend_within(view, target, view.min_watermark + self.young_max_seqs)
+            except _Stale:  # eventual serves the young tier it has (a state the log had) until the reload
+                self._wake.set()
             except Exception as exc:  # noqa: BLE001 - an outage or a dropped index: eventual serves what it has
                 log.debug("young tier of index %s not extended: %s", view.index.spec.name, exc)
 
