@@ -64,6 +64,17 @@ def arrow_point(at: pa.Array) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def arrow_vector(vector: list[float]) -> bytes:
+    """An Arrow IPC upload body of one point of DENSE with `vector`."""
+    table = pa.table({"vector": pa.array([vector], pa.list_(pa.float32(), 2)), "id": pa.array([7]),
+                      "text": pa.array(["t"]), "at": pa.array([dt.datetime(2024, 1, 1, tzinfo=dt.UTC)]),
+                      "flag": pa.array([True])})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
 # 9999-12-31T23:59:59-14:00, as an Arrow timestamp in that zone: 10000-01-01T13:59:59 in UTC.
 LATE = (dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.timezone(-dt.timedelta(hours=14)))
         - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
@@ -255,6 +266,21 @@ CASES_10: dict[str, list[Request]] = {
         ("POST", "/api/v1/search/Hard.SparseIndex/1", {}, raw({
             "k": 1, "queryVectors": [{"isSparse": True, "coordinates": [1.0], "coordinateIndices": [2**70]}]}),
          "queryVectors"),
+    ],
+    # Finite coordinates whose vector is too long for float32 distances: hnswlib ranked such vectors wrongly and
+    # faiss's k-means aborted the process building an IVF index over them.
+    "vector-norm-past-the-bound": [
+        ("POST", UPLOAD, {}, raw([point(1), {**point(7), "vector": {"isSparse": False, "coordinates": [1e19, 1e19]}}]),
+         "vector norm"),
+        ("POST", UPLOAD, ARROW, arrow_vector([1e19, -1e19]), "vector norm"),
+        ("POST", "/api/v1/upload/Hard.Sparse/1", {}, raw([{
+            "attributes": [{"key": "id", "value": {"int64": 1}}],
+            "vector": {"isSparse": True, "coordinates": [2e19], "coordinateIndices": [3]}}]), "vector norm"),
+        ("POST", "/api/v1/datasets/docs/vectors", {}, raw({"vectors": [{"id": "a", "values": [1e20, 0.0]}]}),
+         "vector norm"),
+        ("POST", SEARCH, {}, raw({"k": 1, "queryVectors": [{"isSparse": False, "coordinates": [0.0, 1e20]}]}),
+         "vector norm"),
+        ("POST", "/api/v1/datasets/docs/search", {}, raw({"vector": [1e20, 1e20], "top_k": 1}), "vector norm"),
     ],
     "write-token-of-2-to-the-63": [
         ("POST", "/api/v1/datasets/docs/search", {}, raw({"vector": [0.5, 0.5], "top_k": 1,

@@ -162,7 +162,7 @@ def test_bad_search_params_are_refused(shoal: Shoal, data: tuple[np.ndarray, np.
 def test_nan_and_inf_queries_are_refused_by_every_path(shoal: Shoal, data: tuple[np.ndarray, np.ndarray],
                                                        metric: str) -> None:
     """NaN or inf anywhere in a query is refused, whether one float32 query (the fast path of an index of one
-    HNSW engine), a batch or lists; large finite coordinates are not."""
+    HNSW engine), a batch or lists; large finite coordinates are not, up to the norm bound."""
     shoal.create_index(IndexSpec("Hnsw", "1", "Points", "1", algorithm="hnsw", metric=metric))
     ShardBuilder(shoal.engine, shoal.storage).materialize(shoal.get_index("Hnsw", "1").shards[0].id)
     queries = data[1][:3].copy()
@@ -175,9 +175,16 @@ def test_nan_and_inf_queries_are_refused_by_every_path(shoal: Shoal, data: tuple
                 for attempt in (q[row : row + 1], q, q[row : row + 1].tolist()):
                     with pytest.raises(ValidationError, match="query coordinates must be finite"):
                         searcher.search("Hnsw", "1", attempt, K)
-        # Large finite coordinates are fine, even where a distance overflows float32.
+        # Large finite coordinates are fine up to the norm bound (distances stay finite in float32); past it
+        # the query is refused by name, as a stored vector is (such distances overflowed and ranked wrongly).
+        from shoal.log.validation import MAX_NORM
+
+        long = np.full((1, DIM), 0.99 * MAX_NORM / np.sqrt(DIM), dtype=np.float32)
+        assert len(searcher.search("Hnsw", "1", long, K)[0]) == K
         huge = np.full((1, DIM), 3e37, dtype=np.float32)
-        assert len(searcher.search("Hnsw", "1", huge, K)[0]) == K
+        for attempt in (huge, np.concatenate([queries, huge]), huge.tolist()):
+            with pytest.raises(ValidationError, match="query vector norm .* is past the largest allowed"):
+                searcher.search("Hnsw", "1", attempt, K)
         # Finite numbers past float32's range (float64 arrays, lists) are named, with no overflow warning; a
         # float64 array passed unchecked before and was searched as infinity.
         wide = queries.astype(np.float64)

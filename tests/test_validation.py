@@ -58,6 +58,7 @@ def assert_nothing_written(shoal: Shoal, spec: DataSourceSpec) -> None:
         (DataPoint(attrs(), [0.1, 0.2]), "vector", "wrong dimension: expected 3, got 2"),
         (DataPoint(attrs(), [0.1, float("nan"), 0.3]), "vector", "must be finite (NaN or infinity at index 1)"),
         (DataPoint(attrs(), [0.1, float("inf"), 0.3]), "vector", "must be finite (NaN or infinity at index 1)"),
+        (DataPoint(attrs(), [6e18, -6e18, 6e18]), "vector", "vector norm 1.039e+19 is past the largest allowed"),
         # Finite as sent, infinite as float32: the error says which, not "NaN or infinity".
         (DataPoint(attrs(), [0.1, 0.2, -1e39]), "vector", "-1e+39 at index 2 is past float32's range"),
         (DataPoint(attrs(tag=...), [0, 0, 0]), "tag", "missing attribute"),
@@ -108,6 +109,7 @@ def test_every_problem_of_a_batch_is_reported(local_shoal: Shoal) -> None:
         (SparseVector([1, 2], [0.1]), "as many values as indices"),
         (SparseVector([1], [float("nan")]), "must be finite"),
         (SparseVector([1, 2], [0.5, 4e38]), "4e+38 at index 1 is past float32's range"),
+        (SparseVector([1, 2], [1e19, 1e19]), "vector norm 1.414e+19 is past the largest allowed"),
         ([0.0] * 100, "give a SparseVector"),
     ],
 )
@@ -222,3 +224,80 @@ def test_data_source_consistency_rules(kwargs: dict[str, object], message: str) 
     }
     with pytest.raises(ValidationError, match=message):
         DataSourceSpec(**(base | kwargs))  # type: ignore[arg-type]
+
+
+def test_vectors_too_long_for_float32_distances_are_refused_and_those_at_the_bound_searched_exactly(
+    local_shoal: Shoal,
+) -> None:
+    """Finite coordinates can still make a vector whose distances overflow float32 (hnswlib ranked such vectors
+    wrongly; faiss's k-means aborted the process): a norm past MAX_NORM is refused on upload, in columns as in
+    points, and as a query; vectors at the bound are stored and every engine ranks them as float64 brute force."""
+    from shoal.index.builder import ShardBuilder
+    from shoal.log.records import IndexSpec
+    from shoal.log.validation import MAX_NORM
+
+    spec = DataSourceSpec("Long.Source", "1", 3, {"id": "int64"}, ["id"])
+    local_shoal.create_data_source(spec)
+    producer = local_shoal.producer(spec.name, spec.version)
+    rng = np.random.default_rng(7)
+    vectors = rng.standard_normal((60, 3))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    vectors[:20] *= MAX_NORM * 0.999
+    too_long = vectors.copy()
+    too_long[41] *= 3 * MAX_NORM
+    with pytest.raises(ValidationError) as err:
+        producer.upload_columns(too_long.astype(np.float32), {"id": np.arange(60)})
+    assert [(p.position, p.attribute) for p in err.value.problems] == [(41, "vector")]
+    assert "vector norm" in err.value.problems[0].rule
+    assert_nothing_written(local_shoal, spec)
+
+    producer.upload_columns(vectors.astype(np.float32), {"id": np.arange(60)})
+    stored = vectors.astype(np.float32).astype(np.float64)
+    queries = np.concatenate([stored[:3], -stored[5:6], stored[30:32]])
+    for algorithm, metric in [("flat", "euclidean"), ("hnsw", "euclidean"), ("hnsw", "dot_product"),
+                              ("hnsw", "cosine"), ("ivf", "euclidean"), ("ivf", "dot_product"), ("ivf", "cosine")]:
+        name = f"Long.{algorithm}.{metric}"
+        params = {"nlist": 4, "nprobe": 4} if algorithm == "ivf" else {}
+        local_shoal.create_index(IndexSpec(name, "1", spec.name, spec.version, algorithm=algorithm, metric=metric,
+                                           params=params))
+        builder = ShardBuilder(local_shoal.engine, local_shoal.storage)
+        for shard in local_shoal.get_index(name, "1").shards:
+            builder.materialize(shard.id)
+        searcher = local_shoal.searcher(follow=False)
+        try:
+            for q in queries:
+                if metric == "euclidean":
+                    exact = np.linalg.norm(stored - q, axis=1)
+                elif metric == "dot_product":
+                    exact = -(stored @ q)
+                else:
+                    exact = 1 - (stored @ q) / (np.linalg.norm(stored, axis=1) * np.linalg.norm(q))
+                hits = searcher.search(name, "1", q.astype(np.float32)[None, :], 3)[0]
+                got = exact[[h.attributes["id"] for h in hits]]  # ties may come in any order: compare distances
+                assert np.allclose(got, np.sort(exact)[:3], rtol=1e-5, atol=1e-6), (name, got, np.sort(exact)[:3])
+            with pytest.raises(ValidationError, match="vector norm"):
+                searcher.search(name, "1", np.array([[1e19, 1e19, 0]], dtype=np.float32), 3)
+        finally:
+            searcher.close()
+
+
+def test_an_ivf_build_over_vectors_too_long_raises_instead_of_aborting_the_process() -> None:
+    """Vectors written before the intake bounded norms must not take the worker down: faiss's k-means aborts
+    (SIGABRT) on them, so the build refuses them first. Run in a child process, which an abort would kill."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from shoal.engines.base import get_engine\n"
+        "from shoal.errors import ValidationError\n"
+        "v = np.random.default_rng(0).standard_normal((200, 4)).astype(np.float32)\n"
+        "v[7] = [1e20, 0, 0, 0]\n"
+        "try:\n"
+        "    get_engine('ivf').build(v, 'euclidean', {'nlist': 8})\n"
+        "except ValidationError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: " in done.stdout and "row 7" in done.stdout and "vector norm" in done.stdout, done.stdout

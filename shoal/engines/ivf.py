@@ -21,6 +21,8 @@ from shoal.engines.base import Engine, register
 from shoal.engines.envelope import array_section
 from shoal.engines.metrics import Metric, top_k_of
 from shoal.engines.params import int_param, reject_unknown
+from shoal.errors import ValidationError
+from shoal.log.validation import unfit_rows, vector_problem
 
 DEFAULT_NPROBE = 32  # of ~4·sqrt(n) lists: recall@10 ≈ 0.92 on the 384-d test embeddings (8 gave ≈ 0.79)
 _MAX_NLIST = 1 << 20
@@ -86,6 +88,9 @@ class IvfEngine(Engine):
         effective = {**params, "nlist": nlist if n else params["nlist"]}
         if n == 0:
             return cls(None, metric, effective, dim, 0)
+        if (unfit := unfit_rows(np.ascontiguousarray(vectors, dtype=np.float32))).size:
+            # Written before the intake bounded norms: faiss's k-means would abort the process on it.
+            raise ValidationError(f"row {int(unfit[0])}: {vector_problem(vectors[unfit[0]], vectors[unfit[0]])}")
         faiss = _faiss()
         if metric is Metric.COSINE:
             vectors = _unit_rows(vectors)

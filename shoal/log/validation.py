@@ -150,6 +150,35 @@ def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
     return f"coordinates must be finite (NaN or infinity at index {at})"
 
 
+# The largest Euclidean norm a vector (stored or queried) may have. The engines compute distances in float32
+# (hnswlib, faiss): between vectors of at most this norm, |a - b|^2 <= (2 * norm)^2 and every product stay finite
+# there. Past it distances overflow to infinity, rankings come out wrong (cosine normalizes such a vector to
+# zeros) and faiss's k-means aborts the whole process.
+MAX_NORM = math.sqrt(_FLOAT32_MAX) / 2
+MAX_SQ_NORM = np.float32(MAX_NORM * MAX_NORM)
+
+
+def vector_problem(original: Any, row: np.ndarray) -> str | None:
+    """None when the float32 vector `row` (`original` cast) has finite coordinates and a norm of at most
+    MAX_NORM; else what is wrong (`coordinates_problem` first)."""
+    wrong = coordinates_problem(original, row)
+    if wrong is not None:
+        return wrong
+    norm = float(np.linalg.norm(row.astype(np.float64)))
+    if norm <= MAX_NORM:
+        return None
+    return (f"vector norm {norm:.4g} is past the largest allowed, {MAX_NORM:.4g}: distances between such vectors "
+            f"overflow float32")
+
+
+def unfit_rows(flat: np.ndarray) -> np.ndarray:
+    """Positions of the rows of the float32 [n, d] `flat` that `vector_problem` refuses (one pass over the rows:
+    their squared norms, NaN or infinite for a non-finite coordinate and past the bound for a vector too long)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq = np.einsum("ij,ij->i", flat, flat)
+    return np.flatnonzero(~(sq <= MAX_SQ_NORM))
+
+
 def _tname(value: Any) -> str:
     return type(value).__name__
 
@@ -276,7 +305,7 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
         got = row.shape[0] if row.ndim == 1 else row.shape
         problems.add(f"wrong dimension: expected {dim}, got {got}", pos, "vector")
         return None
-    wrong = coordinates_problem(vector, row)
+    wrong = vector_problem(vector, row)
     if wrong is not None:
         problems.add(wrong, pos, "vector")
         return None
@@ -305,7 +334,7 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
     if np.unique(idx).size != idx.size:
         problems.add("sparse vector repeats an index", pos, "vector")
         return None
-    wrong = coordinates_problem(vector.values, val) if val.ndim == 1 else None
+    wrong = vector_problem(vector.values, val) if val.ndim == 1 else None
     if wrong is not None:
         problems.add(wrong, pos, "vector")
         return None
@@ -371,10 +400,8 @@ def columns_to_table(
     else:
         assert vectors is not None
         flat = np.ascontiguousarray(to_float32(vectors))
-        finite = np.isfinite(flat).all(axis=1)
-        if not finite.all():
-            for pos in np.flatnonzero(~finite)[:MAX_PROBLEMS]:
-                problems.add(str(coordinates_problem(vectors[pos], flat[pos])), int(pos), "vector")
+        for pos in unfit_rows(flat)[:MAX_PROBLEMS]:
+            problems.add(str(vector_problem(vectors[pos], flat[pos])), int(pos), "vector")
         arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), spec.vector_dimension)
     for name, kind in spec.attribute_types.items():
         if name in expected and (not delete or name in permanent):

@@ -20,12 +20,14 @@ from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
 from shoal.log.validation import (
+    MAX_SQ_NORM,
     SPARSE_INDICES,
     SPARSE_VALUES,
     VECTOR,
     check_value,
-    coordinates_problem,
     to_float32,
+    unfit_rows,
+    vector_problem,
 )
 from shoal.searcher.filters import MASKS, Filter
 from shoal.searcher.hits import Hit, Hits, RowSource, attributes_of
@@ -36,6 +38,7 @@ from shoal.searcher.views import IndexView
 __all__ = ["Hit", "Hits", "Tail", "attributes_of", "build_tails", "execute", "prepare_queries", "split_matcher"]
 
 
+_MAX_SQ = float(MAX_SQ_NORM)  # a Python float: compared on every search
 _F32 = np.dtype(np.float32)
 
 
@@ -50,10 +53,10 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         and queries.flags.c_contiguous
         and not source.vectors_are_sparse
     ):
-        # The usual call, checked in a few attribute reads and one dot product: a finite sum of squares means
-        # every coordinate is finite (NaN and inf propagate); one that overflowed takes the full check below.
-        squares = float(np.vdot(queries, queries))
-        if squares - squares == 0.0:
+        # The usual call, checked in a few attribute reads and one dot product: a sum of squares within the
+        # bound on one vector's means every coordinate is finite (NaN and inf propagate) and every vector within
+        # MAX_NORM; any other takes the full check below.
+        if float(np.vdot(queries, queries)) <= _MAX_SQ:
             return queries
     if source.vectors_are_sparse:
         items = list(queries)
@@ -103,10 +106,12 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
                 attribute="queryVectors",
             )
         )
-    if not np.isfinite(arr).all():
-        i = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
-        raise ValidationError(Problem(f"query {coordinates_problem(given[i], arr[i])}", i, "queryVectors"))
-    return np.ascontiguousarray(arr)
+    arr = np.ascontiguousarray(arr)
+    unfit = unfit_rows(arr)
+    if unfit.size:
+        i = int(unfit[0])
+        raise ValidationError(Problem(f"query {vector_problem(given[i], arr[i])}", i, "queryVectors"))
+    return arr
 
 
 def split_matcher(

@@ -15,7 +15,7 @@ import numpy as np
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import DataSourceSpec
-from shoal.log.validation import to_float32
+from shoal.log.validation import to_float32, unfit_rows
 from shoal.vektonn.json_fields import (
     attributes_dict,
     canon,
@@ -121,11 +121,11 @@ def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.nd
         raise ValidationError(problems)
     if not spec.vectors_are_sparse and out and len(set(map(len, out))) == 1:
         # Through float64, as np.asarray(list of floats, float32) rounds them in the searcher. With a double
-        # beyond float32's range, the float64 rows go on: the searcher names that number (its float32 cast
-        # would only show an infinity).
+        # beyond float32's range, or a vector past the norm bound, the float64 rows go on: the searcher names
+        # the problem (the float32 cast would only show an infinity).
         given = np.array(out, dtype=np.float64)
         vectors = to_float32(given)
-        return vectors if np.isfinite(vectors).all() else given
+        return given if unfit_rows(vectors).size else vectors
     return out
 
 
