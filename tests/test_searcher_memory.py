@@ -94,3 +94,95 @@ def test_budget_unloads_least_recently_searched(make_settings: Callable[..., Set
             assert shoal.runtime.segment_cache.bytes == 0
         finally:
             searcher.close()
+
+
+def _one_index_bytes(settings: Settings) -> tuple[int, np.ndarray, np.ndarray]:
+    """Indexes A and B (2,000 points each) made under `settings`; the bytes one of them takes loaded."""
+    with Shoal(settings, notify=False) as probe:
+        a = _index(probe, "A", 2000, 2)
+        b = _index(probe, "B", 2000, 3)
+        searcher = probe.searcher(follow=False)
+        _nearest(searcher, "A", a[0])
+        one_index = probe.runtime.segment_cache.bytes
+        searcher.close()
+    return one_index, a, b
+
+
+def test_the_budget_is_the_process_s_across_searchers(make_settings: Callable[..., Settings]) -> None:
+    """Two searchers of one runtime (`Shoal.searcher()` makes a service each) share its budget: loading an
+    index in one unloads the least recently searched index of the other, rather than refusing an index that
+    fits (it was refused, and the error counted the other searcher's bytes as its need)."""
+    settings = make_settings("local")
+    one_index, a, b = _one_index_bytes(settings)
+    budget = int(one_index * 1.5)
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": budget}), notify=False) as shoal:
+        first, second = shoal.searcher(follow=False), shoal.searcher(follow=False)
+        cache = shoal.runtime.segment_cache
+        try:
+            assert _nearest(first, "A", a[5]) == 5
+            assert _nearest(second, "B", b[6]) == 6  # fits once the first searcher's A goes
+            assert second.loaded("B.Index", "1") and not first.loaded("A.Index", "1")
+            assert cache.bytes <= budget
+            assert _nearest(first, "A", a[9]) == 9  # loaded again on demand; the second's B goes in turn
+            assert not second.loaded("B.Index", "1") and cache.bytes <= budget
+        finally:
+            first.close()
+            second.close()
+    # Too large alone: the error names the index's own size, not what other searchers hold.
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": one_index // 2}), notify=False) as shoal:
+        first, second = shoal.searcher(follow=False), shoal.searcher(follow=False)
+        try:
+            with pytest.raises(CapacityError, match=f"needs about {one_index:,} bytes"):
+                second.search("A.Index", "1", a[:1], 1)
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_refresh_does_not_reload_what_the_budget_unloaded(make_settings: Callable[..., Settings]) -> None:
+    """An index the budget unloads during a refresh (a poll, an announcement) stays unloaded until searched: the
+    refresh went on to load it again, as it was on its list, unloading a more recently searched index instead."""
+    settings = make_settings("local")
+    one_index, a, b = _one_index_bytes(settings)
+    with Shoal(settings, notify=False) as shoal:
+        c = _index(shoal, "C", 2000, 4)
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": int(one_index * 3.5)}), notify=False) as shoal:
+        searcher = shoal.searcher(follow=False)
+        try:
+            assert _nearest(searcher, "A", a[5]) == 5
+            assert _nearest(searcher, "B", b[6]) == 6
+            assert _nearest(searcher, "C", c[7]) == 7
+            assert _nearest(searcher, "A", a[8]) == 8 and _nearest(searcher, "B", b[9]) == 9  # C: least recent
+            # B doubles: its new version leaves room for A and B only.
+            shoal.producer("B", "1").upload_columns(b + 100.0, {"id": np.arange(2000, 4000)})
+            for shard in shoal.get_index("B.Index", "1").shards:
+                ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+            searcher.refresh()
+            loaded = [n for n in "ABC" if searcher.loaded(f"{n}.Index", "1")]
+            assert loaded == ["A", "B"], loaded
+            assert shoal.runtime.segment_cache.bytes <= int(one_index * 3.5)
+        finally:
+            searcher.close()
+
+
+def test_an_unloaded_index_keeps_no_young_tier(make_settings: Callable[..., Settings]) -> None:
+    """A young tier read for an index the budget unloaded meanwhile (a strong search or the follower in flight
+    while another search evicts it) is not kept: it would pin the index's segments outside the budget until the
+    index is searched again. (The race is made here by extending the tail of a view the service no longer
+    serves, as the in-flight search does.)"""
+    settings = make_settings("local")
+    one_index, a, b = _one_index_bytes(settings)
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": int(one_index * 1.5)}), notify=False) as shoal:
+        shoal.producer("A", "1").upload_columns(a[:50] + 1.0, {"id": np.arange(50)})  # a tail past A's version
+        head = shoal.get_data_source("A", "1").head_seq
+        searcher = shoal.searcher(follow=False)
+        service = searcher.service
+        try:
+            view = searcher.view("A.Index", "1")
+            assert _nearest(searcher, "B", b[6]) == 6  # unloads A
+            assert not searcher.loaded("A.Index", "1")
+            made = service._extend(view, head)  # the in-flight search's extension, finishing now
+            assert made.end == head  # that search still gets its tail ...
+            assert view.index.id not in service._tails  # ... but the service keeps none for an unloaded index
+        finally:
+            searcher.close()

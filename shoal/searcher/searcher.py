@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from shoal.errors import (
     ShoalError,
     ValidationError,
 )
+from shoal.index.segment_cache import SegmentCache
 from shoal.log.compaction_swap import dropped_through
 from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement
 from shoal.log.reader import read_log
@@ -84,6 +86,11 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
             cache.clear()
         cache[text] = flt
     return flt
+
+
+# The search services sharing each segment cache (the runtime's): the budget is the cache's, so one service
+# may unload another's least recently searched index to fit one it loads.
+_SHARING: weakref.WeakKeyDictionary[SegmentCache, weakref.WeakSet[SearchService]] = weakref.WeakKeyDictionary()
 
 
 class _SourceGone(Exception):
@@ -149,6 +156,7 @@ class SearchService:
         self.storage = runtime.storage
         self.shards = runtime.shards
         self.cache = runtime.segment_cache
+        _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
         self.poll_interval = runtime.settings.searcher_poll_s if poll_interval is None else poll_interval
         # (tenant id, index name, version) -> the view served, and the scope to reload it with.
         self._views: dict[tuple[int, str, str], IndexView] = {}
@@ -524,7 +532,11 @@ class SearchService:
             # Of two racing extensions keep the one made for the view served now (a loader may have swapped in
             # a newer view, with its tails, while this one was made for the older), then the one reaching further.
             served = next((v.versions for v in self._views.values() if v.index.id == view.index.id), None)
-            if current is None:
+            if served is None:
+                # Unloaded meanwhile (the budget evicted it): kept, the tail would pin its segments outside the
+                # budget until the index is searched again. This search answers from it alone.
+                keep = False
+            elif current is None:
                 keep = True
             elif (made.versions == served) != (current.versions == served):
                 keep = made.versions == served
@@ -574,7 +586,7 @@ class SearchService:
         for key in keys:
             tenant_id, name, version = key
             scope = self._scopes.get(tenant_id)
-            if scope is None:
+            if scope is None or key not in self._views:  # unloaded since (the budget): loaded again when searched
                 continue
             try:
                 self._load(scope, name, version)
@@ -663,23 +675,33 @@ class SearchService:
                 self._tails.pop(view.index.id, None)
         self._retain()
 
+    def _lru(self, loaded: tuple[int, str, str]) -> list[tuple[float, tuple[int, str, str]]]:
+        """(last searched, key) of the indexes this service serves, `loaded` left out."""
+        with self._lock:
+            return [(t, k) for k, t in self._used.items() if k != loaded and k in self._views]
+
     def _fit_budget(self, loaded: tuple[int, str, str]) -> None:
         """Release superseded segments, then unload the least recently searched other indexes while the cache
-        is over its budget; an index that alone passes the budget is not served (CapacityError)."""
+        is over its budget, whichever service of the cache serves them (the budget is the process's, and
+        `Shoal.searcher()` makes a service per searcher); an index that alone passes the budget is not served
+        (CapacityError)."""
         self._retain()
         while self.cache.over_budget():
-            with self._lock:
-                others = sorted((t, k) for k, t in self._used.items() if k != loaded and k in self._views)
+            others = [(t, k, service) for service in list(_SHARING.get(self.cache, ()))
+                      for t, k in service._lru(loaded if service is self else (0, "", ""))]
             if not others:
-                need = self.cache.bytes
+                with self._lock:
+                    view = self._views.get(loaded)
+                need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
                 self._unload(loaded)
                 raise CapacityError(
                     f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
                     f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
                     "shards from more processes"
                 )
-            log.info("unloading index %s/%s to stay within the searcher memory budget", *others[0][1][1:])
-            self._unload(others[0][1])
+            _, key, service = min(others, key=lambda o: o[0])
+            log.info("unloading index %s/%s to stay within the searcher memory budget", *key[1:])
+            service._unload(key)
 
     # -- following -----------------------------------------------------------------------------------
 
