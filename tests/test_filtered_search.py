@@ -275,6 +275,27 @@ def test_a_k_past_every_row_answers_every_matching_row(local_shoal: Shoal, algor
             assert s.search(q, k, flt, consistency=Consistency.eventual()) == everything, (flt, k)
 
 
+def nest(operator: str, depth: int) -> dict[str, Any]:
+    """A filter nesting `operator` ($and, $or: a list of one; $not) `depth` levels deep over one condition."""
+    flt: dict[str, Any] = {"size": 1}
+    for _ in range(depth):
+        flt = {operator: flt} if operator == "$not" else {operator: [flt]}
+    return flt
+
+
+def test_filters_nest_up_to_the_limit(local_shoal: Shoal) -> None:
+    """32 levels of $and, $or and $not answer as brute force does; the next level is refused by name."""
+    s = Setup(local_shoal, "flat", 50)
+    q = np.zeros(DIM, np.float32)
+    even = {"$not": {"$not": {"size": {"$lt": 100}}}}  # two levels
+    flt: dict[str, Any] = even
+    for level in range(3, 33):
+        flt = {"$and": [flt]} if level % 2 else {"$or": [flt]}
+    assert s.search(q, 5, flt) == brute(s.rows, s.vectors, q, 5, lambda r: r["size"] < 100)
+    with pytest.raises(QueryError, match="at most 32 levels deep"):
+        s.search(q, 5, {"$not": flt})
+
+
 @pytest.mark.parametrize(
     ("filters", "attribute", "says"),
     [
@@ -290,6 +311,11 @@ def test_a_k_past_every_row_answers_every_matching_row(local_shoal: Shoal, algor
         ({"section": "\ud800"}, "section", "lone surrogate"),
         ({"section": {"$in": ["net", "x\udc00"]}}, "section", "lone surrogate"),
         ({"section": {"$gte": "\ud800"}}, "section", "lone surrogate"),
+        # Nested past Python's stack (within the node limit): a RecursionError, a 500 over HTTP.
+        (nest("$and", 250), "filter", "at most 32 levels deep"),
+        (nest("$not", 340), "filter", "at most 32 levels deep"),
+        # Every key of an object is a condition: 1,001 names in one object pass the node limit.
+        ({f"f{i}": 1 for i in range(1001)}, "filter", "at most 1000 conditions"),
     ],
 )
 def test_bad_filters_name_the_attribute(local_shoal: Shoal, filters: Any, attribute: str, says: str) -> None:
@@ -380,6 +406,15 @@ def test_vektonn_search_body_takes_a_filter(http_api: tuple[httpx.Client, Shoal,
         r = http.post(url, json=body | {"filter": bad})
         assert r.status_code == 400, r.text
         assert name in r.text
+    # Nested past Python's stack: a 400 naming the limit (it answered 500).
+    for deep in (nest("$and", 250), nest("$not", 340)):
+        r = http.post(url, json=body | {"filter": deep})
+        assert r.status_code == 400 and "at most 32 levels deep" in r.text, r.text
+    # An integer past 64 bits on an int64 attribute is out of range, as the integer it is (orjson read it as a
+    # float: "got float").
+    for flt in ({"size": 123456789012345678901234567890}, {"size": {"$gt": -(2**63) - 1}}):
+        r = http.post(url, json=body | {"filter": flt})
+        assert r.status_code == 400 and "'size'" in r.text and "int64 value out of range" in r.text, r.text
     # A JSON integer past float64's range on a float64 attribute (it answered 500: float() overflowed).
     huge = 10**400
     for flt in ({"score": {"$gt": huge}}, {"score": -huge}, {"score": {"$in": [1.5, huge]}}):
@@ -437,6 +472,14 @@ def test_dataset_search_and_multi_dataset_search_take_filters(http_api: tuple[ht
                       headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
         assert f"'{what}'" in r.json()["message"] and "lone surrogate" in r.json()["message"], r.text
+
+    # Nested past Python's stack (a 500 before), in either search.
+    for deep in (nest("$or", 250), nest("$not", 340)):
+        r = http.post("/api/v1/datasets/fa/search", json={"vector": [0.0, 0.0], "filters": deep})
+        assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
+        assert "at most 32 levels deep" in r.json()["message"], r.text
+        r = http.post("/api/v1/search/multi-dataset", json=body | {"options": body["options"] | {"filters": deep}})
+        assert r.status_code == 400 and "at most 32 levels deep" in r.text, r.text
 
     # Bad filters: 400 VALIDATION_ERROR naming the attribute.
     for bad, what in (({"id": 3}, "id"), ({"lang": {"$like": "e%"}}, "lang"), ({"metadata": "x"}, "metadata")):
@@ -497,3 +540,32 @@ def test_the_exact_scan_of_matching_rows_equals_brute_force(data: st.DataObject)
     with np.errstate(over="ignore"):  # distances past float32's range are inf on both sides
         want32 = want_d.astype(np.float32)
     np.testing.assert_allclose(dist, want32, rtol=1e-6, atol=atol)
+
+
+def test_metadata_fields_named_once_are_not_kept(http_api: tuple[httpx.Client, Shoal, Settings]) -> None:
+    """A metadata field a filter names once is read for that search and dropped: every new field name used to
+    stay with the segment for good (half a megabyte per name over 20,000 rows, outside the memory budget). A
+    field filtered on again is kept (bounded, as masks are), and answers the same."""
+    from shoal.searcher import json_fields
+
+    http, shoal, _ = http_api
+    r = http.post("/api/v1/datasets", json={"name": "meta", "dimensions": 2, "metric_type": "euclidean",
+                                            "index_type": "flat"})
+    assert r.status_code == 201, r.text
+    vectors = [{"id": f"v{i}", "values": [float(i), 0.0], "metadata": {f"user_{j}": i % (j + 2) for j in range(40)}}
+               for i in range(300)]
+    assert http.post("/api/v1/datasets/meta/vectors", json={"vectors": vectors}).status_code == 200
+    assert http.post("/api/v1/datasets/meta/reindex?async=false", json={}).status_code in (200, 202)
+
+    def search(filters: Any) -> list[str]:
+        r = http.post("/api/v1/datasets/meta/search", json={"vector": [0.0, 0.0], "top_k": 3, "filters": filters})
+        assert r.status_code == 200, r.text
+        return [h["id"] for h in r.json()["results"]]
+
+    json_fields.FIELDS.clear()
+    for j in range(40):  # each field once: read, answered, dropped
+        assert search({f"user_{j}": 1}) == [f"v{i}" for i in range(300) if i % (j + 2) == 1][:3]
+    assert json_fields.FIELDS.nbytes == 0
+    assert search({"user_3": 2}) == ["v2", "v7", "v12"]  # a field again: kept from now on
+    assert json_fields.FIELDS.nbytes > 0
+    assert search({"user_3": {"$gte": 4}}) == ["v4", "v9", "v14"]

@@ -47,6 +47,9 @@ _RANGE = frozenset({"$gt", "$gte", "$lt", "$lte"})
 _ORDERED = frozenset({AttributeType.INT64, AttributeType.FLOAT64, AttributeType.DATETIME, AttributeType.STRING})
 _OPERATORS = ", ".join([*_COMPARE, "$in", "$nin"])
 MAX_FILTER_NODES = 1000  # a filter is a query, not a program: bounds parsing and evaluation work per search
+# Nesting of $and/$or/$not: parsing and evaluating recurse a few frames per level, and Python's stack ends near
+# 250 levels (a RecursionError, a 500 over HTTP, within MAX_FILTER_NODES).
+MAX_FILTER_DEPTH = 32
 
 Mask = Callable[[pa.Table, dict[Any, Any]], np.ndarray]
 
@@ -124,24 +127,27 @@ class _Parser:
         self.used: set[str] = set()
         self.nodes = 0
 
-    def node(self, raw: Any) -> Mask:
-        self.nodes += 1
+    def node(self, raw: Any, depth: int = 0) -> Mask:
+        # Every entry counts: one object may name many attributes or fields, each a condition to evaluate.
+        self.nodes += len(raw) if isinstance(raw, dict) and raw else 1
         if self.nodes > MAX_FILTER_NODES:
             raise _bad(f"a filter may have at most {MAX_FILTER_NODES} conditions", None)
+        if depth > MAX_FILTER_DEPTH:
+            raise _bad(f"a filter may nest $and, $or and $not at most {MAX_FILTER_DEPTH} levels deep", None)
         if not isinstance(raw, dict) or not raw:
             raise _bad("a filter is a non-empty JSON object: {attribute: value or {operator: value}, "
                        "$and/$or: [filters], $not: filter}", None)
-        parts = [self.entry(str(name), value) for name, value in raw.items()]
+        parts = [self.entry(str(name), value, depth) for name, value in raw.items()]
         return parts[0] if len(parts) == 1 else _all(parts)
 
-    def entry(self, name: str, value: Any) -> Mask:
+    def entry(self, name: str, value: Any, depth: int) -> Mask:
         if name in ("$and", "$or"):
             if not isinstance(value, list) or not value:
                 raise _bad(f"{name} takes a non-empty list of filters", name)
-            parts = [self.node(v) for v in value]
+            parts = [self.node(v, depth + 1) for v in value]
             return _all(parts) if name == "$and" else _any(parts)
         if name == "$not":
-            inner = self.node(value)
+            inner = self.node(value, depth + 1)
             return lambda t, c: ~inner(t, c)
         if name.startswith("$"):
             raise _bad(f"unknown filter operator {name!r} (combinations: $and, $or, $not)", name)

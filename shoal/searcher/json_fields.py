@@ -24,6 +24,7 @@ import orjson
 import pyarrow as pa
 
 from shoal.searcher.ranks import Ranked
+from shoal.searcher.repeat_cache import RepeatCache
 
 __all__ = ["FieldValues", "comparable", "field_values", "json_scalar", "row_test"]
 
@@ -195,24 +196,51 @@ class FieldValues:
         return self._dates
 
 
+class _Table:
+    """Names one table's cache dict (a segment's, kept while it is loaded; or one search's) in FIELDS' keys: the
+    key holds it, so no other table takes its identity while an entry names it."""
+
+    __slots__ = ("__weakref__",)
+
+
+_TABLE = " json fields"  # under this name in a table's cache dict: no attribute can have it
+
+
+def _field_bytes(values: FieldValues) -> int:
+    """About what `values` holds: its arrays, the list of row values and the distinct strings."""
+    arrays = sum(a.nbytes for a in (values.present, values.is_bool, values.bools, values.is_number, values.numbers))
+    strings = values.strings
+    ranked = 0 if strings is None else strings.ranks.nbytes + sum(49 + len(t) for t in strings.distinct)
+    return arrays + ranked + 8 * len(values.raw) + 32 * int(values.present.sum())
+
+
+# Fields read from a table's JSON column, kept from the second time a (table, field) is asked for: fields that
+# differ per search (a filter on a per-user field) are read and dropped, instead of growing each segment by a
+# Python value per row for every field ever named (they were kept with the segment, outside every budget).
+FIELDS: RepeatCache[FieldValues] = RepeatCache(256 << 20, _field_bytes)
+
+
 def field_values(table: pa.Table, column: str, field: str, cache: dict[Any, Any]) -> FieldValues:
-    """One field (a dotted path) of the JSON text in `column`, per row, read once per table and cache. The
-    parsed documents are not kept: a segment's would hold a Python object per value of every field, where a
-    search needs the fields its filters name."""
-    key = ("json", column, field)
-    found = cache.get(key)
-    if found is None:
-        path = field.split(".")
-        texts = table[column].to_pylist()
-        values = []
-        for text in texts:
-            value = _at(_loads(text), path)
-            if type(value) is float and not -_BEYOND_INT64 < value < _BEYOND_INT64:
-                # orjson reads an integer past 64 bits as a float; json reads it as the integer it is.
-                value = _at(_json_loads(text), path)
-            values.append(value)
-        found = cache[key] = FieldValues(values)
-    return found  # type: ignore[no-any-return]
+    """One field (a dotted path) of the JSON text in `column`, per row: read again, or kept in FIELDS if the
+    same table (named by its `cache` dict) and field were asked for before. The parsed documents are not kept:
+    a segment's would hold a Python object per value of every field, where a search needs the fields its
+    filters name."""
+    table_id = cache.get(_TABLE)
+    if table_id is None:
+        table_id = cache[_TABLE] = _Table()
+    return FIELDS.get((table_id, column, field), lambda: _read_field(table, column, field))
+
+
+def _read_field(table: pa.Table, column: str, field: str) -> FieldValues:
+    path = field.split(".")
+    values = []
+    for text in table[column].to_pylist():
+        value = _at(_loads(text), path)
+        if type(value) is float and not -_BEYOND_INT64 < value < _BEYOND_INT64:
+            # orjson reads an integer past 64 bits as a float; json reads it as the integer it is.
+            value = _at(_json_loads(text), path)
+        values.append(value)
+    return FieldValues(values)
 
 
 def _at(doc: Any, path: list[str]) -> Any:

@@ -90,7 +90,7 @@ def load(body: bytes, error: type[ValidationError]) -> tuple[Any, bool]:
     # numbers beyond a double, a byte order mark. Take them too, so such a body meets the rules it met before
     # (a non-finite coordinate is a point's problem, not a parse error).
     try:
-        parsed = _stdlib_loads(body)
+        parsed = stdlib_loads(body)
     except (ValueError, TypeError, RecursionError):
         raise error(f"the body is not JSON: {refusal}") from None
     try:
@@ -157,7 +157,7 @@ def shape_body(
     shaped, problems = shape(parsed)
     if problems and not by_stdlib and any(_INTEGER_WANTED in p.rule for p in problems):
         try:
-            shaped, problems = shape(_stdlib_loads(body))
+            shaped, problems = shape(stdlib_loads(body))
         except (ValueError, TypeError, RecursionError):
             pass  # orjson's reading stands, and so do its problems
     if problems:
@@ -165,7 +165,8 @@ def shape_body(
     return shaped
 
 
-def _stdlib_loads(body: bytes | bytearray | memoryview | str) -> Any:
+def stdlib_loads(body: bytes | bytearray | memoryview | str) -> Any:
+    """The body parsed by Python's json (integers of any size kept as integers)."""
     # Python's json takes bytes and str but not a memoryview.
     return json.loads(bytes(body) if isinstance(body, memoryview) else body)
 

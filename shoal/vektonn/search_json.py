@@ -7,6 +7,7 @@ values as the former conversion checked them, with the same problems.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,8 +25,11 @@ from shoal.vektonn.json_fields import (
     read_entry,
     read_vector,
     shape_body,
+    stdlib_loads,
     vector_value,
 )
+
+_BEYOND_INT64 = 2.0**63  # orjson reads integers from here on as floats
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,31 @@ def decode_search(body: bytes, max_vectors: int | None = None) -> SearchQuery:
     when the query holds more than `max_vectors` vectors (refused before any of them is read). Values are
     checked against the data source by query_vectors() and split_filter(); that k is positive is left to the
     caller, as before."""
-    query = shape_body(body, load(body, ValidationError), partial(_search_shape, max_vectors=max_vectors))
+    loaded = load(body, ValidationError)
+    query = shape_body(body, loaded, partial(_search_shape, max_vectors=max_vectors))
     assert query is not None  # _search_shape gives None only with problems, which shape_body raises
+    if query.filter is not None and not loaded[1] and _holds_wide_float(query.filter):
+        # orjson reads an integer past 64 bits as a float: the filter as Python's json reads it, so such an
+        # operand is judged as the integer it is ("out of range"), not as a float ("got float").
+        again = _search_shape(stdlib_loads(body), max_vectors)[0]
+        if again is not None:
+            query = dataclasses.replace(query, filter=again.filter)
     return query
+
+
+def _holds_wide_float(value: Any) -> bool:
+    """True when `value` (parsed JSON) holds a float of magnitude 2^63 or more anywhere (walked without
+    recursion: a filter may nest deeper than the parser allows, which the searcher refuses by name)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) is float and not -_BEYOND_INT64 < item < _BEYOND_INT64:
+            return True
+        if type(item) is dict:
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+    return False
 
 
 def _search_shape(raw: Any, max_vectors: int | None = None) -> tuple[SearchQuery | None, list[Problem]]:
