@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import platformdirs
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -27,6 +27,40 @@ BODY_BYTES_PER_POINT = 1024
 # The embedded default's tenant for requests without a key: never the CLI's own (`default`), so a keyless
 # caller cannot touch what the CLI created.
 ANONYMOUS_TENANT = "anonymous"
+
+# Every duration setting is at most 100 years: durations are added to the clock (datetime and timedelta
+# arithmetic, catalog timestamps, Redis expiries in milliseconds) and passed to Event.wait (at most
+# threading.TIMEOUT_MAX, about 292 years), and a larger one overflows one of them (OverflowError, or a Redis
+# or Postgres error on every operation that uses it) long after startup accepted it.
+MAX_DURATION_S = 3_155_760_000  # 100 years of 365.25 days
+MAX_DURATION_DAYS = 36_525
+# PostgreSQL's lock_timeout is an integer number of milliseconds.
+MAX_LOCK_TIMEOUT_MS = 2**31 - 1
+# Counts and sizes reach the catalog (bigint) and numpy (int64).
+MAX_COUNT = 2**63 - 1
+# Redis takes an expiry in whole milliseconds and refuses 0, so a shorter TTL would fail every enqueue.
+MIN_PENDING_TTL_S = 0.001
+# HNSW ef_construction an index may ask for (shoal.engines.hnsw's limit, which settings cannot import).
+MAX_EF_CONSTRUCTION = 1 << 16
+
+
+def _at_most(limit: int, shown: str) -> AfterValidator:
+    """A check that a setting is at most `limit`; its error says the bound as `shown` (with its unit)."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and value > limit:
+            raise ValueError(f"must be at most {shown}")
+        return value
+
+    return AfterValidator(check)
+
+
+_YEARS = "100 years"
+Seconds = Annotated[float, _at_most(MAX_DURATION_S, f"{MAX_DURATION_S} s ({_YEARS})")]
+WholeSeconds = Annotated[int, _at_most(MAX_DURATION_S, f"{MAX_DURATION_S} s ({_YEARS})")]
+Millis = Annotated[int, _at_most(MAX_DURATION_S * 1000, f"{MAX_DURATION_S * 1000} ms ({_YEARS})")]
+Days = Annotated[float, _at_most(MAX_DURATION_DAYS, f"{MAX_DURATION_DAYS} days ({_YEARS})")]
+Count = Annotated[int, _at_most(MAX_COUNT, f"{MAX_COUNT} (a 64-bit integer)")]
 
 
 def config_file() -> Path | None:
@@ -50,7 +84,8 @@ def config_file() -> Path | None:
 class Settings(BaseSettings):
     """Everything Shoal can be told. Environment beats the config file, which beats the defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="forbid")
+    # No float setting may be inf or NaN (1e400 reads as inf): every one is a duration, ratio or gate.
+    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="forbid", allow_inf_nan=False)
 
     data_dir: Path = Field(
         default_factory=lambda: Path(platformdirs.user_data_dir("shoal")),
@@ -63,7 +98,9 @@ class Settings(BaseSettings):
         default=None, description="Redis URL of the broker; unset starts an embedded Valkey."
     )
     storage_uri: str | None = Field(
-        default=None, description="Local directory or s3://bucket/prefix; unset means DATA_DIR/storage."
+        default=None,
+        description="Local directory (a path, ~ expanded, or file:///path) or s3://bucket/prefix; unset means "
+        "DATA_DIR/storage. A local one is read as an absolute path.",
     )
     s3_endpoint_url: str | None = None
     s3_access_key: str | None = None
@@ -86,22 +123,22 @@ class Settings(BaseSettings):
         default=None,
         description="Bearer token that lets a scraper see /metrics of every tenant (labels included).",
     )
-    auth_failure_limit: int = Field(
+    auth_failure_limit: Count = Field(
         default=20, ge=0, description="Failed authentications per client address and window before 429 (0: off)."
     )
-    auth_failure_window_s: float = Field(
+    auth_failure_window_s: Seconds = Field(
         default=60.0, gt=0, description="Window over which failed authentications per client address are counted."
     )
-    auth_failure_cache_s: float = Field(
+    auth_failure_cache_s: Seconds = Field(
         default=10.0, ge=0, description="How long a rejected API key is answered 401 without hashing it again."
     )
-    db_pool_size: int = Field(
+    db_pool_size: Count = Field(
         default=5, ge=1, description="Catalog connections one process keeps open (shared by every tenant)."
     )
-    db_max_overflow: int = Field(
+    db_max_overflow: Count = Field(
         default=5, ge=0, description="Catalog connections one process may open beyond the pool under load."
     )
-    searcher_cache_bytes: int = Field(
+    searcher_cache_bytes: Count = Field(
         default_factory=lambda: _half_of_memory(),
         ge=1 << 20,
         description="Memory budget of a process's loaded index segments; least recently searched indexes are "
@@ -117,55 +154,61 @@ class Settings(BaseSettings):
         description="This process's name among the placement file's nodes: it loads only the shards placed on "
         "it and fans out for the rest; unset: it serves no placed shard itself and fans out for all of them.",
     )
-    fanout_timeout_s: float = Field(
+    fanout_timeout_s: Seconds = Field(
         default=10.0, gt=0,
         description="How long a fanned-out search waits for another node's answer before calling its shards "
         "unavailable.",
     )
-    searcher_poll_s: float = Field(
+    searcher_poll_s: Seconds = Field(
         default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
     )
-    young_tier_max_seqs: int = Field(
+    young_tier_max_seqs: Count = Field(
         default=20_000, ge=0,
         description="Log entries past an index's built watermark that a searcher keeps decoded and searches "
         "exactly for eventual queries (the young tier; 0: eventual serves built segments only). Entries "
         "beyond it wait for the workers' builds.",
     )
-    max_batch_points: int = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
+    max_batch_points: Count = Field(default=100_000, ge=1, description="Largest batch one upload may carry.")
     # Checked before any body is parsed (413): parsing is what costs, so a limit checked after it protects nothing.
-    max_body_bytes: int | None = Field(
+    max_body_bytes: Count | None = Field(
         default=None, ge=1,
         description="Largest request body any route reads, checked before parsing (413); unset: max_batch_points "
         f"x {BODY_BYTES_PER_POINT} bytes (about 100 MB at the default 100,000 points).",
     )
-    max_query_vectors: int = Field(default=1_000, ge=1, description="Most query vectors one search may carry.")
-    max_search_hits: int = Field(
+    max_query_vectors: Count = Field(default=1_000, ge=1, description="Most query vectors one search may carry.")
+    max_search_hits: Count = Field(
         default=100_000, ge=1,
         description="Most hits one search over HTTP may return: query vectors x k, k counted up to the rows the "
         "index holds (so a k past every row is fine on a small index); a search that could return more is "
         "refused (400) before it runs.",
     )
-    group_commit_max_points: int = Field(
+    group_commit_max_points: Count = Field(
         default=200_000, ge=1, description="Most points that concurrent uploads may share in one segment."
     )
-    commit_retries: int = Field(default=3, ge=1, description="Attempts at a commit whose outcome is unknown.")
-    lock_timeout_ms: int = Field(default=30_000, ge=1, description="Catalog lock wait before giving up.")
-    sweep_interval_s: float = Field(default=10.0, gt=0, description="How often beat sweeps for lagging shards.")
-    lease_seconds: float = Field(
+    commit_retries: Count = Field(default=3, ge=1, description="Attempts at a commit whose outcome is unknown.")
+    lock_timeout_ms: int = Field(
+        default=30_000, ge=1, le=MAX_LOCK_TIMEOUT_MS,
+        description="Catalog lock wait before giving up (PostgreSQL's lock_timeout: at most 2147483647 ms).",
+    )
+    sweep_interval_s: Seconds = Field(default=10.0, gt=0, description="How often beat sweeps for lagging shards.")
+    lease_seconds: Seconds = Field(
         default=30.0, gt=0,
         description="How long a shard build lease lasts without renewal (a dead worker's lease expires).",
     )
-    lease_heartbeat_s: float = Field(
+    lease_heartbeat_s: Seconds = Field(
         default=10.0, gt=0,
         description="How often a worker renews the lease of the shard it builds (at most a third of "
         "lease_seconds).",
     )
-    task_visibility_timeout_s: float = Field(
+    task_visibility_timeout_s: Seconds = Field(
         default=3600.0, gt=0, description="Broker redelivers an unacknowledged task after this long."
     )
-    pending_ttl_s: float = Field(default=120.0, gt=0, description="How long a queued-task mark coalesces commits.")
-    max_segments: int = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
-    min_merge_segments: int = Field(
+    pending_ttl_s: Seconds = Field(
+        default=120.0, ge=MIN_PENDING_TTL_S,
+        description="How long a queued-task mark coalesces commits (a Redis expiry: at least 1 ms).",
+    )
+    max_segments: Count = Field(default=8, ge=1, description="Segments per shard before a merge is due.")
+    min_merge_segments: Count = Field(
         default=4, ge=2,
         description="A merge that too many segments make due takes at least this many, the smallest ones.",
     )
@@ -174,52 +217,53 @@ class Settings(BaseSettings):
         description="CPU priority (nice value) of worker processes: builds and merges yield the CPU to "
         "searchers, the API and producers on the same host (0: no lower than they are started).",
     )
-    quick_build_backlog_seqs: int = Field(
+    quick_build_backlog_seqs: Count = Field(
         default=5_000, ge=0,
         description="A materialization that finds at least this many log entries to build (ingest outruns the "
         "builds) builds its HNSW segment quickly, at SHOAL_QUICK_EF_CONSTRUCTION; merges rebuild quick segments "
         "at the index's own parameters once the shard has no such backlog (0: never build quickly).",
     )
     quick_ef_construction: int = Field(
-        default=40, ge=1, description="ef_construction of quickly built HNSW segments (see the setting above)."
+        default=40, ge=1, le=MAX_EF_CONSTRUCTION,
+        description="ef_construction of quickly built HNSW segments (see the setting above).",
     )
-    quick_window_s: float = Field(
+    quick_window_s: Seconds = Field(
         default=10.0, ge=0,
         description="A shard with quick segments stays busy (its builds and merges stay quick) while its data "
         "source took at least SHOAL_QUICK_BUILD_BACKLOG_SEQS entries in the last this many seconds; its quick "
         "segments are rebuilt at full quality once it takes fewer (0: as soon as there is no backlog).",
     )
     max_deleted_ratio: float = Field(default=0.3, gt=0, le=1, description="Dead rows in a segment before a merge.")
-    merge_interval_s: float = Field(
+    merge_interval_s: Seconds = Field(
         default=60.0, ge=0, description="How often beat looks for due segment merges (0: never by beat)."
     )
     # Log compaction, retention and garbage collection (beat sweeps; 0 turns a sweep off).
-    compaction_interval_s: float = Field(
+    compaction_interval_s: Seconds = Field(
         default=300.0, ge=0, description="How often beat looks for logs worth compacting (0: never by beat)."
     )
-    compaction_target_bytes: int = Field(
+    compaction_target_bytes: Count = Field(
         default=64 << 20, ge=1, description="Size compaction merges small log segments toward."
     )
-    compaction_min_seqs: int = Field(
+    compaction_min_seqs: Count = Field(
         default=10_000, ge=1, description="New seqs below the lowest index watermark before the sweep compacts a log."
     )
-    tombstone_retention_s: float = Field(
+    tombstone_retention_s: Seconds = Field(
         default=86_400.0, ge=0, description="How long compaction keeps a tombstone every index is already past."
     )
-    retention_interval_s: float = Field(
+    retention_interval_s: Seconds = Field(
         default=3_600.0, ge=0, description="How often beat expires points past retention_days (0: never by beat)."
     )
-    gc_interval_s: float = Field(
+    gc_interval_s: Seconds = Field(
         default=600.0, ge=0, description="How often beat deletes unreferenced files (0: never by beat)."
     )
-    gc_grace_s: float = Field(
+    gc_grace_s: Seconds = Field(
         default=3_600.0, ge=0, description="How long an unreferenced file stays before GC deletes it."
     )
     # The trash (soft-deleted datasets) and its purge.
-    trash_retention_days: float = Field(
+    trash_retention_days: Days = Field(
         default=30.0, ge=0, description="How long a soft-deleted dataset stays restorable before the purge."
     )
-    purge_interval_s: float = Field(
+    purge_interval_s: Seconds = Field(
         default=3600.0, ge=0, description="How often beat purges trashed datasets whose retention ended (0: never)."
     )
     # Message intake (`shoal consume`) and its backpressure.
@@ -228,30 +272,32 @@ class Settings(BaseSettings):
         default="default", pattern=r"^[A-Za-z0-9_.-]{1,100}$", description="Consumer group: one queue per group."
     )
     intake_binding: str = Field(default="#", description="Routing-key pattern the group's queue is bound with.")
-    intake_max_points: int = Field(default=10_000, ge=1, description="Points gathered before one log commit.")
-    intake_max_wait_ms: int = Field(default=200, ge=1, description="Longest wait for a commit to fill up.")
-    intake_prefetch: int = Field(default=2_000, ge=1, description="Unacknowledged messages a consumer may hold.")
-    intake_visibility_timeout_s: float = Field(
+    intake_max_points: Count = Field(default=10_000, ge=1, description="Points gathered before one log commit.")
+    intake_max_wait_ms: Millis = Field(default=200, ge=1, description="Longest wait for a commit to fill up.")
+    intake_prefetch: Count = Field(default=2_000, ge=1, description="Unacknowledged messages a consumer may hold.")
+    intake_visibility_timeout_s: Seconds = Field(
         default=300.0, gt=0, description="Broker redelivers a message a dead consumer held after this long."
     )
-    max_index_lag_seqs: int = Field(
+    max_index_lag_seqs: Count = Field(
         default=1_000_000,
         ge=0,
         description="Backpressure bound: index lag (head - built watermark) that slows intake and makes "
         "HTTP uploads answer 429 (0: no bound).",
     )
-    backpressure_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 under backpressure.")
+    backpressure_retry_after_s: WholeSeconds = Field(
+        default=5, ge=1, description="Retry-After of a 429 under backpressure."
+    )
     # Reindexing: new generations built aside and swapped in (shoal.index.reindex).
     reindex_recall_gate: float = Field(
         default=0.95, ge=0, le=1, description="recall@10 an ANN generation needs before it is swapped in."
     )
-    reindex_keep_s: float = Field(
+    reindex_keep_s: Seconds = Field(
         default=86_400.0, ge=0, description="How long the generation a reindex replaced is kept for rollback."
     )
-    version_keep_s: float = Field(
+    version_keep_s: Seconds = Field(
         default=86_400.0, ge=0, description="How long superseded index versions stay searchable (time travel)."
     )
-    generations_interval_s: float = Field(
+    generations_interval_s: Seconds = Field(
         default=600.0, ge=0, description="How often beat drops expired generations (0: never by beat)."
     )
 
@@ -259,6 +305,12 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("storage_uri")
+    @classmethod
+    def _storage_location(cls, value: str | None) -> str | None:
+        # Resolved here, once, so every process (and child process) of a deployment means the same directory.
+        return storage_location(value) if value else value
 
     @field_validator("anonymous_tenant")
     @classmethod
@@ -318,6 +370,36 @@ class Settings(BaseSettings):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])
         return shown
+
+
+def storage_location(uri: str) -> str:
+    """`uri` as Shoal opens it: an s3:// URI as given, checked; a local one (a path or a file:// URI) as an
+    absolute path, ~ expanded. ValueError saying what is wrong with it otherwise.
+
+    An s3:// URI needs a bucket and no empty path component (s3://bucket//p is not a prefix S3 paths can
+    have). A file:// URI names no host but localhost and is percent-decoded (file:///tmp/my%20dir).
+    """
+    parts = urlsplit(uri)
+    if parts.scheme in ("s3", "file") and (parts.query or parts.fragment):
+        raise ValueError(f"{uri!r} has a query or fragment ('?' or '#'), which a storage URI cannot have")
+    if parts.scheme == "s3":
+        if not parts.netloc:
+            raise ValueError(f"{uri!r} names no bucket: use s3://bucket or s3://bucket/prefix")
+        prefix = parts.path.removeprefix("/").removesuffix("/")
+        if parts.path.startswith("//") or (prefix and "" in prefix.split("/")):
+            raise ValueError(f"{uri!r} has an empty path component ('//'): use s3://bucket/prefix")
+        return uri
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"{uri!r} names host {parts.netloc!r}: storage is a local directory (file:///path) or s3://"
+            )
+        path = unquote(parts.path)
+    elif parts.scheme == "":
+        path = uri  # a plain path is taken as written: '%', '?' and '#' are part of it
+    else:
+        raise ValueError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
+    return str(Path(path).expanduser().resolve())
 
 
 def _toml_source(settings_cls: type[BaseSettings], path: Path) -> TomlConfigSettingsSource:

@@ -40,7 +40,7 @@ from shoal.log.compaction_swap import (
     record_noop,
     replace_segments,
 )
-from shoal.log.segment_file import decode_segment, store_segment
+from shoal.log.segment_file import read_segment, store_segment
 from shoal.log.validation import DELETE, INGESTED_AT, KEY, OP, SEQ, SEQ_OFFSET
 from shoal.storage import Storage
 
@@ -220,7 +220,7 @@ def _entry_map(storage: Storage, prefix: list[SegmentRecord]) -> pa.Table:
     """Seq, key, op and ingestion time of every entry in the prefix, in seq order, with its segment's position."""
     parts = []
     for i, seg in enumerate(prefix):
-        t = decode_segment(storage.read(seg.path), seg.checksum, seg.path, [SEQ_OFFSET, OP, KEY, INGESTED_AT])
+        t = read_segment(storage, seg.path, seg.checksum, [SEQ_OFFSET, OP, KEY, INGESTED_AT])
         parts.append(
             pa.table({
                 SEQ: pc.add(t[SEQ_OFFSET], pa.scalar(seg.first_seq, pa.int64())),
@@ -287,7 +287,7 @@ def _rewrite(
     first = group[0].first_seq
     parts = []
     for seg, keep in zip(group, keeps, strict=True):
-        table = decode_segment(storage.read(seg.path), seg.checksum, seg.path)
+        table = read_segment(storage, seg.path, seg.checksum)
         if len(keep) != table.num_rows:  # the file changed under its checksum: impossible, refuse loudly
             raise RuntimeError(f"segment {seg.path} holds {table.num_rows} entries, its key map {len(keep)}")
         table = table.filter(pa.array(keep))

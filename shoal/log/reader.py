@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from sqlalchemy import Engine
 
 from shoal.catalog.repo import head_of, list_segments
-from shoal.log.segment_file import decode_segment
+from shoal.log.segment_file import read_segment
 from shoal.log.validation import KEY, OP, SEQ, SEQ_OFFSET, UPSERT
 from shoal.storage import Storage
 
@@ -37,7 +37,7 @@ def read_log(
     # One snapshot of the segment rows: a compaction swapping segments meanwhile leaves the files listed
     # here in place for its grace period, so this read sees the log wholly before or wholly after it.
     for seg in list_segments(engine, source_id, after_seq, up_to_seq):
-        table = decode_segment(storage.read(seg.path), seg.checksum, seg.path, wanted)
+        table = read_segment(storage, seg.path, seg.checksum, wanted)
         seqs = pc.add(table[SEQ_OFFSET], pa.scalar(seg.first_seq, pa.int64()))
         table = table.append_column(SEQ, seqs)
         if seg.first_seq <= after_seq or seg.last_seq > up_to_seq:

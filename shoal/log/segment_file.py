@@ -138,6 +138,17 @@ def decode_segment(
     return pq.read_table(pa.BufferReader(buf), columns=columns)
 
 
+def read_segment(storage: Storage, path: str, expected_checksum: str, columns: list[str] | None = None) -> pa.Table:
+    """The table in the log segment the catalog records at `path` (only `columns`, when given), checked as
+    `decode_segment` does. CorruptSegmentError when the file is gone as when its bytes are wrong: the catalog
+    references it, so it must be there; any other OSError (storage briefly away) is raised as it is."""
+    try:
+        buf = storage.read(path)
+    except FileNotFoundError:
+        raise CorruptSegmentError(f"segment {path} referenced by the catalog is missing") from None
+    return decode_segment(buf, expected_checksum, path, columns)
+
+
 @dataclass(frozen=True)
 class WrittenSegment:
     """What a segment writer reports back about the file it made durable."""

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from shoal.config.settings import Settings
+from shoal.config.settings import Settings, mask_url, storage_location
 from shoal.errors import ConfigurationError
 
 T = TypeVar("T")
@@ -32,11 +32,47 @@ class Storage:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Storage:
-        """Open the storage the settings name; create the local root or check the bucket exists."""
+        """Open the storage the settings name; create the local root or check the bucket can be reached.
+
+        Any misconfiguration (a malformed URI, an endpoint, credentials or bucket S3 refuses, a local root that
+        cannot be a directory) is a ConfigurationError naming the setting to fix, never showing a secret.
+        """
         uri = settings.resolved_storage_uri
+        # SHOAL_DATA_DIR places the storage when SHOAL_STORAGE_URI is unset.
+        setting = "SHOAL_STORAGE_URI" if settings.storage_uri else "SHOAL_DATA_DIR"
+        try:
+            # Settings read from the environment are normalized already; ones built by model_copy are not.
+            location = storage_location(uri)
+        except ValueError as exc:
+            raise ConfigurationError(f"{setting}: {exc}") from None
+        if urlparse(location).scheme == "s3":
+            return cls._open_s3(settings, location)
+        try:
+            os.makedirs(location, exist_ok=True)
+        except OSError as exc:
+            problem = "it is not a directory" if os.path.exists(location) else exc.strerror or str(exc)
+            raise ConfigurationError(f"{setting}: cannot use {location} as the storage directory: {problem}") from None
+        return cls(pafs.LocalFileSystem(), location, local=True)
+
+    @classmethod
+    def _open_s3(cls, settings: Settings, uri: str) -> Storage:
+        """The S3 storage of `uri` (checked by storage_location), once its bucket answered."""
         parsed = urlparse(uri)
-        if parsed.scheme == "s3":
-            endpoint = urlparse(settings.s3_endpoint_url) if settings.s3_endpoint_url else None
+        bucket = parsed.netloc
+        if bool(settings.s3_access_key) != bool(settings.s3_secret_key):
+            raise ConfigurationError(
+                "SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY go together: set both, or neither for the AWS "
+                "default credential chain"
+            )
+        endpoint = None
+        if settings.s3_endpoint_url:
+            endpoint = urlparse(settings.s3_endpoint_url)
+            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+                raise ConfigurationError(
+                    f"SHOAL_S3_ENDPOINT_URL {mask_url(settings.s3_endpoint_url)!r} is not an http:// or https:// "
+                    "URL (e.g. http://127.0.0.1:9000)"
+                )
+        try:
             fs = pafs.S3FileSystem(
                 access_key=settings.s3_access_key,
                 secret_key=settings.s3_secret_key,
@@ -45,16 +81,12 @@ class Storage:
                 scheme=endpoint.scheme if endpoint else "https",
                 allow_bucket_creation=False,
             )
-            root = f"{parsed.netloc}{parsed.path}".rstrip("/")
-            bucket = parsed.netloc
-            if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-                raise ConfigurationError(f"S3 bucket {bucket!r} of storage {uri!r} does not exist")
-            return cls(fs, root, local=False)
-        if parsed.scheme not in ("", "file"):
-            raise ConfigurationError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
-        path = os.path.abspath(parsed.path if parsed.scheme == "file" else uri)
-        os.makedirs(path, exist_ok=True)
-        return cls(pafs.LocalFileSystem(), path, local=True)
+            found = fs.get_file_info(bucket).type != pafs.FileType.NotFound
+        except (OSError, ValueError, pa.ArrowException) as exc:
+            raise ConfigurationError(_s3_problem(settings, uri, exc)) from None
+        if not found:
+            raise ConfigurationError(f"S3 bucket {bucket!r} of storage {uri!r} does not exist")
+        return cls(fs, f"{bucket}{parsed.path}".rstrip("/"), local=False)
 
     def path(self, relative: str) -> str:
         """The full filesystem path of a layout-relative path."""
@@ -125,6 +157,19 @@ class Storage:
         selector = pafs.FileSelector(self.path(relative_dir), recursive=True, allow_not_found=True)
         prefix = len(self.root) + 1
         return sorted(i.path[prefix:] for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.File)
+
+
+def _s3_problem(settings: Settings, uri: str, exc: BaseException) -> str:
+    """Why the bucket of `uri` could not be reached, naming the settings to check (never their secrets)."""
+    # The secret key never leaves this process (requests are signed with it), so S3's answer cannot echo it,
+    # and pyarrow's own messages name the bucket and operation only.
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    where = mask_url(settings.s3_endpoint_url) if settings.s3_endpoint_url else "AWS"
+    if "ACCESS_DENIED" in reason or "INVALID_ACCESS_KEY" in reason or "SIGNATURE" in reason:
+        check = "check SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY (or the AWS credential chain)"
+    else:
+        check = "check SHOAL_S3_ENDPOINT_URL and SHOAL_S3_REGION"
+    return f"cannot reach S3 bucket {urlparse(uri).netloc!r} of storage {uri!r} at {where}: {reason}; {check}"
 
 
 def _fsync_path(path: str) -> None:
