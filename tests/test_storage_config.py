@@ -96,11 +96,15 @@ def test_a_data_dir_that_is_a_file_is_named(make_settings: Callable[..., Setting
     assert message.startswith(f"SHOAL_DATA_DIR: cannot use {file / 'storage'} as the storage directory"), message
 
 
-def test_the_cli_says_it_in_one_line(make_settings: Callable[..., Settings], tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", [["source", "list"], ["api", "--port", "1"]])
+def test_the_cli_says_it_in_one_line(make_settings: Callable[..., Settings], tmp_path: Path,
+                                     command: list[str]) -> None:
+    """A command, `shoal api` included (its storage was opened inside uvicorn's startup: a traceback), refuses
+    a misconfigured storage in one line, before serving anything."""
     file = tmp_path / "a-file"
     file.write_text("not a directory")
     settings = make_settings(storage_uri=str(file))
-    result = subprocess.run([sys.executable, "-m", "shoal.cli", "source", "list"], env=settings.child_env(),
+    result = subprocess.run([sys.executable, "-m", "shoal.cli", *command], env=settings.child_env(),
                             capture_output=True, text=True, timeout=120)
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert result.returncode == 1

@@ -31,12 +31,15 @@ def api(
     from shoal.api.security import check_exposure
     from shoal.api.serve import serve
     from shoal.searcher.placement import Placement
+    from shoal.storage import Storage
 
     settings = load_settings()
     if allow_anonymous_writes:
         settings = settings.model_copy(update={"allow_anonymous_writes": True})
     check_exposure(settings, host)  # before anything starts: a refusal must cost nothing and say why
     placement = Placement.load(settings.placement_file, settings.node)  # a bad file: its error, no traceback
+    # The storage too: opened inside uvicorn's startup, its ConfigurationError came out as a traceback.
+    Storage.from_settings(settings)
     anonymous = settings.resolved_anonymous_tenant
     if anonymous is None:
         who = "every request needs an API key"
