@@ -33,6 +33,18 @@ def _nearest(shoal_searcher: object, name: str, query: np.ndarray) -> int:
     return int(hits[0].column("id")[0])
 
 
+def _one_index_bytes(settings: Settings) -> tuple[int, np.ndarray, np.ndarray]:
+    """Indexes A and B (2,000 points each) made under `settings`; the bytes one of them takes loaded."""
+    with Shoal(settings, notify=False) as probe:
+        a = _index(probe, "A", 2000, 2)
+        b = _index(probe, "B", 2000, 3)
+        searcher = probe.searcher(follow=False)
+        _nearest(searcher, "A", a[0])
+        one_index = probe.runtime.segment_cache.bytes
+        searcher.close()
+    return one_index, a, b
+
+
 def test_superseded_segments_are_released(make_settings: Callable[..., Settings]) -> None:
     with Shoal(make_settings("local"), notify=False) as shoal:
         vectors = _index(shoal, "Mem", 500, 1)
@@ -63,13 +75,7 @@ def test_superseded_segments_are_released(make_settings: Callable[..., Settings]
 
 def test_budget_unloads_least_recently_searched(make_settings: Callable[..., Settings]) -> None:
     settings = make_settings("local")
-    with Shoal(settings, notify=False) as probe:
-        a = _index(probe, "A", 2000, 2)
-        b = _index(probe, "B", 2000, 3)
-        searcher = probe.searcher(follow=False)
-        _nearest(searcher, "A", a[0])
-        one_index = probe.runtime.segment_cache.bytes
-        searcher.close()
+    one_index, a, b = _one_index_bytes(settings)
     # Room for one of the two indexes, not both.
     budget = int(one_index * 1.5)
     with Shoal(settings.model_copy(update={"searcher_cache_bytes": budget}), notify=False) as shoal:
@@ -94,18 +100,6 @@ def test_budget_unloads_least_recently_searched(make_settings: Callable[..., Set
             assert shoal.runtime.segment_cache.bytes == 0
         finally:
             searcher.close()
-
-
-def _one_index_bytes(settings: Settings) -> tuple[int, np.ndarray, np.ndarray]:
-    """Indexes A and B (2,000 points each) made under `settings`; the bytes one of them takes loaded."""
-    with Shoal(settings, notify=False) as probe:
-        a = _index(probe, "A", 2000, 2)
-        b = _index(probe, "B", 2000, 3)
-        searcher = probe.searcher(follow=False)
-        _nearest(searcher, "A", a[0])
-        one_index = probe.runtime.segment_cache.bytes
-        searcher.close()
-    return one_index, a, b
 
 
 def test_the_budget_is_the_process_s_across_searchers(make_settings: Callable[..., Settings]) -> None:
