@@ -272,3 +272,15 @@ def test_metadata_field_masks_mean_what_the_filter_language_says(table_docs: tup
         assert mask.dtype == np.bool_ and mask.shape == (len(docs),)
         assert mask.tolist() == [keep(d) for d in docs], raw
         assert flt.mask(table, cache).tolist() == mask.tolist()
+
+
+def test_a_document_nested_past_python_s_stack_has_no_fields() -> None:
+    """Metadata text nested deeper than Python's json can read (orjson refuses it past 1,024 levels) has no
+    fields: a filter on it matches no comparison, as for text that is no JSON (it raised RecursionError, a 500)."""
+    deep = "[" * 3000 + "]" * 3000
+    table = pa.table({"metadata": pa.array(['{"lang": "en"}', deep, '{"lang": "de"}'])})
+    for raw, want in (({"lang": "en"}, [True, False, False]), ({"lang": {"$ne": "en"}}, [False, True, True]),
+                      ({"lang": None}, [False, True, False])):
+        flt = parse_filter(raw, JSON_TYPES, json_attribute="metadata")
+        assert flt is not None
+        assert flt.mask(table, {}).tolist() == want, raw

@@ -22,6 +22,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.api.dataset_models import (
     CreateDatasetRequest,
@@ -46,11 +48,13 @@ from shoal.api.errors import dataset_response
 from shoal.api.security import (
     TenantContext,
     admin_tenant,
+    context_from_cache,
     deleter_tenant,
     reader_tenant,
     require_admin,
     writer_tenant,
 )
+from shoal.auth import Role
 from shoal.client import ShardStatus
 from shoal.datasets.cache import DatasetCache
 from shoal.datasets.errors import DatasetError, ErrorCode
@@ -79,14 +83,40 @@ class DatasetRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             try:
+                await _note_caller(request)
                 return await handler(request)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error response
-                response = dataset_response(request, exc)
+                response = dataset_response(request, _body_error(exc))
                 if response is None:
                     raise
                 return response
 
         return handle
+
+
+async def _note_caller(request: Request) -> None:
+    """Authenticate the caller first and record its tenant, so that every error of the request after that (a
+    role too low, a body that does not parse or validate) carries it in `details.tenant_id`: FastAPI parses the
+    body before it resolves the route's dependencies. A key that fails raises here, as the dependency would
+    have; the dependency then finds the key's verdict cached."""
+    tenants = request.app.state.tenants
+    # Role.READ is every caller's: this checks no role (the route's dependency does).
+    ctx = context_from_cache(tenants, request.headers.get("Authorization"), Role.READ)
+    if ctx is None:
+        ctx = await run_in_threadpool(reader_tenant, request)  # hashing a key or querying the catalog blocks
+    request.state.dataset_tenant = ctx.tenant
+
+
+def _body_error(exc: Exception) -> Exception:
+    """`exc`, or VALIDATION_ERROR for a 400 FastAPI raises when a body is no JSON it can read (an integer of
+    more than 4300 digits, nesting past the decoder's limit, bytes that are no UTF-8): not an error code of
+    the dataset API's."""
+    if not isinstance(exc, StarletteHTTPException) or exc.status_code != 400:
+        return exc
+    cause = exc.__cause__
+    reason = str(cause).split(";")[0][:200] if cause is not None else str(exc.detail)
+    return DatasetError(ErrorCode.VALIDATION_ERROR, f"invalid request: the body could not be parsed: {reason}",
+                        {"field": "body"})
 
 
 # -- rendering the service's results -------------------------------------------------------------------------

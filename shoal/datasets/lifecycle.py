@@ -157,15 +157,17 @@ class Lifecycle(DatasetScope):
         named; params left out take the dataset API's defaults, and its ranges hold (as on create). A refused
         `index_config` is INVALID_DATASET_CONFIG naming the field, and nothing is started. Once the new
         generation serves, the dataset (its catalog entry, stats and `dataset_metadata.json`) shows it."""
-        record = self.record(name)
-        if index_type == rules.DEFAULT_INDEX_VALUE:
-            index_type = rules.default_index_type(record.metric_type)
+        # The definition serving now: another process may have reindexed it since the cached record was read.
+        record = self._current([self.record(name)])[0]
+        # What a refusal of the engine names: the field the caller gave the type or parameters in.
+        asked = "index_config" if index_config is not None else (
+            "index_params" if index_params is not None else "index_type")
         if index_config is not None:
             index_type, index_params = self._from_index_config(index_config, index_type, index_params)
-            if index_type == rules.DEFAULT_INDEX_VALUE:
-                index_type = rules.default_index_type(record.metric_type)
-        elif index_type is not None and index_type not in rules.INDEX_TYPES:
+        elif index_type is not None and index_type not in (*rules.INDEX_TYPES, rules.DEFAULT_INDEX_VALUE):
             raise invalid(f"index_type must be one of {', '.join(rules.INDEX_TYPES)}", index_type=index_type)
+        if index_type == rules.DEFAULT_INDEX_VALUE:  # after comparing: "default" agrees with any type
+            index_type = rules.default_index_type(record.metric_type)
         if index_type is not None or index_params is not None:
             # As on create: the parameters left out take the dataset API's defaults, and its ranges hold.
             field = "index_config" if index_config is not None else "index_params"
@@ -174,12 +176,12 @@ class Lifecycle(DatasetScope):
             job = self.shoal.reindex(record.name, rules.VERSION, algorithm=index_type,
                                      params=dict(index_params) if index_params is not None else None, wait=wait)
         except ValidationError as exc:
-            if index_config is not None:
-                raise DatasetError(
-                    ErrorCode.INVALID_DATASET_CONFIG, "index_config refused: " + "; ".join(problems_of(exc)),
-                    {"field": "index_config", "problems": problems_of(exc)[:100], "index_type": index_type},
-                ) from None
-            raise invalid(str(exc), problems=problems_of(exc)[:100]) from None
+            # The engine refused the type or parameters (e.g. hnsw for manhattan): as create answers it.
+            raise DatasetError(
+                ErrorCode.INVALID_DATASET_CONFIG, f"{asked} refused: " + "; ".join(problems_of(exc)),
+                {"field": asked, "problems": problems_of(exc)[:100], "index_type": index_type or record.index_type,
+                 "metric_type": record.metric_type},
+            ) from None
         except ReindexConflictError as exc:
             raise DatasetError(ErrorCode.REINDEX_CONFLICT, str(exc), {"dataset_id": record.name}) from None
         finally:
@@ -199,11 +201,14 @@ class Lifecycle(DatasetScope):
                                {"field": "index_params"})
         config_type, params = rules.check_index_config(config)
         if index_type is not None:
-            index_type = rules.check_choice("index_type", index_type, rules.INDEX_TYPES)
-            if config_type is not None and config_type != index_type:
+            index_type = rules.check_choice("index_type", index_type, (*rules.INDEX_TYPES, rules.DEFAULT_INDEX_VALUE))
+            # "default" (either side) agrees with any type, as on create; the type named wins.
+            if rules.DEFAULT_INDEX_VALUE not in (index_type, config_type) and config_type not in (None, index_type):
                 raise DatasetError(
                     ErrorCode.INVALID_DATASET_CONFIG,
                     f"index_type {index_type!r} and index_config.index_type {config_type!r} disagree",
                     {"field": "index_config.index_type"},
                 )
-        return config_type or index_type, params
+            if config_type in (None, rules.DEFAULT_INDEX_VALUE):
+                return index_type, params
+        return config_type, params

@@ -17,6 +17,7 @@ from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 from shoal.searcher.filters import Filter, parse_filter
+from shoal.searcher.views import IndexView
 
 
 def consistency_of(level: str | None, min_write_token: int | None) -> Consistency:
@@ -35,15 +36,80 @@ def consistency_of(level: str | None, min_write_token: int | None) -> Consistenc
 def filter_of(raw: Any, field: str) -> Filter | None:
     """A dataset search's filters (shoal.searcher.filters) over `id`, `document_id`, `content` and the fields
     of each vector's metadata (`metadata.<field>`, or the bare field name); None for none. A bad filter is
-    VALIDATION_ERROR naming the field and the attribute."""
+    VALIDATION_ERROR naming the field and the attribute.
+
+    A vector stored without a `document_id` or `content` has none (`stored_without`): conditions on those two
+    read it as a metadata field without the key reads, not as the text ""."""
     if raw is None or raw == {}:
         return None
     if not isinstance(raw, dict):
         raise invalid(f"{field} must be a JSON object", field=field)
     try:
-        return parse_filter(raw, rules.ATTRIBUTES, json_attribute="metadata")
+        return parse_filter(stored_without(raw), rules.ATTRIBUTES, json_attribute="metadata")
     except ValidationError as exc:
         raise invalid(f"{field}: {QueryError.of(exc)}", field=field, problems=problems_of(exc)) from None
+
+
+# Attributes a dataset stores as "" when a vector has none (every upsert stores every attribute: never null).
+OPTIONAL_TEXT = ("document_id", "content")
+
+
+def stored_without(raw: dict[str, Any]) -> dict[str, Any]:
+    """The filter `raw` with its conditions on `document_id` and `content` rewritten (`_optional_text`) so that
+    a vector without one (stored as "") reads as a metadata field without the key does
+    (shoal.searcher.json_fields): it matches no comparison (`""` included), and so matches `$ne`, `$nin` and
+    `$not`; `null` (`$eq: null`) selects exactly the vectors without one, `$ne: null` those with one, and a null
+    in `$in` / `$nin` equals nothing. Each condition stays one condition at its place, so the filter's size and
+    depth are the caller's; anything malformed is left as it is, for the parser to refuse. Walked without
+    recursion: the parser bounds the depth, this must not fail first."""
+    root: dict[str, Any] = {"filter": raw}
+    todo: list[tuple[Any, Any]] = [(root, "filter")]  # (container, key) of a node still to rewrite
+    while todo:
+        container, key = todo.pop()
+        node = container[key]
+        if not isinstance(node, dict):
+            continue  # not a filter: the parser says so
+        node = container[key] = dict(node)  # the caller's filter stays as it is
+        for name, value in node.items():
+            if name in ("$and", "$or") and isinstance(value, list):
+                node[name] = list(value)
+                todo.extend((node[name], i) for i in range(len(value)))
+            elif name == "$not":
+                todo.append((node, name))
+            elif name in OPTIONAL_TEXT:
+                node[name] = _optional_text(value)
+    return root["filter"]  # type: ignore[no-any-return]
+
+
+def _optional_text(value: Any) -> Any:
+    """A condition on an optional text attribute (`stored_without`), over values that are "" (none) or a
+    non-empty string. `$gt ""` is "has one"; `$gt`, `$gte` on a non-empty string, `$ne` and `$nin` read "" as
+    the metadata language reads a missing value already; `$eq`, `$lt`, `$lte` and `$in` must not match it."""
+    if isinstance(value, dict) and value and all(isinstance(op, str) and op.startswith("$") for op in value):
+        ops = dict(value)
+    elif isinstance(value, dict | list):
+        return value  # neither a value nor {operator: value}: the parser refuses it
+    else:
+        ops = {"$eq": value}
+    out: dict[str, Any] = {}
+    guard = False  # the condition must not match a vector without a value
+    for op, operand in ops.items():
+        if op in ("$in", "$nin") and isinstance(operand, list):
+            out[op] = [v for v in operand if v is not None and v != ""]  # no value equals a null or ""
+        elif op == "$eq" and operand is None:
+            out["$eq"] = ""
+        elif op == "$ne" and operand is None:
+            guard = True
+        elif op == "$ne" and operand == "":
+            continue  # every vector: none has the value ""
+        elif op == "$gte" and operand == "":
+            guard = True  # every string is >= "": the vectors with a value
+        else:
+            out[op] = operand  # $ne, $gt, $gte of a value; or what the parser refuses (a bad operator, a number)
+            guard = guard or op in ("$eq", "$lt", "$lte")
+    if guard:
+        out.setdefault("$gt", "")  # a $gt given already excludes "" ("" is greater than no string)
+    return out or {"$nin": []}  # only `$ne: ""`: every vector
 
 
 def match_of(hit: Hit) -> Match:
@@ -72,14 +138,24 @@ class Search(DatasetScope):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= rules.MAX_TOP_K:
             raise invalid(f"top_k must be an integer in 1..{rules.MAX_TOP_K}", field="top_k")
 
+    def _view(self, record: DatasetRecord) -> IndexView:
+        """The dataset's index as this process serves it (loaded on first use); DATASET_NOT_FOUND if gone."""
+        try:
+            view = self.searcher.view(record.name, rules.VERSION)
+            if view.source.id != record.source_id:
+                self.searcher.refresh()  # a view of a dataset since deleted and recreated under the same name
+                view = self.searcher.view(record.name, rules.VERSION)
+            return view
+        except NotFoundError:
+            self._forget(record.name)
+            raise not_found(record.name) from None
+
     def _hits(
         self, record: DatasetRecord, vector: Sequence[float], top_k: int, consistency: Consistency,
         filters: Filter | None = None,
     ) -> Sequence[Hit]:
-        self._check_query(record, vector, top_k)
+        """The hits of a query already checked (`_check_query`) against a dataset whose view is loaded (`_view`)."""
         try:
-            if self.searcher.view(record.name, rules.VERSION).source.id != record.source_id:
-                self.searcher.refresh()  # a view of a dataset since deleted and recreated under the same name
             return self.searcher.search(record.name, rules.VERSION, [list(vector)], top_k, consistency=consistency,
                                         filters=filters)[0]
         except NotFoundError:
@@ -87,6 +163,12 @@ class Search(DatasetScope):
             raise not_found(record.name) from None
         except ValidationError as exc:
             raise invalid(str(QueryError.of(exc)), problems=problems_of(exc)) from None  # a search writes nothing
+
+    def _metric(self, record: DatasetRecord) -> str:
+        """The metric the dataset's scores are distances of: the served generation's. A reindex or rollback may
+        have swapped another in since the (cached) record was read, by another process that cannot touch this
+        one's cache; the served view follows the swap within one searcher poll, and is what answers."""
+        return self._view(record).index.spec.metric
 
     def search(
         self,
@@ -103,8 +185,10 @@ class Search(DatasetScope):
         record = self.record(name)
         level = consistency_of(consistency, min_write_token)
         flt = filter_of(filters, "filters")
+        self._check_query(record, vector, top_k)
+        metric = self._metric(record)
         hits = self._hits(record, vector, top_k, level, flt)
-        return SearchResults(record.name, record.metric_type, higher_is_nearer(record.metric_type), level.level,
+        return SearchResults(record.name, metric, higher_is_nearer(metric), level.level,
                              tuple(match_of(h) for h in hits))
 
     def multi_search(
@@ -129,16 +213,18 @@ class Search(DatasetScope):
             raise invalid(f"merge_strategy must be one of {', '.join(STRATEGIES)}", field="merge_strategy")
         level = consistency_of(consistency, None)
         records = [self.record(n) for n in dataset_ids]
-        directions = {higher_is_nearer(r.metric_type) for r in records}
+        for r in records:
+            self._check_query(r, vector, top_k)
+        metrics = [self._metric(r) for r in records]
+        directions = {higher_is_nearer(m) for m in metrics}
         if merge_strategy == "score" and len(directions) > 1:
             raise DatasetError(
                 ErrorCode.INVALID_DATASET_CONFIG,
                 "merge_strategy 'score' cannot merge metrics that rank in opposite directions "
                 "(dot_product: higher is nearer; cosine, euclidean, manhattan: lower is nearer)",
-                {"metric_types": {r.name: r.metric_type for r in records}, "merge_strategy": merge_strategy},
+                {"metric_types": {r.name: m for r, m in zip(records, metrics, strict=True)},
+                 "merge_strategy": merge_strategy},
             )
-        for r in records:
-            self._check_query(r, vector, top_k)
         lists = [self._hits(r, vector, top_k, level, flt) for r in records]
         merged = merge(merge_strategy, lists, [[h.distance for h in hits] for hits in lists],
                        directions == {True}, top_k)

@@ -23,8 +23,9 @@ from shoal.datasets.results import Dataset, DatasetStats, IndexBuild, IndexStats
 from shoal.datasets.scope import DatasetScope
 from shoal.errors import NotFoundError
 from shoal.log.reader import fold, read_log
+from shoal.log.records import GENERATION_MARK, json_depth
 from shoal.log.validation import KEY, OP
-from shoal.storage.layout import dataset_dir, index_dir
+from shoal.storage.layout import dataset_dir, index_dir, indexes_dir
 
 METADATA_SAMPLE = 100_000  # live vectors whose metadata keys are counted (the first ones in seq order)
 TOP_METADATA_KEYS = 50
@@ -33,13 +34,22 @@ COUNTED_KEYS = ("language", "content_type")  # metadata keys whose values /stats
 
 
 def metadata_value(text: Any) -> Any:
-    """A vector's stored metadata decoded: JSON text as its value, other text as it is, anything else None."""
+    """A vector's stored metadata decoded: JSON text as its value, other text as it is, anything else None.
+    JSON nesting deeper than the dataset API's own limit (`rules.MAX_METADATA_DEPTH`, which its uploads
+    enforce) stays the text it is stored as: the Vektonn routes can write any text into a dataset's source,
+    and a value that deep breaks the encoders every answer goes through (or the decoder itself)."""
     if not isinstance(text, str):
         return None
     try:
-        return json.loads(text)
-    except ValueError:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's own limit
         return text  # written by another client (e.g. the Vektonn routes) as plain text
+    # Counting brackets is a C-speed bound on the depth (brackets inside strings count too): most metadata
+    # is never walked.
+    limit = rules.MAX_METADATA_DEPTH
+    if text.count("[") + text.count("{") > limit and json_depth(value, limit) > limit:
+        return text
+    return value
 
 
 class Stats(DatasetScope):
@@ -51,7 +61,7 @@ class Stats(DatasetScope):
         segments = list_segments(self.shoal.engine, record.source_id)
         live = self._live_state(record.source_id, segments)
         log_bytes = sum(s.bytes for s in segments)
-        index_bytes, index_files = self._bytes_under(index_dir(self.tenant, record.name, rules.VERSION))
+        index_bytes, index_files = self._index_bytes(record.name)
         mirror_bytes, _ = self._bytes_under(dataset_dir(self.tenant, record.name))
         try:
             shards = tuple(self.shoal.index_status(record.name, rules.VERSION))
@@ -124,6 +134,21 @@ class Stats(DatasetScope):
             languages=dict(by["language"].most_common(TOP_METADATA_KEYS)),
             content_types=dict(by["content_type"].most_common(TOP_METADATA_KEYS)),
         )
+
+    def _index_bytes(self, name: str) -> tuple[int, int]:
+        """Bytes and number of the files of every generation of the dataset's index in storage: the folder of
+        its first (`indexes/{name}/1/`) and those of the generations reindexes built (`1~g{n}/`), which keep
+        their folder when swapped in. So the serving generation counts, as do one being built and the one
+        kept for rollback (SHOAL_REINDEX_KEEP_S), and versions awaiting garbage collection, until deleted."""
+        storage = self.shoal.storage
+        selector = pafs.FileSelector(storage.path(f"{indexes_dir(self.tenant)}/{name}"), recursive=False,
+                                     allow_not_found=True)
+        versions = [rules.VERSION] + [
+            i.base_name for i in storage.fs.get_file_info(selector)
+            if i.type == pafs.FileType.Directory and i.base_name.startswith(f"{rules.VERSION}{GENERATION_MARK}")
+        ]
+        sizes = [self._bytes_under(index_dir(self.tenant, name, v)) for v in versions]
+        return sum(b for b, _ in sizes), sum(n for _, n in sizes)
 
     def _bytes_under(self, folder: str) -> tuple[int, int]:
         """Bytes and number of files anywhere under a layout-relative folder (0, 0 if there is none)."""

@@ -262,5 +262,5 @@ def _loads(text: Any) -> Any:
 def _json_loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # past Python's stack (orjson refuses past 1,024 levels): no fields
         return None
