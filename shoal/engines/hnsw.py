@@ -3,6 +3,11 @@
 hnswlib's spaces return their own distances; they are converted to Shoal's definitions: 'cosine' is already
 1 - cos, 'ip' returns 1 - ip (the score is 1 - d), and 'l2' returns the squared L2 distance (euclidean takes
 the square root). Manhattan has no hnswlib space and is refused.
+
+Rows with equal vectors are one node of the graph, which stands for all of them. hnswlib's neighbour pruning
+keeps one of several identical neighbours, so many copies of one vector (zero vectors, a default embedding)
+fill each other's neighbour lists and cut the other rows off the graph: with 3,000 zero vectors and 30 distinct
+ones (cosine), none of the 30 found itself. A search asks the graph for nodes and answers their rows.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, Self
 
 import numpy as np
@@ -48,6 +54,14 @@ _STATE_ARRAYS = (("label_lookup_external", "<u8"), ("label_lookup_internal", "<u
                  ("data_level0", "<i1"), ("link_lists", "<i1"))
 
 
+# Copies are found by a 64-bit hash of each row's values, sorted (55 ms for 100k x 384 rows, against minutes
+# for their graph), and confirmed by comparing the rows whose hashes agree: a hash is never trusted alone.
+_HASH_ROWS = 2048  # rows hashed at once: their uint64 words are a few MB
+# A stored graph node and an added row of the same cosine vector: hnswlib stores the normalised vector (in
+# float32, 7e-8 from the exact one at most here), so they are compared within this, after equal hashes.
+_COSINE_SAME = 1e-6
+
+
 def _hnswlib() -> Any:
     import hnswlib  # imported late: only processes that build or load HNSW indexes pay for it
 
@@ -67,9 +81,25 @@ class HnswEngine(Engine):
     search_params = {"ef_search": _LIMITS["ef_search"]}
     extends = True
 
-    def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int) -> None:
+    def __init__(self, index: Any, metric: Metric, params: dict[str, Any], dim: int, count: int,
+                 hashes: np.ndarray | None = None, node_of_row: np.ndarray | None = None) -> None:
         super().__init__(metric, params, dim, count)
         self._index = index  # None when there are no rows
+        # `_row_hashes` of each graph node's vector (None: a graph stored before they were kept), and each row's
+        # node (None: every row is its own node, label = row, the common case and every earlier graph).
+        self._hashes = hashes
+        self._node_of_row = node_of_row
+        self._nodes = count
+        if node_of_row is not None:
+            # Each node's rows, ascending: rows[starts[node] : starts[node + 1]].
+            sizes = np.bincount(node_of_row)
+            self._nodes = len(sizes)
+            self._rows = np.argsort(node_of_row, kind="stable")
+            self._starts = np.concatenate(([0], np.cumsum(sizes)))
+            # For the single-query path: each node's lowest row, and the nodes holding more than one row (few:
+            # real data repeats some vectors, and a search that reaches none of them maps nodes to rows at once).
+            self._first_row = self._rows[self._starts[:-1]]
+            self._shared: frozenset[int] = frozenset(np.flatnonzero(sizes > 1).tolist())
         self._ef_search: int = params["ef_search"]
         self._native = metric in _NATIVE  # kept: an Enum hashes in Python, and search_one runs per query
         self._one_shape = (1, dim)
@@ -97,22 +127,32 @@ class HnswEngine(Engine):
     @classmethod
     def _build(cls, vectors: np.ndarray, metric: Metric, params: dict[str, Any], threads: int) -> Self:
         n, dim = vectors.shape
-        index = None
-        if n:
-            index = _hnswlib().Index(space=_SPACES[metric], dim=dim)
-            index.init_index(max_elements=n, M=params["M"], ef_construction=params["ef_construction"], random_seed=SEED)
-            index.add_items(vectors, np.arange(n), num_threads=threads)
-        return cls(index, metric, params, dim, n)
+        if not n:
+            return cls(None, metric, params, dim, n)
+        hashes = _row_hashes(vectors)
+        node_of_row = None
+        lowest = _lowest_equal_rows(vectors, hashes)
+        if lowest is not None:  # copies: the graph holds each vector once, numbered in the order of its first row
+            firsts = np.flatnonzero(lowest == np.arange(n))
+            node_of_row = np.searchsorted(firsts, lowest)
+            vectors, hashes = vectors[firsts], hashes[firsts]
+        m = len(vectors)
+        index = _hnswlib().Index(space=_SPACES[metric], dim=dim)
+        index.init_index(max_elements=m, M=params["M"], ef_construction=params["ef_construction"], random_seed=SEED)
+        index.add_items(vectors, np.arange(m), num_threads=threads)
+        return cls(index, metric, params, dim, n, hashes, node_of_row)
 
     def _search(
         self, queries: np.ndarray, k: int, threads: int, params: Mapping[str, int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        found = self._knn(queries, k, threads, params)
+        found = self._knn(queries, min(k, self._nodes), threads, params)
         if found is None:
             return self._exact(queries, k)
         labels, dist = found
         # hnswlib's labels are uint64 row numbers below 2**63: the same bits read as int64, without a copy.
         labels = labels.view(np.int64)
+        if self._node_of_row is not None:  # graph nodes to rows (k nodes hold k rows at least)
+            dist, labels = _expand(dist, labels, self._rows, self._starts, k)
         # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
         # and this runs once per query.
         d = dist
@@ -160,19 +200,29 @@ class HnswEngine(Engine):
         if not float(np.vdot(query, query)) <= MAX_SQ:
             raise ValidationError(Problem(f"query {vector_problem(query[0], query[0])}", 0, "queryVectors"))
         # `_knn` inlined on purpose: one Python call less on the path every single-query search takes.
+        grouped = self._node_of_row is not None
+        nodes = min(k, self._nodes) if grouped else k
         ef = params["ef_search"] if params and "ef_search" in params else self._ef_search
-        if ef < k:
-            ef = k
+        if ef < nodes:
+            ef = nodes
         with self._lock:
             if ef != self._ef:
                 self._index.set_ef(ef)
                 self._ef = ef
             try:
-                labels, dist = self._index.knn_query(query, k, 1)  # positional: pybind11 parses them faster
+                labels, dist = self._index.knn_query(query, nodes, 1)  # positional: pybind11 parses them faster
             except RuntimeError:
                 return None
+        if grouped:
+            l_row = labels[0].tolist()
+            if len(l_row) == k and self._shared.isdisjoint(l_row):  # one row per node: no expansion (~2 us)
+                l_row = self._first_row[l_row].tolist()
+            else:
+                dist, labels = _expand(dist, labels.view(np.int64), self._rows, self._starts, k)
+                l_row = labels[0].tolist()
+        else:
+            l_row = labels[0].tolist()
         d_row = dist[0].tolist()
-        l_row = labels[0].tolist()
         if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
             pairs = sorted(zip(d_row, l_row, strict=True))
             d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
@@ -207,16 +257,46 @@ class HnswEngine(Engine):
 
         Where most rows match, a plain walk widened to k / fraction (times 2) usually holds k matching rows,
         with no Python callback per visited node; queries it leaves short walk the graph with hnswlib's
-        filter, which visits only toward allowed rows and so keeps recall where fewer rows match."""
+        filter, which visits only toward allowed rows and so keeps recall where fewer rows match.
+
+        Where rows share a graph node, the walk looks for nodes with an allowed row and answers those rows."""
         if self._index is None or k <= 0:
             return None
+        if self._node_of_row is None:
+            out_d, out_l = self._walk_filtered(queries, k, allowed, count, params)
+        else:
+            rows = self._rows[allowed[self._rows]]  # the allowed rows, by node, ascending within one
+            sizes = np.bincount(self._node_of_row[rows], minlength=self._nodes)
+            node_ok = sizes > 0
+            nodes = int(np.count_nonzero(node_ok))
+            if nodes:  # min(k, nodes) nodes hold k allowed rows at least (the caller's k is at most `count`)
+                d, found = self._walk_filtered(queries, min(k, nodes), node_ok, nodes, params)
+                out_d, out_l = _expand(d, found, rows, np.concatenate(([0], np.cumsum(sizes))), k)
+            else:
+                out_d = np.full((len(queries), k), np.inf, dtype=np.float32)
+                out_l = np.full((len(queries), k), -1, dtype=np.int64)
+        d = out_d
+        if self.metric is Metric.DOT_PRODUCT:
+            d = np.float32(1.0) - d
+        elif self.metric is Metric.EUCLIDEAN:
+            d = np.sqrt(np.maximum(d, np.float32(0.0)))
+        if k > 1 and _has_ties(d):
+            d, out_l = top_k_of(self.metric, d, out_l, k)
+            d = d.astype(np.float32, copy=False)
+        return d, out_l
+
+    def _walk_filtered(
+        self, queries: np.ndarray, k: int, allowed: np.ndarray, count: int, params: Mapping[str, int] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """hnswlib's k nearest graph nodes among those `allowed` marks (`count` true), as hnswlib's distances
+        and labels, label -1 and distance +inf where the walk found fewer."""
         nq = len(queries)
         out_d = np.full((nq, k), np.inf, dtype=np.float32)
         out_l = np.full((nq, k), -1, dtype=np.int64)
         pending = np.arange(nq)
-        fraction = count / self._count
+        fraction = count / self._nodes
         if fraction >= POSTFILTER_MIN_FRACTION:
-            wide = min(self._count, math.ceil(2 * k / fraction) + 8)
+            wide = min(self._nodes, math.ceil(2 * k / fraction) + 8)
             found = self._knn(queries, wide, 1, params)
             if found is not None:
                 labels = found[0].view(np.int64)
@@ -243,28 +323,58 @@ class HnswEngine(Engine):
             if labels is not None:
                 out_l[pending] = labels.view(np.int64)
                 out_d[pending] = dist
-        d = out_d
-        if self.metric is Metric.DOT_PRODUCT:
-            d = np.float32(1.0) - d
-        elif self.metric is Metric.EUCLIDEAN:
-            d = np.sqrt(np.maximum(d, np.float32(0.0)))
-        if k > 1 and _has_ties(d):
-            d, out_l = top_k_of(self.metric, d, out_l, k)
-            d = d.astype(np.float32, copy=False)
-        return d, out_l
+        return out_d, out_l
 
     def _exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact results from the vectors the graph stores (for cosine hnswlib stores them normalised,
-        which leaves cosine distances unchanged)."""
-        stored = np.asarray(self._index.get_items(np.arange(len(self)), return_type="numpy"), dtype=np.float32)
-        return FlatEngine(stored.reshape(len(self), self.dim), self.metric, {})._search(queries, k, 1)
+        which leaves cosine distances unchanged), each node's vector once per row it stands for."""
+        stored = np.asarray(self._index.get_items(np.arange(self._nodes), return_type="numpy"), dtype=np.float32)
+        stored = stored.reshape(self._nodes, self.dim)
+        if self._node_of_row is not None:
+            stored = stored[self._node_of_row]
+        return FlatEngine(stored, self.metric, {})._search(queries, k, 1)
+
+    def _same_nodes(self, vectors: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """For each of `vectors` (their `_row_hashes`), the graph node holding the same vector, -1 for none
+        (and for every vector when the graph's hashes were not stored)."""
+        same = np.full(len(vectors), -1, dtype=np.int64)
+        if self._hashes is None or not len(vectors):
+            return same
+        order = np.argsort(self._hashes, kind="stable")
+        pos = np.minimum(np.searchsorted(self._hashes[order], hashes), len(order) - 1)
+        hit = np.flatnonzero(self._hashes[order[pos]] == hashes)
+        if not len(hit):
+            return same
+        # Equal hashes are confirmed on the stored vectors (two nodes' vectors never hash alike but by a
+        # collision, which then only leaves the row a node of its own).
+        nodes = order[pos[hit]]
+        stored = np.asarray(self._index.get_items(nodes, return_type="numpy"), dtype=np.float32)
+        stored = stored.reshape(len(nodes), self.dim)
+        if self.metric is Metric.COSINE:  # hnswlib stores them normalised
+            v = vectors[hit].astype(np.float64)
+            norms = np.linalg.norm(v, axis=1, keepdims=True)
+            v = np.divide(v, norms, out=np.zeros_like(v), where=norms > 0)
+            equal = (np.abs(stored - v) <= _COSINE_SAME).all(axis=1)
+        else:
+            equal = (stored == vectors[hit]).all(axis=1)
+        same[hit[equal]] = nodes[equal]
+        return same
 
     def _header(self) -> dict[str, Any]:
-        return {"space": _SPACES[self.metric], "layout": _STATE}
+        header: dict[str, Any] = {"space": _SPACES[self.metric], "layout": _STATE}
+        # Sections after the graph's: its nodes' hashes, then each row's node (where rows share nodes).
+        if self._hashes is not None:
+            header["hashes"] = True
+        if self._node_of_row is not None:
+            header["nodes"] = self._nodes
+        return header
 
     def _sections(self) -> list[bytes | memoryview]:
         if self._index is None:
             return []
+        extra = [] if self._hashes is None else [array_section(self._hashes, "<u8")]
+        if self._node_of_row is not None:
+            extra.append(array_section(self._node_of_row, "<i8"))
         state = dict(self._index.__getstate__()[0])
         # Only the rows there are: room reserved for more is not stored (a restore makes its own).
         count, per_row = state["cur_element_count"], state["size_data_per_element"]
@@ -278,7 +388,8 @@ class HnswEngine(Engine):
         state["label_lookup_external"] = state["label_lookup_external"][order]
         state["ef"] = 10
         scalars = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
-        return [json.dumps(scalars).encode(), *(array_section(state[name], dtype) for name, dtype in _STATE_ARRAYS)]
+        return [json.dumps(scalars).encode(), *(array_section(state[name], dtype) for name, dtype in _STATE_ARRAYS),
+                *extra]
 
     @classmethod
     def _load(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any]) -> Self:
@@ -287,35 +398,63 @@ class HnswEngine(Engine):
     @classmethod
     def _restore(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any],
                  room: int) -> Self:
-        """The saved graph, with space for `room` more rows."""
+        """The saved graph, with space for `room` more nodes."""
         n, dim = int(header["count"]), int(header["dim"])
         # The graph's structure is what was built; only ef_search is taken from the caller's params.
         built = header["params"]
         effective = {"M": built["M"], "ef_construction": built["ef_construction"], "ef_search": params["ef_search"]}
-        index = None
-        if n and header.get("layout") == _STATE:
-            index = _from_state(sections, n, room)
-        elif n:
+        index = hashes = node_of_row = None
+        if not n:
+            return cls(index, metric, effective, dim, n)
+        nodes = n
+        if header.get("layout") == _STATE:
+            # Graphs stored before rows shared nodes (or before node hashes were kept) end with the graph.
+            sections = list(sections)
+            if "nodes" in header:
+                nodes = int(header["nodes"])
+                node_of_row = _section_array(sections.pop(), "<i8", n, "row's node")
+                if node_of_row.min() < 0 or node_of_row.max() != nodes - 1 or not np.bincount(node_of_row).all():
+                    raise ValidationError(f"serialized HNSW graph is malformed: rows' nodes are not 0..{nodes - 1}")
+            if header.get("hashes"):
+                hashes = _section_array(sections.pop(), "<u8", nodes, "node hash")
+            index = _from_state(sections, nodes, room)
+        else:  # the earlier layout (hnswlib's save_index file): one node per row, no hashes
             index = _hnswlib().Index(space=header["space"], dim=dim)
             with tempfile.TemporaryDirectory(prefix="shoal-hnsw-") as tmp:
                 path = os.path.join(tmp, "index.bin")
                 with open(path, "wb") as f:
                     f.write(sections[0])
-                index.load_index(path, max_elements=n + room)
-        return cls(index, metric, effective, dim, n)
+                index.load_index(path, max_elements=nodes + room)
+        return cls(index, metric, effective, dim, n, hashes, node_of_row)
 
     @classmethod
     def _extend(cls, header: dict[str, Any], sections: list[memoryview], metric: Metric, params: dict[str, Any],
                 vectors: Any, threads: int) -> Self | None:
         """The saved graph with `vectors` inserted (labels from its count on), at the graph's own M and
         ef_construction: inserting m rows into a graph of n costs about what building m alone does, where a
-        rebuild pays for all n + m (a merge of small segments into a larger one, bench/freshness.py)."""
+        rebuild pays for all n + m (a merge of small segments into a larger one, bench/freshness.py).
+
+        A row whose vector a node holds (or an earlier added row) joins that node, as in a build; graphs stored
+        before node hashes were kept are not searched for them, only the added rows among themselves."""
         base = cls._restore(header, sections, metric, params, room=len(vectors))
         if base._index is None or not len(vectors):
             return None  # nothing to add to, or nothing to add: a plain build is as cheap
-        n = len(base)
-        base._index.add_items(vectors, np.arange(n, n + len(vectors)), num_threads=threads)
-        return cls(base._index, metric, base._params, base.dim, n + len(vectors))
+        n, m, added = len(base), base._nodes, len(vectors)
+        hashes = _row_hashes(vectors)
+        lowest = _lowest_equal_rows(vectors, hashes)
+        firsts = np.arange(added) if lowest is None else np.flatnonzero(lowest == np.arange(added))
+        same = base._same_nodes(vectors[firsts], hashes[firsts])
+        new = same < 0
+        fresh = firsts[new]
+        node_of_first = np.where(new, m + np.cumsum(new) - 1, same)
+        if len(fresh):
+            base._index.add_items(vectors[fresh], np.arange(m, m + len(fresh)), num_threads=threads)
+        node_of_row = base._node_of_row
+        if len(fresh) < added or node_of_row is not None:  # some rows share nodes
+            own = node_of_first if lowest is None else node_of_first[np.searchsorted(firsts, lowest)]
+            node_of_row = np.concatenate((np.arange(n) if node_of_row is None else node_of_row, own))
+        all_hashes = None if base._hashes is None else np.concatenate((base._hashes, hashes[fresh]))
+        return cls(base._index, metric, base._params, base.dim, n + added, all_hashes, node_of_row)
 
 
 def _from_state(sections: list[memoryview], count: int, room: int) -> Any:
@@ -334,6 +473,94 @@ def _from_state(sections: list[memoryview], count: int, room: int) -> Any:
     if room:
         index.resize_index(count + room)
     return index
+
+
+def _section_array(section: memoryview, dtype: str, count: int, what: str) -> np.ndarray:
+    """A stored array of `count` values, copied (a view would keep the whole serialized engine in memory)."""
+    if len(section) != count * np.dtype(dtype).itemsize:
+        raise ValidationError(f"serialized HNSW graph is malformed: {len(section)} bytes of {what}s for {count}")
+    return np.frombuffer(section, dtype=dtype).astype(dtype[1:])
+
+
+@cache
+def _multipliers(dim: int) -> np.ndarray:
+    """`_row_hashes`' odd 64-bit factors, one per coordinate (splitmix64 of 1..dim: the same in every process
+    and numpy version, as stored hashes are compared with new ones)."""
+    z = np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = (z ^ (z >> np.uint64(31))) | np.uint64(1)
+    z.flags.writeable = False
+    return z
+
+
+def _row_hashes(vectors: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of float32 `vectors` [n, dim]: equal rows (-0.0 equal to 0.0) hash alike."""
+    n, dim = vectors.shape
+    factors = _multipliers(dim)
+    out = np.empty(n, dtype=np.uint64)
+    for start in range(0, n, _HASH_ROWS):
+        # + 0.0 makes -0.0 0.0: the bits of equal values are then equal.
+        words = (vectors[start : start + _HASH_ROWS] + np.float32(0.0)).view(np.uint32).astype(np.uint64)
+        words *= factors
+        out[start : start + _HASH_ROWS] = words.sum(axis=1)  # modulo 2**64
+    return out
+
+
+def _lowest_equal_rows(vectors: np.ndarray, hashes: np.ndarray) -> np.ndarray | None:
+    """Each row's lowest row holding an equal vector (itself when none is lower); None when all rows differ.
+    `hashes` are the rows' `_row_hashes`: only rows whose hash another row shares are compared."""
+    n = len(vectors)
+    order = np.argsort(hashes, kind="stable")
+    sorted_hashes = hashes[order]
+    equal = sorted_hashes[1:] == sorted_hashes[:-1]
+    if not equal.any():
+        return None  # the common case: one sort of n hashes
+    shared = np.zeros(n, dtype=bool)
+    shared[1:] = equal
+    shared[:-1] |= equal
+    rows = np.sort(order[shared])
+    # Compared by their bytes (-0.0 made 0.0), in row order: np.unique's first index is then the lowest row.
+    keys = (vectors[rows] + np.float32(0.0)).view(np.dtype((np.void, 4 * vectors.shape[1])))[:, 0]
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if len(first) == len(rows):
+        return None  # only colliding hashes
+    lowest = np.arange(n)
+    lowest[rows] = rows[first[inverse.reshape(-1)]]
+    return lowest
+
+
+def _expand(
+    dist: np.ndarray, nodes: np.ndarray, rows: np.ndarray, starts: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest rows per query from its nearest graph nodes (hnswlib's distances, nearest first, node -1
+    where a walk found fewer), each node standing for rows[starts[node] : starts[node + 1]] at its distance:
+    (hnswlib's distances, rows), nearest first, equal distances by lower row, padded with +inf and -1."""
+    nq, width = nodes.shape
+    valid = nodes >= 0
+    node = np.where(valid, nodes, 0)
+    # A node gives at most k rows (its lowest); the nodes after the k-th row only where they tie with it.
+    sizes = np.where(valid, np.minimum(starts[node + 1] - starts[node], k), 0)
+    ends = np.cumsum(sizes, axis=1)
+    reached = ends >= k
+    kth = np.where(reached.any(axis=1), dist[np.arange(nq), reached.argmax(axis=1)], np.float32(np.inf))
+    sizes = np.where((ends - sizes < k) | (dist <= kth[:, None]), sizes, 0).ravel()
+    entry = np.repeat(np.arange(nq * width), sizes)
+    offset = np.arange(len(entry)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    row = rows[starts[node.ravel()[entry]] + offset]
+    d = dist.ravel()[entry]
+    query = entry // width
+    order = np.lexsort((row, d, query))
+    per_query = np.bincount(query, minlength=nq)
+    take = np.minimum(per_query, k)
+    col = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+    src = order[np.repeat(np.cumsum(per_query) - per_query, take) + col]
+    which = np.repeat(np.arange(nq), take)
+    out_d = np.full((nq, k), np.inf, dtype=np.float32)
+    out_l = np.full((nq, k), -1, dtype=np.int64)
+    out_d[which, col] = d[src]
+    out_l[which, col] = row[src]
+    return out_d, out_l
 
 
 def _has_ties(d: np.ndarray) -> bool:
