@@ -352,7 +352,9 @@ class ShardCatalog:
     ) -> bool:
         """Take (or renew) the shard's build lease for `seconds`; False when another owner holds an unexpired
         one, unless `owner_is_dead` says that owner is a process that no longer runs: then its lease is
-        taken over at once (by compare-and-swap on the owner, so two successors never both win)."""
+        taken over at once (by compare-and-swap on the owner, so two successors never both win).
+        NotFoundError when the shard is gone (its index was dropped): there is nothing to build, and no
+        other worker to wait for."""
         now = func.clock_timestamp()
         with Session(self.engine) as s, s.begin():
             taken = s.execute(
@@ -367,10 +369,15 @@ class ShardCatalog:
                 )
                 .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=seconds))
             ).rowcount
-            if taken == 1 or owner_is_dead is None:
-                return taken == 1
-            holder = s.scalar(select(IndexShard.lease_owner).where(IndexShard.id == shard_id))
-            if holder is None or not owner_is_dead(holder):
+            if taken == 1:
+                return True
+            # Nothing updated: another owner holds the lease, or there is no such shard (a task queued before
+            # its index was dropped), which no retry will change.
+            row = s.execute(select(IndexShard.lease_owner).where(IndexShard.id == shard_id)).one_or_none()
+            if row is None:
+                raise NotFoundError(f"index shard {shard_id} not found")
+            holder = row[0]
+            if owner_is_dead is None or holder is None or not owner_is_dead(holder):
                 return False
             taken = s.execute(
                 update(IndexShard)

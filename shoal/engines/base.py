@@ -101,7 +101,15 @@ class Engine(ABC):
     @classmethod
     def check_search_params(cls, params: Mapping[str, Any] | None) -> dict[str, int] | None:
         """Per-search parameter overrides, checked: None or {} gives None (the index's own); an unknown name or
-        a value out of range raises ValidationError naming it."""
+        a value out of range raises ValidationError naming it, and so does anything but a mapping of name to
+        value (a list of pairs, a bare name)."""
+        if params is None:
+            return None
+        if not isinstance(params, Mapping):
+            raise ValidationError(
+                f"search_params must be a mapping of parameter name to value, e.g. {{'ef_search': 64}} "
+                f"(got {type(params).__name__} {params!r:.100})"
+            )
         if not params:
             return None
         known, checked = cls.search_params, {}

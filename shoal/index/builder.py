@@ -4,7 +4,8 @@ Both run under the shard's lease, read the active version, write only new unique
 a new version whose parent is the one they read. A crash anywhere before the publish leaves the active
 version untouched and at most unreferenced files; losing the compare-and-swap discards the attempt. Both
 lost races (the lease held by another worker, the active pointer moved) raise LeaseBusyError, a
-ConflictError: try again later, from the then active version.
+ConflictError: try again later, from the then active version. A shard that is gone (its index dropped) raises
+NotFoundError: there is nothing to build.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sqlalchemy import Engine
 from shoal.catalog.indexes import IndexRecord, ShardCatalog, ShardRecord, VersionRecord
 from shoal.catalog.repo import SourceRecord, head_of, seqs_committed_within
 from shoal.errors import LeaseBusyError  # defined with the other errors; still importable from here
+from shoal.index.generations import is_hidden
 from shoal.index.lease import LeaseHeartbeat, default_owner, owner_is_dead
 from shoal.index.manifest import Manifest, SegmentEntry
 from shoal.index.merge_policy import MergePolicy, pick
@@ -85,7 +87,8 @@ class ShardBuilder:
         `quick_backlog_seqs`: a materialization with at least this many log entries to build makes a quick HNSW
         segment (ef_construction `quick_ef_construction`), and so does every build of a shard with quick
         segments while its data source took at least that many entries in the last `quick_window_s` seconds;
-        merges rebuild quick segments at the index's own parameters after that (0: never build quickly)."""
+        merges rebuild quick segments at the index's own parameters after that (0: never build quickly). Hidden
+        generations (a reindex's) are never built quickly."""
         self.engine = engine
         self.storage = storage
         self.shards = ShardCatalog(engine)
@@ -107,7 +110,8 @@ class ShardBuilder:
     def _leased(self, shard_id: int, run: Callable[[], BuildResult], wait_s: float = 0.0) -> BuildResult:
         # The catalog reports a lease held elsewhere as False; here it becomes the conflict it is (after
         # waiting up to `wait_s` for it). A lease whose owner is a dead process of this machine is taken over at
-        # once instead.
+        # once instead. A shard that is gone (its index dropped) raises NotFoundError from the catalog: nothing
+        # to build, so no retry (a LeaseBusyError here made the task retry for minutes).
         deadline = time.monotonic() + wait_s
         while not self.shards.acquire_lease(shard_id, self.owner, self.lease_seconds, owner_is_dead=owner_is_dead):
             if time.monotonic() >= deadline:
@@ -171,8 +175,12 @@ class ShardBuilder:
         return replace(entry, quick=True) if quick else entry
 
     def _can_build_quickly(self, index: IndexRecord) -> bool:
-        """True when a quick build of this index is cheaper than its own (HNSW above the quick ef_construction)."""
-        if self.quick_backlog_seqs <= 0 or index.spec.algorithm != "hnsw":
+        """True when a quick build of this index is cheaper than its own (HNSW above the quick ef_construction)
+        and the index serves. A hidden generation (a reindex's, built aside, or one kept for rollback) is always
+        built at its own parameters: its first build has the whole log as backlog, and a reindex checks recall
+        on what was built and swaps that in, so a quick graph there would be judged and served in place of
+        the parameters the reindex asked for."""
+        if self.quick_backlog_seqs <= 0 or index.spec.algorithm != "hnsw" or is_hidden(index.spec.version):
             return False
         return int(index.spec.params.get("ef_construction", 200)) > self.quick_ef_construction
 

@@ -5,9 +5,10 @@
 2. `reindex_step` does one bounded step of the job: it gets the new generation built toward the head (the
    Celery task queues the shards' materialization; `run_reindex`, the in-process driver, builds them
    itself), records progress and ETA, and returns while the generation still lags; the task then queues
-   itself again a few seconds later, so no run outlives the broker's visibility timeout. Once the watermark
-   reached the head it saw, the step measures recall@k of the new generation against exact search on a
-   sample of stored vectors and swaps it in only when the recall meets the job's gate.
+   itself again a few seconds later, so no run outlives the broker's visibility timeout. Once every shard's
+   watermark reached the head the previous step saw, the step measures recall@k of the new generation against
+   exact search (each shard at its own watermark) on a sample of stored vectors and swaps it in only when the
+   recall meets the job's gate.
    The swap renames two catalog rows in one transaction; searchers load the new generation whole, then
    replace their view of the index in one step, so every answer comes from one generation.
 3. A failed or cancelled job leaves the old generation serving and drops its own rows and files; the old
@@ -19,23 +20,31 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
+import pyarrow as pa
+from sqlalchemy import Engine, func, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
 
 from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
+from shoal.catalog.models import DataSource, Index, IndexShard, LogSegment, ReindexJob
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
-from shoal.index.generations import Generations, JobRecord, hidden_version, is_hidden
+from shoal.index.generations import HIDDEN, Generations, JobRecord, hidden_version, is_hidden
 from shoal.index.segment import vectors_of
 from shoal.index.segment_cache import SegmentCache
+from shoal.index.sharding import shard_numbers
 from shoal.index.spec import resolve_index
 from shoal.log.reader import fold, read_log
+from shoal.log.records import IndexSpec
+from shoal.log.validation import SEQ
 from shoal.searcher.execute import execute, prepare_queries
 from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage
@@ -59,10 +68,11 @@ def start_reindex(
     ann_gate: float = 0.95,
 ) -> JobRecord:
     """Record a reindex of the index (name, version) with a new algorithm, metric or params (each defaults to
-    the current one) and create its generation; ReindexConflictError if one is running already."""
+    the current one) and create its generation; ReindexConflictError if one is running already, also when
+    another call starts one at the same moment (exactly one of them starts a job)."""
     gens = Generations(indexes.engine)
     current = indexes.get_index(name, version)
-    if gens.running(indexes.tenant_id, name, version) is not None:
+    if gens.running(indexes.tenant_id, name, version) is not None:  # the usual answer, without a lock
         raise ReindexConflictError(f"index {name!r} version {version!r} is being reindexed already")
     source = catalog.get_data_source(current.spec.source_name, current.spec.source_version)
     changes: dict[str, Any] = {}
@@ -76,17 +86,70 @@ def start_reindex(
         # With the algorithm kept, the params given change those the index has (`--param M=32` changes M alone:
         # HNSW takes its params all or none); a new algorithm takes only what is given, the rest its defaults.
         changes["params"] = {**current.spec.params, **params} if same_algorithm else dict(params)
-    generation = gens.next_generation(indexes.tenant_id, name, version)
-    spec = dataclasses.replace(current.spec, version=hidden_version(version, generation), **changes)
-    resolved = resolve_index(spec, source.spec)
+    resolved = resolve_index(dataclasses.replace(current.spec, **changes), source.spec)
     if gate is None:
         gate = 1.0 if resolved.algorithm in EXACT_ALGORITHMS else ann_gate
-    if not 0.0 <= gate <= 1.0:
-        raise ValidationError(f"recall gate must be between 0 and 1 (got {gate})")
-    new = indexes.create_index(resolved, source, generation=generation)
-    definition = {"algorithm": resolved.algorithm, "metric": resolved.metric, "params": dict(resolved.params),
-                  "generation": generation}
-    return gens.start(indexes.tenant_id, name, version, current.id, new.id, gate, definition)
+    if isinstance(gate, bool) or not isinstance(gate, numbers.Real) or not 0.0 <= gate <= 1.0:
+        raise ValidationError(f"recall gate must be a number between 0 and 1 (got gate={gate!r})")
+    job_id = _start_job(indexes, current, resolved, float(gate))
+    return gens.job(job_id)
+
+
+def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec, gate: float) -> int:
+    """Create the new generation (index row and shards) and its job in one transaction that holds the serving
+    index row's lock (SELECT ... FOR UPDATE), so concurrent starts run one after the other: the first records
+    its job, the next finds it building and gets ReindexConflictError (not both a job, nor the hidden name the
+    first one took). Returns the job id."""
+    name, version = current.spec.name, current.spec.version
+    with Session(indexes.engine) as s, s.begin():
+        # The source row first (FOR KEY SHARE, what the new index row's foreign key takes anyway), then the
+        # index row: the order swaps and soft deletes take them in, so a start racing one waits, not deadlocks.
+        s.execute(select(DataSource.id).where(DataSource.id == current.source_id)
+                  .with_for_update(read=True, key_share=True))
+        serving = s.scalar(select(Index.id).where(
+            Index.tenant_id == indexes.tenant_id, Index.name == name, Index.version == version,
+            Index.deleted_at.is_(None),
+        ).with_for_update())
+        if serving is None:
+            raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {indexes.tenant!r}")
+        if serving != current.id:  # swapped or dropped and made again since it was read
+            raise ReindexConflictError(f"index {name!r} version {version!r} changed meanwhile; try again")
+        if s.scalar(select(ReindexJob.id).where(
+            ReindexJob.tenant_id == indexes.tenant_id, ReindexJob.index_name == name,
+            ReindexJob.index_version == version, ReindexJob.state == "building",
+        ).limit(1)) is not None:
+            raise ReindexConflictError(f"index {name!r} version {version!r} is being reindexed already")
+        top = s.scalar(select(func.max(Index.generation)).where(
+            Index.tenant_id == indexes.tenant_id, Index.name == name,
+            (Index.version == version) | Index.version.startswith(version + HIDDEN, autoescape=True),
+        ))
+        generation = int(top or 0) + 1
+        spec = dataclasses.replace(resolved, version=hidden_version(version, generation))
+        new_id = s.scalar(
+            pg_insert(Index)
+            .values(
+                tenant_id=indexes.tenant_id, data_source_id=current.source_id, name=spec.name,
+                version=spec.version, algorithm=spec.algorithm, metric=spec.metric, params=dict(spec.params),
+                id_attributes=list(spec.id_attributes), split_attributes=list(spec.split_attributes),
+                shard_attributes=list(spec.shard_attributes), payload_attributes=list(spec.payload_attributes or ()),
+                shard_count=spec.shard_count, generation=generation,
+            )
+            .on_conflict_do_nothing(
+                index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
+            )
+            .returning(Index.id)
+        )
+        if new_id is None:  # a leftover row holds the name: refuse rather than reuse it
+            raise ReindexConflictError(f"index {name!r} version {version!r}: generation {generation} exists "
+                                       "already; try again once the sweep removed it")
+        s.execute(insert(IndexShard), [{"index_id": new_id, "shard_no": n} for n in range(spec.shard_count)])
+        definition = {"algorithm": spec.algorithm, "metric": spec.metric, "params": dict(spec.params),
+                      "generation": generation}
+        job_id = s.scalar(insert(ReindexJob).values(
+            tenant_id=indexes.tenant_id, index_name=name, index_version=version, from_index_id=current.id,
+            to_index_id=new_id, state="building", progress=0.0, gate=gate, definition=definition,
+        ).returning(ReindexJob.id))
+    return int(job_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +182,8 @@ def materialize_inline(builder: ShardBuilder) -> Build:
                 builder.materialize(shard.id)
             except LeaseBusyError:
                 pass
+            except NotFoundError:  # the generation is gone (cancelled, index dropped): the step finds out why
+                return
 
     return build
 
@@ -219,9 +284,16 @@ def _generation(engine: Engine, job: JobRecord) -> tuple[IndexRecord, SourceReco
 
 def _advance(gens: Generations, build: Build, job: JobRecord, new: IndexRecord, timeout_s: float) -> bool:
     """Build toward the head once and record progress and ETA (from the job's age); True when the lowest
-    built watermark reached the head seen before building, or the job ended meanwhile; False when it still
-    lags. ReindexConflictError once the job is older than `timeout_s` and still lags."""
+    built watermark reached the head as it stood when the previous step recorded its progress (the job's
+    `updated_at`; at the first step, when the job started), or the job ended meanwhile; False while it lags
+    behind that. ReindexConflictError once the job is older than `timeout_s` and still lags."""
     built, head = gens.shard_progress(new.id)
+    # Not the head read now: under steady ingest it moves on while the workers build, so a generation they
+    # build never reaches the head of the step that judges it. The previous step's head stays put, and a
+    # generation that keeps up with the ingest passes it by the next step: it swaps in at most about one
+    # step's ingest behind. Nothing acknowledged goes missing by that: searchers answer `strong` and
+    # `at_least` with an exact scan of the log past the served watermark, `eventual` from their young tier.
+    target = min(head, _head_at(gens.engine, new.source_id, job.updated_at))
     if built < head:
         build(new)
         built, _ = gens.shard_progress(new.id)
@@ -229,7 +301,7 @@ def _advance(gens: Generations, build: Build, job: JobRecord, new: IndexRecord, 
     progress = 1.0 if head == 0 else min(1.0, built / head)
     eta = elapsed / progress * (1 - progress) if progress > 0 else None
     gens.set_progress(job.id, progress, eta)
-    if built >= head:
+    if built >= target:
         return True
     if gens.job(job.id).state != "building":
         return True
@@ -238,12 +310,24 @@ def _advance(gens: Generations, build: Build, job: JobRecord, new: IndexRecord, 
     return False
 
 
+def _head_at(engine: Engine, source_id: int, when: dt.datetime) -> int:
+    """The data source's head as it stood at `when`, by the catalog's clock (the one that stamps commits and
+    jobs): the last seq of the newest log segment committed by then. Compacted segments keep their oldest
+    stamp, which can only make this later (and they lie below every watermark anyway)."""
+    with Session(engine) as s:
+        top = s.scalar(select(func.max(LogSegment.last_seq)).where(
+            LogSegment.data_source_id == source_id, LogSegment.committed_at <= when,
+        ))
+    return int(top or 0)
+
+
 def measure_recall(
     storage: Storage, shards: ShardCatalog, index: IndexRecord, source: SourceRecord, *, sample: int, k: int
 ) -> float | None:
-    """recall@k of the index's active versions against exact search over the log folded at their
-    watermark, on up to `sample` stored vectors as queries. A hit counts when its distance is within the
-    exact k-th distance (so ties cannot make an exact engine look inexact). None for sparse sources."""
+    """recall@k of the index's active versions against exact search over what they reflect (each shard's
+    part of the log folded at that shard's watermark: the workers build shards at different heads), on up
+    to `sample` stored vectors as queries. A hit counts when its distance is within the exact k-th distance
+    (so ties cannot make an exact engine look inexact). None for sparse sources."""
     if source.spec.vectors_are_sparse:
         return None
     cache = SegmentCache(keep_unheld=True)
@@ -252,10 +336,14 @@ def measure_recall(
         active = shards.active_version(shard.id)
         views.append(load_shard(storage, cache, index, shard.id, shard.shard_no, active))
     view = IndexView(index, source, tuple(views))
-    watermark = view.min_watermark
-    if watermark == 0:
+    watermarks = {v.shard_no: v.watermark for v in view.shards}
+    top = max(watermarks.values(), default=0)
+    if top == 0:
         return 1.0
-    state = fold(read_log(shards.engine, storage, source.id, 0, watermark))
+    entries: Iterable[pa.RecordBatch] = read_log(shards.engine, storage, source.id, 0, top)
+    if len(set(watermarks.values())) > 1:
+        entries = _at_shard_watermarks(entries, index.spec, watermarks)
+    state = fold(entries)
     if state.num_rows == 0:
         return 1.0
     vectors = vectors_of(state, False, source.spec.vector_dimension)
@@ -271,6 +359,19 @@ def measure_recall(
         tol = 1e-5 * max(1.0, abs(float(bound)))
         found += sum(1 for h in qhits if (h.distance >= bound - tol if higher else h.distance <= bound + tol))
     return found / (len(rows) * kk)
+
+
+def _at_shard_watermarks(
+    batches: Iterable[pa.RecordBatch], spec: IndexSpec, watermarks: Mapping[int, int]
+) -> Iterator[pa.RecordBatch]:
+    """The log entries the shards' versions reflect: each entry of shard n up to n's watermark (an entry and
+    the tombstone of its key land on one shard, so this folds to every shard's state at its own watermark)."""
+    limits = np.array([watermarks.get(n, 0) for n in range(spec.shard_count)], dtype=np.int64)
+    for batch in batches:
+        table = pa.Table.from_batches([batch])
+        shard = shard_numbers(table, spec.shard_attributes, spec.shard_count)
+        keep = table[SEQ].to_numpy() <= limits[shard]
+        yield from table.filter(pa.array(keep)).to_batches()
 
 
 def _abandon(
