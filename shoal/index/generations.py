@@ -119,32 +119,6 @@ class Generations:
         """The index's job still building, if any."""
         return next((j for j in self.jobs(tenant_id, name, version) if j.state == "building"), None)
 
-    def next_generation(self, tenant_id: int, name: str, version: str) -> int:
-        """One more than any generation the index has (hidden ones included)."""
-        with Session(self.engine) as s:
-            top = s.scalar(
-                select(func.max(Index.generation)).where(
-                    Index.tenant_id == tenant_id, Index.name == name,
-                    (Index.version == version) | Index.version.like(f"{version}{HIDDEN}%"),
-                )
-            )
-            return int(top or 0) + 1
-
-    def start(
-        self, tenant_id: int, name: str, version: str, from_index_id: int, to_index_id: int, gate: float,
-        definition: dict[str, Any],
-    ) -> JobRecord:
-        """Record a job building `to_index_id` to replace `from_index_id` (which serves now)."""
-        with Session(self.engine) as s, s.begin():
-            row = ReindexJob(
-                tenant_id=tenant_id, index_name=name, index_version=version, from_index_id=from_index_id,
-                to_index_id=to_index_id, state="building", progress=0.0, gate=gate, definition=definition,
-            )
-            s.add(row)
-            s.flush()
-            job_id = row.id
-        return self.job(job_id)
-
     def set_progress(self, job_id: int, progress: float, eta_s: float | None) -> None:
         """Record how far the new generation got (a job that ended is left alone)."""
         with Session(self.engine) as s, s.begin():
