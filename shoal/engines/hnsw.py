@@ -153,6 +153,10 @@ class HnswEngine(Engine):
         labels = labels.view(np.int64)
         if self._node_of_row is not None:  # graph nodes to rows (k nodes hold k rows at least)
             dist, labels = _expand(dist, labels, self._rows, self._starts, k)
+        return self._as_metric(dist, labels, k)
+
+    def _as_metric(self, dist: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """hnswlib's distances as the metric's, rows with equal distances in label order."""
         # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
         # and this runs once per query.
         d = dist
@@ -275,15 +279,7 @@ class HnswEngine(Engine):
             else:
                 out_d = np.full((len(queries), k), np.inf, dtype=np.float32)
                 out_l = np.full((len(queries), k), -1, dtype=np.int64)
-        d = out_d
-        if self.metric is Metric.DOT_PRODUCT:
-            d = np.float32(1.0) - d
-        elif self.metric is Metric.EUCLIDEAN:
-            d = np.sqrt(np.maximum(d, np.float32(0.0)))
-        if k > 1 and _has_ties(d):
-            d, out_l = top_k_of(self.metric, d, out_l, k)
-            d = d.astype(np.float32, copy=False)
-        return d, out_l
+        return self._as_metric(out_d, out_l, k)
 
     def _walk_filtered(
         self, queries: np.ndarray, k: int, allowed: np.ndarray, count: int, params: Mapping[str, int] | None
