@@ -218,6 +218,15 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
     ({"nodes": {"a": "http://x"}, "indexes": [{"tenant": "t", "index": "I", "shards": {"a": [0]}}]},
      "a", "exactly `tenant`, `index`, `version` and `shards`"),
     ({"nodes": {}, "shards": []}, None, "expected a mapping with `nodes` and `indexes`"),
+    # YAML's `version: 1.10` (unquoted) is the float 1.1: the placement was of another index, silently.
+    (yaml.safe_load("nodes: {a: 'http://x'}\nindexes: [{tenant: t, index: I, version: 1.10, shards: {a: [0]}}]"),
+     "a", 'indexes[0].version must be a string: quote it (version: "1.1" is read as float 1.1)'),
+    ({"nodes": {"a": "http://x"}, "indexes": [{"tenant": None, "index": "I", "version": "1", "shards": {"a": [0]}}]},
+     "a", "indexes[0].tenant must be a string"),
+    # A shard listed twice for one node: a fan-out asked it twice, as its own replica (twice the timeout).
+    ({"nodes": {"a": "http://x", "b": "http://y"},
+      "indexes": [{"tenant": "t", "index": "I", "version": "1", "shards": {"a": [0, 1], "b": [2, 3, 2]}}]},
+     "a", "indexes[0].shards.b lists shard(s) 2 twice"),
 ])
 def test_a_bad_placement_is_refused_naming_what_is_wrong(document: object, node: str | None, complaint: str) -> None:
     with pytest.raises(ConfigurationError) as caught:

@@ -83,6 +83,13 @@ class Placement:
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or set(entry) != {"tenant", "index", "version", "shards"}:
                 raise bad(f"indexes[{i}] must have exactly `tenant`, `index`, `version` and `shards`")
+            for part in ("tenant", "index", "version"):
+                if type(entry[part]) not in (str, int):
+                    # YAML reads `version: 1.10` as the float 1.1: the index placed would be another one (or none),
+                    # and this process would load every shard of the real one without a word. (An integer reads
+                    # back as written: `version: 1` is "1".)
+                    raise bad(f"indexes[{i}].{part} must be a string: quote it ({part}: \"{entry[part]}\" "
+                              f"is read as {type(entry[part]).__name__} {entry[part]!r})")
             key = (str(entry["tenant"]), str(entry["index"]), str(entry["version"]))
             if key in indexes:
                 raise bad(f"index {key[1]}/{key[2]} of tenant {key[0]} is placed twice")
@@ -95,6 +102,9 @@ class Placement:
                     raise bad(f"indexes[{i}]: node {name!r} is not among `nodes`")
                 if not isinstance(numbers, list) or not all(type(n) is int and n >= 0 for n in numbers):
                     raise bad(f"indexes[{i}].shards.{name} must be a list of shard numbers (integers from 0)")
+                if len(set(numbers)) < len(numbers):  # the node would be asked twice, as its own replica
+                    twice = sorted({n for n in numbers if numbers.count(n) > 1})
+                    raise bad(f"indexes[{i}].shards.{name} lists shard(s) {', '.join(map(str, twice))} twice")
                 for n in numbers:
                     by_shard.setdefault(n, []).append(name)
             local = frozenset(n for n, names in by_shard.items() if node in names)
