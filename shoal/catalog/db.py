@@ -18,6 +18,10 @@ from shoal.errors import ConfigurationError
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
+# One number for "shoal is migrating" (shoal/migrations/env.py): concurrent processes migrating one catalog queue on
+# it.
+MIGRATION_LOCK_KEY = 0x5A0A1
+
 def resolve_database_url(settings: Settings) -> str:
     """The configured catalog URL, or the embedded Postgres's (started if needed)."""
     if settings.database_url:
@@ -66,10 +70,10 @@ def ensure_schema(engine: Engine, url: str, *, auto_migrate: bool) -> None:
     with _migrate_lock:
         if url in _migrated:
             return
+        current, head = check_known_revision(engine, url)
         if auto_migrate:
             migrate(url)
         else:
-            current, head = schema_revision(engine), head_revision(url)
             if current != head:
                 found = f"schema revision {current}" if current else "no Shoal schema"
                 raise ConfigurationError(
@@ -84,6 +88,29 @@ def schema_revision(engine: Engine) -> str | None:
         if not inspect(conn).has_table("alembic_version"):
             return None
         return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
+def check_known_revision(engine: Engine, url: str) -> tuple[str | None, str | None]:
+    """The catalog's revision and this Shoal's newest; ConfigurationError when the catalog's is one this Shoal
+    does not know (a newer Shoal migrated it: Alembic would fail with a traceback, and nothing can downgrade)."""
+    current, head = schema_revision(engine), head_revision(url)
+    if current is not None and current != head and not _known_revision(url, current):
+        raise ConfigurationError(
+            f"the catalog is at schema revision {current}, which this Shoal does not know (its newest is {head}): "
+            "a newer Shoal migrated it; run that version, or upgrade this one"
+        )
+    return current, head
+
+
+def _known_revision(url: str, revision: str) -> bool:
+    """True when `revision` is one of Shoal's migrations."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        return ScriptDirectory.from_config(alembic_config(url)).get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def head_revision(url: str) -> str | None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from sqlalchemy.exc import OperationalError
 
-from shoal.catalog.db import head_revision, make_engine, migrate, resolve_database_url, schema_revision
+from shoal.catalog.db import (
+    check_known_revision,
+    head_revision,
+    make_engine,
+    migrate,
+    resolve_database_url,
+    schema_revision,
+)
 from shoal.cli.common import first_line, load_settings, out
 from shoal.config.settings import mask_url
 from shoal.errors import ConfigurationError
@@ -21,10 +28,15 @@ def migrate_command() -> None:
     url = resolve_database_url(settings)
     engine = make_engine(url, pool_size=1, max_overflow=0)
     try:
-        before = schema_revision(engine)
+        before = check_known_revision(engine, url)[0]
         migrate(url)
         after = schema_revision(engine)
     except OperationalError as exc:
+        if type(getattr(exc, "orig", None)).__name__ == "LockNotAvailable":
+            raise ConfigurationError(
+                f"catalog {mask_url(url)}: a migration step waited more than 4 s for a lock that live traffic holds "
+                f"({first_line(exc)}); nothing of that step was applied: run `shoal migrate` again when it is quieter"
+            ) from None
         raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
     finally:
         engine.dispose()

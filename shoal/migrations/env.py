@@ -5,10 +5,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, text
 
+from shoal.catalog.db import MIGRATION_LOCK_KEY
 from shoal.catalog.models import Base
-
-# One number for "shoal is migrating"; concurrent shoal processes starting on one catalog queue here.
-MIGRATION_LOCK_KEY = 0x5A0A1
 
 
 def _url() -> str:
@@ -33,10 +31,14 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:  # type: ignore[no-untyped-def]
-    # Never queue behind live traffic for long: a blocked DDL statement blocks every query after it.
-    connection.execute(text("SET lock_timeout = '4s'"))
+    # Queue behind another migrating process for as long as it takes (lock_timeout applies to advisory locks
+    # too: with the DDL's timeout set first, a second process failed while the first ran a long step) ...
+    connection.execute(text("SET lock_timeout = 0"))
     connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+    connection.commit()
     try:
+        # ... but never queue behind live traffic for long: a blocked DDL statement blocks every query after it.
+        connection.execute(text("SET lock_timeout = '4s'"))
         context.configure(
             connection=connection,
             target_metadata=Base.metadata,
@@ -46,6 +48,11 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
         with context.begin_transaction():
             context.run_migrations()
         connection.commit()
+    except BaseException:
+        # The failed step's transaction is aborted: end it, so the unlock below runs (and the step's own error,
+        # not "current transaction is aborted", is what the caller sees).
+        connection.rollback()
+        raise
     finally:
         connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK_KEY})
         connection.commit()

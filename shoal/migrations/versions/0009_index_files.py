@@ -34,6 +34,10 @@ CROSS JOIN LATERAL jsonb_array_elements(COALESCE(v.manifest -> 'segments', '[]':
 CROSS JOIN LATERAL (
     SELECT (seg.entry ->> 'dir') || '/rows.parquet'
     UNION ALL
+    -- the keys file, which later entries carry (a downgrade below this revision and an upgrade again backfill
+    -- them: left out, GC deleted the keys files of live versions and every later build of the shard failed)
+    SELECT (seg.entry ->> 'dir') || '/keys.parquet' WHERE COALESCE(seg.entry ->> 'keys_checksum', '') <> ''
+    UNION ALL
     SELECT (seg.entry ->> 'dir') || '/' || (split.value ->> 'file')
     FROM jsonb_array_elements(COALESCE(seg.entry -> 'splits', '[]'::jsonb)) AS split(value)
     UNION ALL
