@@ -398,16 +398,23 @@ def reindex_dataset(
 
 
 @router.post("/datasets/{dataset_id}/vectors", response_model=UpsertOut)
-def upsert_vectors(dataset_id: str, body: Annotated[UpsertRequest, Body()], svc: Writer) -> dict[str, Any]:
+def upsert_vectors(
+    dataset_id: str, body: Annotated[UpsertRequest, Body()], svc: Writer, request: Request
+) -> dict[str, Any]:
     """Upsert vectors, all or nothing; answers once they are durable, with the batch's write token."""
-    return asdict(svc.upsert(dataset_id, [v.model_dump() for v in body.vectors]))
+    upserted = svc.upsert(dataset_id, [v.model_dump() for v in body.vectors])
+    request.app.state.metrics.uploaded.labels(request.state.dataset_tenant).inc(upserted.inserted)
+    return asdict(upserted)
 
 
 @router.post("/datasets/{dataset_id}/search", response_model=SearchOut)
-def search_dataset(dataset_id: str, body: Annotated[SearchRequest, Body()], svc: Reader) -> dict[str, Any]:
+def search_dataset(
+    dataset_id: str, body: Annotated[SearchRequest, Body()], svc: Reader, request: Request
+) -> dict[str, Any]:
     """The `top_k` nearest vectors of one dataset."""
-    return _search_json(svc.search(dataset_id, body.vector, body.top_k, consistency=body.consistency,
-                                   min_write_token=body.min_write_token, filters=body.filters))
+    with request.app.state.metrics.search_timer(request.state.dataset_tenant):
+        return _search_json(svc.search(dataset_id, body.vector, body.top_k, consistency=body.consistency,
+                                       min_write_token=body.min_write_token, filters=body.filters))
 
 
 def _one_of(field: str, specified: Any, older: str, older_value: Any, default: Any = None) -> Any:
@@ -419,7 +426,7 @@ def _one_of(field: str, specified: Any, older: str, older_value: Any, default: A
 
 
 @router.post("/search/multi-dataset", response_model=MultiSearchOut)
-def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader) -> dict[str, Any]:
+def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader, request: Request) -> dict[str, Any]:
     """One query over several datasets (by name), merged by `interleave`, `score` or `round_robin`: the
     specified body `{query_vector, datasets, options: {top_k, merge_strategy, consistency}}` or the older
     `{vector, dataset_ids, top_k, merge_strategy, consistency}`. `options.filters` filters every dataset searched."""
@@ -429,10 +436,11 @@ def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader) ->
     if vector is None or names is None:
         missing = "query_vector" if vector is None else "datasets"
         raise DatasetError(ErrorCode.VALIDATION_ERROR, f"{missing} is required", {"field": missing})
-    return _multi_search_json(svc.multi_search(
-        names, vector, _one_of("options.top_k", options.top_k, "top_k", body.top_k, 10),
-        merge_strategy=_one_of("options.merge_strategy", options.merge_strategy, "merge_strategy",
-                               body.merge_strategy, "interleave"),
-        consistency=_one_of("options.consistency", options.consistency, "consistency", body.consistency),
-        filters=options.filters,
-    ))
+    with request.app.state.metrics.search_timer(request.state.dataset_tenant):
+        return _multi_search_json(svc.multi_search(
+            names, vector, _one_of("options.top_k", options.top_k, "top_k", body.top_k, 10),
+            merge_strategy=_one_of("options.merge_strategy", options.merge_strategy, "merge_strategy",
+                                   body.merge_strategy, "interleave"),
+            consistency=_one_of("options.consistency", options.consistency, "consistency", body.consistency),
+            filters=options.filters,
+        ))

@@ -3,17 +3,24 @@
 A scrape shows what its caller may see (`MetricsView`): with the metrics token, every tenant's series; with an
 admin key, its own tenant's series; anyone else gets totals over all tenants, in which no tenant, index or data
 source is named. (Never both for one family: a total beside its parts would be counted twice by a sum.)
+
+Under `shoal api --workers N` the supervisor sets PROMETHEUS_MULTIPROC_DIR before starting the workers, and the
+counter and histogram are prometheus_client's multiprocess values: every worker writes them to a file of its own
+there, and a scrape (whichever worker answers it) sums every worker's. The gauges stay those of the process that
+answers.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
@@ -21,6 +28,7 @@ from shoal.catalog.indexes import freshness_rows
 from shoal.index.segment_cache import SegmentCache
 
 TENANT = "tenant"
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,10 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
         self._search_by_tenant: dict[str, Any] = {}
+        # prometheus_client picks its value class when first imported: shared files only if the variable was set
+        # then (a worker of `shoal api --workers N`, spawned with it); a variable set later changes nothing here.
+        shared = getattr(values.ValueClass, "_multiprocess", False)
+        self.multiprocess_dir = os.environ.get(MULTIPROC_DIR) if shared else None
 
     def search_timer(self, tenant: str) -> Any:
         """A context manager timing one search of `tenant` (the labelled child is looked up once per tenant)."""
@@ -165,8 +177,16 @@ class Metrics:
         """The metrics in Prometheus's text format as `view` allows, with the lag of shards read from the catalog,
         the process's segment cache and its searcher's young tier (`young`: SearchService.young_tier rows)."""
         now = CollectorRegistry()
-        now.register(_Viewed(self.registry.collect(), view))
+        now.register(_Viewed(self._counted(), view))
         now.register(_LagCollector(engine, view))
         now.register(_CacheCollector(cache))
         now.register(_YoungCollector(young or [], view))
         return generate_latest(now)
+
+    def _counted(self) -> Iterable[Metric]:
+        """The counter and histogram families: this process's, or every worker's summed (multiprocess mode)."""
+        if self.multiprocess_dir is None:
+            return self.registry.collect()
+        ours = {family.name for family in self.registry.collect()}
+        every = MultiProcessCollector(None, path=self.multiprocess_dir).collect()
+        return [family for family in every if family.name in ours]

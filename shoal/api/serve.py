@@ -8,15 +8,20 @@ import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.process
+import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from typing import Any
 
 import uvicorn
+from prometheus_client import multiprocess
 
 from shoal.api.http_protocol import NoDelayHttpProtocol
+from shoal.api.metrics import MULTIPROC_DIR
 
 APP_FACTORY = "shoal.api.app:create_app"
 log = logging.getLogger(__name__)
@@ -29,10 +34,12 @@ def server_options() -> dict[str, Any]:
 
 
 def serve(app: Any, *, host: str, port: int, workers: int = 1, access_log: bool = True) -> None:
-    """Serve `app` (with workers > 1: the app factory, once per process) until SIGINT or SIGTERM."""
+    """Serve `app` (with workers > 1: the app factory, once per process) until SIGINT or SIGTERM. Exits with
+    status 3 (SystemExit), as uvicorn does when it cannot start, when the workers kept exiting (a crash loop)."""
     options = server_options() | {"host": host, "port": port, "access_log": access_log}
     if workers > 1:
-        _Supervisor(workers, options).run()
+        if not _Supervisor(workers, options).run():
+            raise SystemExit(3)
     else:
         uvicorn.run(app, **options)
 
@@ -58,7 +65,10 @@ class _Supervisor:
     """N API worker processes on one port, each accepting on a socket of its own (SO_REUSEPORT), so the
     kernel spreads connections over them by their addresses. uvicorn's own `--workers` shares one socket,
     and whichever process wakes first takes a whole burst of connections: bench/api.py saw all 8 of its
-    connections land on one of 2 workers. A worker that dies is started again; SIGINT or SIGTERM stops all."""
+    connections land on one of 2 workers. A worker that dies is started again; SIGINT or SIGTERM stops all.
+
+    The workers share their counters and histograms through a private directory of prometheus_client's
+    multiprocess mode (shoal.api.metrics), made here and removed when they have all stopped."""
 
     def __init__(self, workers: int, options: dict[str, Any]) -> None:
         self.workers = workers
@@ -71,11 +81,28 @@ class _Supervisor:
         process.start()
         return process
 
-    def run(self) -> None:
-        """Start the workers and keep them running until told to stop."""
+    def run(self) -> bool:
+        """Start the workers and keep them running until told to stop; False when they were stopped because
+        they kept exiting (a crash loop), True when SIGINT or SIGTERM stopped them."""
         _listen(self.options["host"], self.options["port"]).close()  # a port in use fails here, once, clearly
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop.set())
+        # Set before any worker starts: a spawned worker inherits it, and prometheus_client reads it on import.
+        metrics_dir = tempfile.mkdtemp(prefix="shoal-api-metrics-")
+        previous = os.environ.get(MULTIPROC_DIR)
+        os.environ[MULTIPROC_DIR] = metrics_dir
+        try:
+            return self._supervise(metrics_dir)
+        finally:
+            if previous is None:
+                os.environ.pop(MULTIPROC_DIR, None)
+            else:
+                os.environ[MULTIPROC_DIR] = previous
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+    def _supervise(self, metrics_dir: str) -> bool:
+        """Run the workers, restarting one that exits, until told to stop or a crash loop (then False)."""
+        crash_loop = False
         processes = [self._start() for _ in range(self.workers)]
         log.info("started %d API worker processes on port %s", self.workers, self.options["port"])
         deaths: collections.deque[float] = collections.deque()
@@ -86,12 +113,15 @@ class _Supervisor:
                         continue
                     log.warning("API worker process %s exited (code %s); starting another", process.pid,
                                 process.exitcode)
+                    if process.pid is not None:
+                        multiprocess.mark_process_dead(process.pid, metrics_dir)
                     now = time.monotonic()
                     deaths.append(now)
                     while deaths and now - deaths[0] > 60:
                         deaths.popleft()
                     if len(deaths) > 3 * self.workers:  # a crash loop (bad settings, no catalog): say so, stop
                         log.error("API worker processes keep exiting; stopping")
+                        crash_loop = True
                         self.stop.set()
                         break
                     processes[i] = self._start()
@@ -104,3 +134,4 @@ class _Supervisor:
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+        return not crash_loop
