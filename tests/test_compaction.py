@@ -594,6 +594,34 @@ def test_searches_stay_exact_with_compaction_and_gc_interleaved(make_settings: C
         client.close()
 
 
+def test_tombstones_of_a_quiet_source_make_it_due_once_they_expire(make_shoal: Callable[..., Shoal]) -> None:
+    """A source far below the size triggers (retention's deletions on a small, quiet source) is compacted once its
+    tombstones pass the retention: the sweep only counted tombstones a previous run had kept, so the expired
+    points stayed in the log files for good. After the run it is not due again."""
+    from shoal.log.compaction import CompactionPolicy, compact_log, due_for_compaction
+
+    shoal = make_shoal(tombstone_retention_s=3600)
+    shoal.create_data_source(COMPACT_SPEC)
+    flat_index(shoal, "q")
+    producer = shoal.producer(NAME, VERSION)
+    producer.upload(init_batch("q0", range(20)))
+    producer.upload([Tombstone({"id": i}) for i in range(5)])
+    build(shoal, "q")
+    source = shoal.get_data_source(NAME, VERSION).id
+
+    def due(at: dt.datetime) -> bool:
+        return source in due_for_compaction(shoal.engine, min_seqs=10_000, tombstone_retention_s=3600, now=at,
+                                            source_ids=[source])
+
+    now = dt.datetime.now(dt.UTC)
+    assert not due(now)  # the tombstones have not expired yet
+    later = now + dt.timedelta(hours=1, minutes=1)
+    assert due(later)
+    done = compact_log(shoal.engine, shoal.storage, source, CompactionPolicy.from_settings(shoal.settings), now=later)
+    assert done.entries_dropped == 10  # the five deleted points and their (expired) tombstones
+    assert not due(later)
+
+
 # -- the state machine, with an index made mid-run: after compactions, over the same data source ------------
 
 # What the new-index machine ran, by path (printed by the test; the last run's counts are kept here).

@@ -200,16 +200,19 @@ def due_for_compaction(
     source_ids: list[int] | None = None,
 ) -> list[int]:
     """Ids of the data sources worth compacting now: at least `min_seqs` seqs or MIN_NEW_SEGMENTS segments
-    below the lowest watermark since the last compaction, or tombstones the last one kept that have expired
-    since (a run at most once per tombstone retention)."""
+    below the lowest watermark since the last compaction, or tombstones that have expired since: ones the last
+    run kept, or ones committed after it (retention's deletions on a quiet source, which never reaches the size
+    triggers: the expired points stayed in the log files for good). At most one run per tombstone retention for
+    expired tombstones."""
     now = now or dt.datetime.now(dt.UTC)
+    cutoff = now - dt.timedelta(seconds=tombstone_retention_s)
     due = []
     for st in compaction_states(engine, source_ids):
         grown = st.limit - st.compacted_through
-        expired = (
-            st.tombstones_below > 0
-            and st.compacted_at is not None
-            and st.compacted_at <= now - dt.timedelta(seconds=tombstone_retention_s)
+        rested = st.compacted_at is None or st.compacted_at <= cutoff
+        expired = rested and (
+            (st.tombstones_below > 0 and st.compacted_at is not None)
+            or (st.tombstones_above_since is not None and st.tombstones_above_since <= cutoff)
         )
         if grown >= min_seqs or (grown > 0 and st.segments_above >= MIN_NEW_SEGMENTS) or expired:
             due.append(st.source_id)

@@ -70,6 +70,9 @@ class CompactionState:
     compacted_at: dt.datetime | None
     segments_above: int  # segments committed past compacted_through, up to the limit
     tombstones_below: int  # tombstones left in segments up to compacted_through
+    # When the oldest segment past compacted_through (up to the limit) holding tombstones was committed (None:
+    # none holds any): retention's deletions among them, on a source too quiet to reach the size triggers.
+    tombstones_above_since: dt.datetime | None = None
 
 
 def load_source(engine: Engine, source_id: int) -> SourceRecord:
@@ -144,13 +147,15 @@ def compaction_states(engine: Engine, source_ids: Sequence[int] | None = None) -
         for source_id, head, lowest, through, at in rows:
             limit = int(head) if lowest is None else min(int(lowest), int(head))
             through = int(through or 0)
-            above, tombs = s.execute(
+            new = (LogSegment.first_seq > through) & (LogSegment.last_seq <= limit)
+            above, tombs, since = s.execute(
                 select(
-                    func.count().filter(LogSegment.first_seq > through, LogSegment.last_seq <= limit),
+                    func.count().filter(new),
                     func.coalesce(func.sum(LogSegment.tombstone_count).filter(LogSegment.last_seq <= through), 0),
+                    func.min(LogSegment.committed_at).filter(new & (LogSegment.tombstone_count > 0)),
                 ).where(LogSegment.data_source_id == source_id)
             ).one()
-            out.append(CompactionState(int(source_id), int(head), limit, through, at, int(above), int(tombs)))
+            out.append(CompactionState(int(source_id), int(head), limit, through, at, int(above), int(tombs), since))
         return out
 
 
