@@ -180,3 +180,28 @@ def test_an_unloaded_index_keeps_no_young_tier(make_settings: Callable[..., Sett
             assert view.index.id not in service._tails  # ... but the service keeps none for an unloaded index
         finally:
             searcher.close()
+
+
+def test_a_huge_k_over_a_small_young_tier_takes_no_memory_for_k(make_settings: Callable[..., Settings]) -> None:
+    """A k far past every row (a caller may send any k: only rows count toward SHOAL_MAX_SEARCH_HITS) over rows
+    not built yet, in two splits, answers those rows without arrays k wide: a k of ten million took 1.6 GB."""
+    import tracemalloc
+
+    from shoal.searcher.consistency import Consistency
+
+    with Shoal(make_settings("local"), notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec("Big", "1", 2, {"id": "int64", "cat": "string"}, ["id", "cat"]))
+        shoal.create_index(IndexSpec("Big.Index", "1", "Big", "1", algorithm="flat", metric="euclidean",
+                                     id_attributes=["id"], split_attributes=["cat"]))
+        shoal.producer("Big", "1").upload_columns(np.array([[0, 0], [3, 4]], np.float32),
+                                                  {"id": np.arange(2), "cat": ["a", "b"]})
+        searcher = shoal.searcher(follow=False)
+        try:
+            tracemalloc.start()
+            hits = searcher.search("Big.Index", "1", [[0.0, 0.0]], 10**7, consistency=Consistency.strong())[0]
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert [(h.attributes["id"], h.distance) for h in hits] == [(0, 0.0), (1, 5.0)]
+            assert peak < 20 << 20, f"{peak:,} bytes at the peak"
+        finally:
+            searcher.close()

@@ -188,6 +188,11 @@ def _young_blocks(groups: list[TailGroup], queries: np.ndarray | SparseRows, k: 
     """The tail's candidates: the exact k nearest of all its groups' upserts together (one pass when they are
     dense exact engines, as the young tier's are), as one block per group that holds any."""
     engines = [g.engine for g in groups]
+    # No more candidates than the groups hold: a caller's k may be any size, and the candidates' arrays are k
+    # wide (a k of ten million over two young rows took 1.6 GB).
+    k = min(k, sum(len(e) for e in engines))
+    if k == 0:
+        return []
     if len(engines) > 1 and isinstance(queries, np.ndarray) and all(type(e) is FlatEngine for e in engines):
         found = search_together(engines, queries, k)
     else:
