@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings
-from shoal.errors import InvalidNameError, NotFoundError
+from shoal.errors import ConfigurationError, InvalidNameError, NotFoundError, ValidationError
 from shoal.index.generations import Generations, JobRecord
 from shoal.index.manifest import segments_of
 from shoal.intake.backpressure import Backpressure
@@ -24,6 +24,7 @@ from shoal.log.reader import fold, read_log
 from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name, refuse_dataset_key
 from shoal.log.validation import SEQ, segment_schema
 from shoal.runtime import Runtime
+from shoal.searcher.consistency import check_seq
 from shoal.storage import Storage
 from shoal.storage.layout import source_log_dir
 
@@ -49,8 +50,14 @@ class Shoal:
         notify: bool = True,
         runtime: Runtime | None = None,
     ) -> None:
+        if settings is not None and not isinstance(settings, Settings):
+            raise ConfigurationError(f"settings must be a shoal.config.settings.Settings, got "
+                                     f"{type(settings).__name__}")
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise ConfigurationError(f"runtime must be a shoal.runtime.Runtime, got {type(runtime).__name__}")
         if runtime is not None and settings is not None and settings is not runtime.settings:
-            raise ValueError("pass settings or a runtime (which has its settings), not both")
+            raise ConfigurationError("pass settings or runtime, not both: a runtime has its own settings "
+                                     "(Shoal(runtime=runtime) uses runtime.settings)")
         self._owns_runtime = runtime is None
         self.runtime = runtime if runtime is not None else Runtime(settings, notify=notify)
         try:
@@ -147,9 +154,13 @@ class Shoal:
         from sqlalchemy.orm import Session
 
         from shoal.catalog.models import ProducerBatch
+        from shoal.intake.publisher import message_id_problem
         from shoal.intake.topology import BATCH_ID_PREFIX
 
         record = self.get_data_source(name, version)
+        problem = message_id_problem(message_id)
+        if problem is not None:  # the rule publishing applies: an id it refuses was never published
+            raise ValidationError(f"message_id: {problem}")
         with Session(self.engine) as s:
             seq = s.scalar(
                 select(ProducerBatch.last_seq).where(
@@ -225,6 +236,10 @@ class Shoal:
         process and return it ended; otherwise a worker runs it (`reindex_jobs` shows its progress)."""
         from shoal.index.reindex import run_reindex, start_reindex
 
+        _check_index(name, version)
+        if params is not None and not isinstance(params, Mapping):
+            raise ValidationError(f"params must be a mapping of index parameter name to value, e.g. {{'M': 16}} "
+                                  f"(got {type(params).__name__} {params!r:.100})")
         job = start_reindex(self.catalog, self.indexes, name, version, algorithm=algorithm, metric=metric,
                             params=params, gate=gate, ann_gate=self.settings.reindex_recall_gate)
         if wait:
@@ -248,6 +263,7 @@ class Shoal:
         """Cancel the running reindex: the old generation keeps serving, the new one and its files go."""
         from shoal.index.reindex import drop_generation
 
+        _check_index(name, version)
         job = self.generations.running(self.catalog.tenant_id, name, version)
         if job is None:
             raise NotFoundError(f"index {name!r} version {version!r} has no reindex running")
@@ -259,6 +275,7 @@ class Shoal:
         """Serve again the generation the last reindex replaced (while it is kept), atomically."""
         from shoal.index.reindex import refresh_dataset_mirror
 
+        _check_index(name, version)
         self.generations.rollback(self.catalog.tenant_id, name, version)
         index = self.get_index(name, version)
         refresh_dataset_mirror(self.engine, self.storage, index.source_id)  # a dataset's mirror shows its index
@@ -288,15 +305,16 @@ class Shoal:
         """Remove a tag; its versions become prunable like any other."""
         from shoal.index import history
 
-        history.untag(self.engine, self.get_index(name, version).id, tag)
+        history.untag(self.engine, self.get_index(name, version).id, check_name("tag", tag))
 
     def set_alias(self, alias: str, index_name: str, index_version: str) -> AliasRecord:
         """Point `alias` at an index, creating it or moving it atomically (searches see one index or the other)."""
-        return self.aliases.set(alias, index_name, index_version)
+        _check_index(index_name, index_version)
+        return self.aliases.set(check_name("alias", alias), index_name, index_version)
 
     def get_alias(self, alias: str) -> AliasRecord:
         """The index an alias names; NotFoundError if there is no such alias."""
-        return self.aliases.get(alias)
+        return self.aliases.get(check_name("alias", alias))
 
     def list_aliases(self) -> list[AliasRecord]:
         """Every alias of the tenant."""
@@ -304,7 +322,7 @@ class Shoal:
 
     def drop_alias(self, alias: str) -> None:
         """Remove an alias (its index stays)."""
-        self.aliases.drop(alias)
+        self.aliases.drop(check_name("alias", alias))
 
     def index_status(self, name: str, version: str) -> list[ShardStatus]:
         """Freshness per shard: log head, built and served watermarks, lag in seqs and seconds, and the young
@@ -359,11 +377,16 @@ class Shoal:
     def read_log(
         self, name: str, version: str, after_seq: int = 0, up_to_seq: int | None = None
     ) -> Iterator[pa.RecordBatch]:
-        """Log entries with seq in (after_seq, up_to_seq], in order, as Arrow record batches."""
+        """Log entries with seq in (after_seq, up_to_seq], in order, as Arrow record batches. Seqs are integers
+        in 0..2**63-1 (ValidationError otherwise)."""
+        after_seq = check_seq(after_seq, "after_seq")
+        up_to_seq = None if up_to_seq is None else check_seq(up_to_seq, "up_to_seq")
         return read_log(self.engine, self.storage, self.get_data_source(name, version).id, after_seq, up_to_seq)
 
     def fold(self, name: str, version: str, up_to_seq: int | None = None) -> pa.Table:
-        """The data source's state at `up_to_seq` (default: head): the live data point per key."""
+        """The data source's state at `up_to_seq` (default: head; else an integer in 0..2**63-1): the live data
+        point per key."""
+        up_to_seq = None if up_to_seq is None else check_seq(up_to_seq, "up_to_seq")
         record = self.get_data_source(name, version)
         schema = segment_schema(record.spec).append(pa.field(SEQ, pa.int64()))
         return fold(read_log(self.engine, self.storage, record.id, 0, up_to_seq), schema)
@@ -381,6 +404,7 @@ class Shoal:
         the replaced files are deleted by GC after SHOAL_GC_GRACE_S. `now` stands in for the clock."""
         from shoal.log.compaction import CompactionPolicy, compact_log
 
+        now = _check_now(now)
         record = self.get_data_source(name, version)
         return compact_log(
             self.engine, self.storage, record.id, CompactionPolicy.from_settings(self.settings), now=now
@@ -391,6 +415,7 @@ class Shoal:
         tombstones; nothing when it has no retention. `now` stands in for the clock."""
         from shoal.log.retention import apply_retention
 
+        now = _check_now(now)
         record = self.get_data_source(name, version)
         result = apply_retention(
             self.engine, self.storage, record, now=now, max_batch_points=self.settings.max_batch_points,
@@ -407,7 +432,7 @@ class Shoal:
         from shoal.upkeep.gc import collect_garbage
 
         return collect_garbage(
-            self.engine, self.storage, grace_s=self.settings.gc_grace_s, now=now, tenant=self.tenant,
+            self.engine, self.storage, grace_s=self.settings.gc_grace_s, now=_check_now(now), tenant=self.tenant,
             lock_timeout_ms=self.settings.lock_timeout_ms, scan=scan,
         )
 
@@ -421,6 +446,31 @@ class Shoal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_index(name: str, version: str) -> None:
+    """Refuse (InvalidNameError) an index name or version the catalog could not even look up (NUL, a lone
+    surrogate, an int): as `get_index` does, before the calls that take them to the catalog without it."""
+    check_name("index name", name)
+    check_name("index version", version)
+
+
+# The clock a `now` may stand in for: the upkeep adds and subtracts durations of up to MAX_DURATION_S (100
+# years) to it, and datetime.min or max would overflow that (OverflowError) deep in the call.
+_EARLIEST_NOW = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_LATEST_NOW = dt.datetime(9000, 1, 1, tzinfo=dt.UTC)
+
+
+def _check_now(now: dt.datetime | None) -> dt.datetime | None:
+    """`now` unchanged when it is None or a timezone-aware datetime from 1970 up to 9000, else ValidationError
+    naming it (a naive one is ambiguous: the catalog's times are UTC)."""
+    if now is None:
+        return None
+    if not isinstance(now, dt.datetime) or now.utcoffset() is None:
+        raise ValidationError(f"now must be a timezone-aware datetime (e.g. datetime.now(UTC)), got {now!r:.100}")
+    if not _EARLIEST_NOW <= now < _LATEST_NOW:
+        raise ValidationError(f"now must lie between {_EARLIEST_NOW:%Y-%m-%d} and {_LATEST_NOW:%Y-%m-%d}, got {now}")
+    return now
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,9 @@ class Engine(ABC):
             checked[name] = value
         else:
             return checked  # every value a plain int in range: the usual call, checked per search
+        named = [name for name in params if not isinstance(name, str)]
+        if named:  # sorted() below cannot order an int among strings: name what is wrong instead
+            raise ValidationError(f"search_params keys must be parameter names (strings), got {named[0]!r:.100}")
         unknown = sorted(set(params) - set(cls.search_params))
         if unknown:
             accepted = ", ".join(sorted(cls.search_params)) or "none"

@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 
 from shoal.catalog.repo import SourceRecord
-from shoal.errors import ValidationError
-from shoal.log.records import DataPoint, DataSourceSpec, Tombstone, WriteToken
+from shoal.errors import Problem, ValidationError
+from shoal.log.records import DataPoint, DataSourceSpec, Tombstone, WriteToken, storable_text
 from shoal.log.validation import columns_to_table, points_to_table
 from shoal.log.writer import LogWriter
 
@@ -67,8 +67,15 @@ class Producer:
 
 
 def _batch_id(batch_id: str | None) -> str | None:
+    """`batch_id` unchanged when the catalog can store it, else ValidationError naming batch_id. Checked before
+    the batch is queued: the log writer commits many producers' batches in one transaction, so an id Postgres
+    refuses (NUL, a lone surrogate) would fail every batch sharing that commit, not only its own."""
     if batch_id is None:
         return None
     if not isinstance(batch_id, str) or not 1 <= len(batch_id) <= 200:
-        raise ValidationError("batch id must be a string of 1 to 200 characters")
+        raise ValidationError(Problem("batch id must be a string of 1 to 200 characters", attribute="batch_id"))
+    if not storable_text(batch_id):
+        raise ValidationError(Problem(
+            f"batch id must be valid Unicode without NUL characters (Postgres stores neither a lone surrogate nor "
+            f"NUL), got {batch_id!r}", attribute="batch_id"))
     return batch_id

@@ -129,10 +129,24 @@ class DataSourceSpec:
     custom_metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Types first: a None or a list where a mapping belongs must be named, not fail in a conversion below (or
+        # in the catalog's insert, for a vectors_are_sparse that is no bool).
+        problems = _collection_problems(
+            mappings={"attribute_types": self.attribute_types, "custom_metadata": self.custom_metadata},
+            names={"permanent_attributes": self.permanent_attributes},
+        )
+        for name in self.attribute_types if isinstance(self.attribute_types, Mapping) else ():
+            if not isinstance(name, str):
+                problems.append(Problem(f"attribute names must be strings, got {type(name).__name__} {name!r}"))
+        if not isinstance(self.vectors_are_sparse, bool | np.bool_):
+            problems.append(Problem(f"vectors_are_sparse must be a bool, got {type(self.vectors_are_sparse).__name__}"))
+        if problems:
+            raise ValidationError(problems)
+        object.__setattr__(self, "vectors_are_sparse", bool(self.vectors_are_sparse))
         # Normalise collections so specs compare by value and attribute types are enums.
         try:
-            types = {str(k): AttributeType(v) for k, v in dict(self.attribute_types).items()}
-        except ValueError as exc:
+            types = {k: AttributeType(v) for k, v in dict(self.attribute_types).items()}
+        except (ValueError, TypeError) as exc:
             allowed = ", ".join(t.value for t in AttributeType)
             raise ValidationError(Problem(f"unknown attribute type ({exc}); allowed: {allowed}")) from None
         object.__setattr__(self, "attribute_types", types)
@@ -219,6 +233,19 @@ class IndexSpec:
 
     def __post_init__(self) -> None:
         check_name("index name", self.name)
+        if not isinstance(self.version, str):
+            check_name("index version", self.version)  # refuses it, naming the rule
+        problems = _collection_problems(
+            mappings={"params": self.params},
+            names={"id_attributes": self.id_attributes, "split_attributes": self.split_attributes,
+                   "shard_attributes": self.shard_attributes,
+                   **({} if self.payload_attributes is None else {"payload_attributes": self.payload_attributes})},
+        )
+        for name in ("source_name", "source_version", "algorithm", "metric"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(Problem(f"{name} must be a string, got {type(getattr(self, name)).__name__}"))
+        if problems:
+            raise ValidationError(problems)
         # A generation built aside or kept for rollback is stored as `{version}~g{n}` (shoal.catalog.
         # generations); `~` is no name character, so no index a user names can take such a version.
         base, hidden, generation = self.version.partition(GENERATION_MARK)
@@ -239,6 +266,22 @@ class IndexSpec:
     def stored_attributes(self) -> tuple[str, ...]:
         """Attributes an index segment stores per row: id, split and payload attributes, in that order."""
         return tuple(dict.fromkeys([*self.key_attributes, *(self.payload_attributes or ())]))
+
+
+def _collection_problems(mappings: Mapping[str, Any], names: Mapping[str, Any]) -> list[Problem]:
+    """What is wrong with a definition's collections (empty when nothing): each of `mappings` must be a mapping,
+    each of `names` a list of strings (a lone string is refused: as a sequence it would be its characters)."""
+    problems = []
+    for field_name, value in mappings.items():
+        if not isinstance(value, Mapping):
+            problems.append(Problem(f"{field_name} must be a mapping, got {type(value).__name__}"))
+    for field_name, value in names.items():
+        if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence | np.ndarray):
+            problems.append(Problem(f"{field_name} must be a list of attribute names, got {type(value).__name__}"))
+        elif not all(isinstance(item, str) for item in value):
+            bad = next(item for item in value if not isinstance(item, str))
+            problems.append(Problem(f"{field_name} must hold attribute names (strings), got {type(bad).__name__}"))
+    return problems
 
 
 def unicode_text(value: Any) -> bool:

@@ -7,9 +7,11 @@ each naming the point's position in the batch, the attribute and the rule.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -132,6 +134,49 @@ def to_float32(values: Any) -> np.ndarray:
         return np.asarray(values, dtype=np.float32)
 
 
+_NUMBER_TYPES = (bool, int, float, np.bool_, np.integer, np.floating)
+
+
+def number_array(values: Any, what: str) -> tuple[np.ndarray | None, str | None]:
+    """`values` as a NumPy array of bool, integer or float numbers, not converted (so nothing is cast into
+    something else): (array, None); or (None, the rule `what` breaks) for anything else: complex numbers, dates,
+    text, an object array holding any of these, a masked array (its mask would be ignored), a mapping, or
+    sequences of unequal lengths."""
+    if isinstance(values, np.ma.MaskedArray):
+        return None, f"{what} must not be a masked array (its mask would be ignored): fill or drop the masked values"
+    if isinstance(values, Mapping | str | bytes):
+        return None, f"{what} must be numbers, got {_tname(values)}"
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError):  # sequences of unequal lengths
+        return None, f"{what} must be numbers, in rows of one length"
+    if arr.dtype.kind in "biuf":
+        return arr, None
+    if arr.dtype.kind == "O":
+        bad = next((v for v in arr.reshape(-1) if not isinstance(v, _NUMBER_TYPES)), None)
+        if bad is None:
+            return arr, None
+        return None, f"{what} must be numbers (bool, integer or float), got {_tname(bad)}"
+    return None, f"{what} must be numbers (bool, integer or float), got {arr.dtype}"
+
+
+def numbers_to_float32(arr: np.ndarray) -> np.ndarray:
+    """A `number_array` result as float32; a number past float32's range (even past float64's: a Python int of
+    400 digits) made infinite without an error: `coordinates_problem` names it."""
+    try:
+        return to_float32(arr)
+    except OverflowError:  # an object array holding an int past float64's range
+        out = np.empty(arr.shape, dtype=np.float32)
+        flat = out.reshape(-1)
+        with np.errstate(over="ignore"):
+            for i, value in enumerate(arr.reshape(-1)):
+                try:
+                    flat[i] = float(value)
+                except OverflowError:
+                    flat[i] = math.inf if value > 0 else -math.inf
+        return out
+
+
 def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
     """None when every coordinate of `row` (`original` cast to float32, 1-d) is finite; else what is wrong with
     the first that is not: NaN or infinity, or a finite number past float32's range, which the cast made
@@ -142,6 +187,10 @@ def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
     at = int(bad[0])
     try:
         value = float(np.asarray(original, dtype=np.float64).reshape(-1)[at])
+    except OverflowError:  # an integer past float64's range (10**400): finite as given
+        given = np.asarray(original, dtype=object).reshape(-1)[at]
+        return (f"coordinates must be finite float32 values: an integer of {len(str(abs(int(given))))} digits at "
+                f"index {at} is past float32's range (magnitude at most {_FLOAT32_MAX:.7g})")
     except (TypeError, ValueError, IndexError):
         value = math.nan
     if math.isfinite(value):
@@ -199,6 +248,20 @@ def _tombstone_attributes(spec: DataSourceSpec, values: Any) -> Sequence[str]:
     return list(spec.permanent_attributes)
 
 
+def _batch_items(items: Any, max_points: int) -> Sequence[DataPoint | Tombstone]:
+    """The batch as a sequence: a list or tuple as given, any other iterable (a generator) read into a list, at
+    most one point past `max_points` (enough to refuse it). Anything else is refused naming the batch."""
+    if isinstance(items, list | tuple):
+        return items
+    if isinstance(items, Mapping | str | bytes) or not isinstance(items, Iterable):
+        raise ValidationError(Problem(f"the batch must be a list of DataPoints and Tombstones, got {_tname(items)}",
+                                      attribute="items"))
+    taken = list(itertools.islice(items, max_points + 1))
+    if len(taken) > max_points:
+        raise BatchTooLargeError(Problem(f"batch holds more points than the configured maximum {max_points}"))
+    return taken
+
+
 def _check_points(spec: DataSourceSpec, items: Sequence[DataPoint | Tombstone], max_points: int) -> None:
     if len(items) == 0:
         raise ValidationError("batch is empty")
@@ -212,6 +275,7 @@ def points_to_table(
     spec: DataSourceSpec, items: Sequence[DataPoint | Tombstone], max_points: int
 ) -> pa.Table:
     """Validate a batch of DataPoints and Tombstones, in order, and return it as one Arrow table."""
+    items = _batch_items(items, max_points)
     _check_points(spec, items, max_points)
     problems = _Problems()
     attrs = spec.attribute_types
@@ -296,16 +360,16 @@ def _check_dense(vector: Any, dim: int, pos: int, problems: _Problems) -> np.nda
     if isinstance(vector, SparseVector):
         problems.add("the data source holds dense vectors, got a sparse one", pos, "vector")
         return None
-    try:
-        row = np.asarray(vector, dtype=np.float32)  # past float32's range: inf, refused below by name
-    except (TypeError, ValueError):
-        problems.add("vector must be a sequence of numbers", pos, "vector")
+    given, wrong = number_array(vector, "vector coordinates")
+    if given is None:
+        problems.add(str(wrong), pos, "vector")
         return None
+    row = numbers_to_float32(given)  # past float32's range: inf, refused below by name
     if row.shape != (dim,):
         got = row.shape[0] if row.ndim == 1 else row.shape
         problems.add(f"wrong dimension: expected {dim}, got {got}", pos, "vector")
         return None
-    wrong = vector_problem(vector, row)
+    wrong = vector_problem(given, row)
     if wrong is not None:
         problems.add(wrong, pos, "vector")
         return None
@@ -316,15 +380,24 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
     if not isinstance(vector, SparseVector):
         problems.add("the data source holds sparse vectors: give a SparseVector", pos, "vector")
         return None
+    given_idx, wrong = number_array(vector.indices, "sparse indices")
+    given_val, wrong_val = number_array(vector.values, "sparse values")
+    if given_idx is None or given_val is None:
+        problems.add(str(wrong or wrong_val), pos, "vector")
+        return None
+    # Indices are integers only: a float (even 3.0, as a JSON body must not send either) is refused, never
+    # truncated into another dimension than the one given.
+    if given_idx.size and given_idx.dtype.kind not in "iuO" or (
+        given_idx.dtype.kind == "O" and not all(_is_integer(v) for v in given_idx.reshape(-1))
+    ):
+        problems.add("sparse indices must be integers", pos, "vector")
+        return None
     try:
-        idx = np.asarray(vector.indices, dtype=np.int64)
-        val = np.asarray(vector.values, dtype=np.float32)  # past float32's range: inf, refused below by name
+        idx = given_idx.astype(np.int64) if given_idx.dtype.kind != "u" else given_idx
     except OverflowError:  # an index beyond 64 bits (2**70): out of range whatever the dimension
         problems.add(f"sparse index out of range 0..{dim - 1}", pos, "vector")
         return None
-    except (TypeError, ValueError):
-        problems.add("sparse indices and values must be numbers", pos, "vector")
-        return None
+    val = numbers_to_float32(given_val)  # past float32's range: inf, refused below by name
     if idx.ndim != 1 or idx.shape != val.shape:
         problems.add("sparse vector needs as many values as indices", pos, "vector")
         return None
@@ -334,11 +407,15 @@ def _check_sparse(vector: Any, dim: int, pos: int, problems: _Problems) -> tuple
     if np.unique(idx).size != idx.size:
         problems.add("sparse vector repeats an index", pos, "vector")
         return None
-    wrong = vector_problem(vector.values, val) if val.ndim == 1 else None
+    wrong = vector_problem(given_val, val) if val.ndim == 1 else None
     if wrong is not None:
         problems.add(wrong, pos, "vector")
         return None
     return idx.astype(np.int32).tolist(), val.tolist()
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def columns_to_table(
@@ -355,6 +432,9 @@ def columns_to_table(
     The fast path for large batches: vectors are checked as one NumPy array, not point by point.
     """
     problems = _Problems()
+    if not isinstance(attributes, Mapping):
+        raise ValidationError(Problem(f"columns must be a mapping {{attribute name: column}}, got {_tname(attributes)}",
+                                      attribute="keys" if delete else "attributes"))
     expected = _tombstone_attributes(spec, attributes) if delete else list(spec.attribute_types)
     permanent = set(spec.permanent_attributes)
     for name in expected:
@@ -366,6 +446,10 @@ def columns_to_table(
                 TOMBSTONE_FORMS
             )
             problems.add(rule, None, str(name))
+    for name in (name for name in expected if name in attributes):
+        wrong = _column_shape_problem(attributes[name])
+        if wrong is not None:
+            problems.add(wrong, None, name)
     problems.raise_if_any()
     lengths = {name: len(attributes[name]) for name in expected}
     n = next(iter(lengths.values()))
@@ -374,7 +458,10 @@ def columns_to_table(
             raise ValidationError("the data source holds sparse vectors: upload them as DataPoints with SparseVector")
         if vectors is None:
             raise ValidationError(Problem("vectors are required for upserts", attribute="vector"))
-        vectors = np.asarray(vectors)
+        given, wrong = number_array(vectors, "vectors")
+        if given is None:
+            raise ValidationError(Problem(str(wrong), attribute="vector"))
+        vectors = given
         if vectors.ndim != 2 or vectors.shape[1] != spec.vector_dimension:
             raise ValidationError(
                 Problem(f"wrong dimension: expected [n, {spec.vector_dimension}], got {list(vectors.shape)}",
@@ -399,7 +486,7 @@ def columns_to_table(
             arrays[VECTOR] = pa.nulls(n, pa.list_(pa.float32(), spec.vector_dimension))
     else:
         assert vectors is not None
-        flat = np.ascontiguousarray(to_float32(vectors))
+        flat = np.ascontiguousarray(numbers_to_float32(vectors))
         for pos in unfit_rows(flat)[:MAX_PROBLEMS]:
             problems.add(str(vector_problem(vectors[pos], flat[pos])), int(pos), "vector")
         arrays[VECTOR] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), spec.vector_dimension)
@@ -412,6 +499,33 @@ def columns_to_table(
             arrays[name] = pa.nulls(n, ARROW_TYPES[kind])
     problems.raise_if_any()
     return _finish(spec, arrays)
+
+
+def _column_shape_problem(values: Any) -> str | None:
+    """What keeps `values` from being read as one column of values (None when nothing): it must be a list, a 1-d
+    NumPy array (not masked: its mask would be ignored) or an Arrow array. A mapping (its keys would be read),
+    a string (its characters), None or a scalar is refused."""
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return None
+    if isinstance(values, np.ma.MaskedArray):
+        return "column must not be a masked array (its mask would be ignored): fill or drop the masked values"
+    if isinstance(values, np.ndarray):
+        return None if values.ndim == 1 else f"column must be 1-dimensional, got shape {list(values.shape)}"
+    if isinstance(values, Mapping | str | bytes | AbstractSet) or not (
+        isinstance(values, Sized) and isinstance(values, Iterable)
+    ):
+        return f"column must be a list, a 1-d NumPy array or an Arrow array of values, got {_tname(values)}"
+    return None
+
+
+def _int64_range(name: str, values: np.ndarray, problems: _Problems) -> bool:
+    """True when the unsigned NumPy column `values` fits int64 (a signed one always does); else every value past
+    INT64_MAX is noted, and False."""
+    if values.dtype.kind != "u" or not values.size or values.max() <= INT64_MAX:
+        return True
+    for pos in np.flatnonzero(values > INT64_MAX)[:MAX_PROBLEMS]:
+        problems.add("int64 value out of range", int(pos), name)
+    return False
 
 
 def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Problems) -> None:
@@ -428,6 +542,8 @@ def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Probl
             return  # typed as the attribute: every value present is of its type
         values = arr.to_pylist()
     elif isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
+        if kind is AttributeType.INT64:
+            _int64_range(name, values, problems)
         if kind is not AttributeType.FLOAT64:
             return
         for pos in np.flatnonzero(~np.isfinite(values.astype(np.float64)))[:MAX_PROBLEMS]:
@@ -490,6 +606,8 @@ def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) ->
         return pa.nulls(len(values), target)
     # Fast paths: typed NumPy or Arrow columns need no per-value checks beyond nulls and NaN.
     if isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
+        if kind is AttributeType.INT64 and not _int64_range(name, values, problems):
+            return pa.nulls(len(values), target)
         arr = pa.array(values.astype(np.float64 if kind is AttributeType.FLOAT64 else values.dtype), target)
     elif kind is AttributeType.DATETIME and isinstance(values, pa.ChunkedArray | pa.Array) and (
         pa.types.is_timestamp(values.type)

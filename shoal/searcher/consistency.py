@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from shoal.errors import ValidationError
 from shoal.log.records import WriteToken
+
+LEVELS = ("eventual", "at_least", "strong")
+MAX_SEQ = 2**63 - 1  # seqs are bigint in the catalog
+
+
+def check_seq(value: Any, what: str) -> int:
+    """`value` as a seq: an integer (not a bool) in 0..2**63-1, else ValidationError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_SEQ:
+        raise ValidationError(f"{what} must be a whole number in 0..{MAX_SEQ}, got {value!r:.100}")
+    return int(value)
 
 
 @dataclass(frozen=True)
 class Consistency:
     """`eventual`: what the searcher serves now; `at_least`: every write up to `seq`; `strong`: every write
-    committed before the search started."""
+    committed before the search started. An unknown level, or a seq that is not a whole non-negative integer (or
+    one given with another level than at_least), raises ValidationError."""
 
     level: Literal["eventual", "at_least", "strong"] = "eventual"
     seq: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked here, not at search time: an unknown level would otherwise run as strong (the search's
+        # last branch), and a float seq be compared as given.
+        if not isinstance(self.level, str) or self.level not in LEVELS:
+            raise ValidationError(f"consistency level must be one of {', '.join(LEVELS)}, got {self.level!r:.100}")
+        seq = check_seq(self.seq, "consistency seq")
+        if seq and self.level != "at_least":
+            raise ValidationError(f"consistency {self.level} takes no seq (got {seq}): use Consistency.at_least")
+        object.__setattr__(self, "seq", seq)
 
     @classmethod
     def eventual(cls) -> Consistency:
@@ -23,8 +46,10 @@ class Consistency:
 
     @classmethod
     def at_least(cls, token: WriteToken | int) -> Consistency:
-        """Reflect every write up to the token (read-your-writes across processes)."""
-        return cls("at_least", token.seq if isinstance(token, WriteToken) else int(token))
+        """Reflect every write up to the token (read-your-writes across processes); a token that is neither a
+        WriteToken nor a whole seq (1.9, None, "5", True) raises ValidationError rather than being rounded."""
+        return cls("at_least", check_seq(token.seq if isinstance(token, WriteToken) else token,
+                                         "consistency at_least token"))
 
     @classmethod
     def strong(cls) -> Consistency:
@@ -33,9 +58,13 @@ class Consistency:
 
     @classmethod
     def parse(cls, text: str) -> Consistency:
-        """From `eventual`, `strong` or `at_least:<seq>` (as the CLI and HTTP headers write it)."""
+        """From `eventual`, `strong` or `at_least:<seq>` (as the CLI and HTTP headers write it); ValueError
+        otherwise."""
         if text in ("eventual", "strong"):
             return cls(text)  # type: ignore[arg-type]
         if text.startswith("at_least:") and text.split(":", 1)[1].isdigit():
-            return cls("at_least", int(text.split(":", 1)[1]))
+            try:
+                return cls("at_least", int(text.split(":", 1)[1]))
+            except ValidationError as exc:  # a seq past the bigint range: the callers catch ValueError
+                raise ValueError("; ".join(map(str, exc.problems))) from None
         raise ValueError(f"unknown consistency {text!r}: use eventual, strong or at_least:<seq>")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -21,6 +22,7 @@ import redis
 
 from shoal.catalog.indexes import IndexRecord
 from shoal.catalog.repo import head_of
+from shoal.config.settings import MAX_DURATION_S
 from shoal.errors import (
     CapacityError,
     ConfigurationError,
@@ -36,9 +38,10 @@ from shoal.index.segment_cache import SegmentCache
 from shoal.log.compaction_swap import dropped_through
 from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement
 from shoal.log.reader import read_log
+from shoal.log.records import SparseVector, check_name
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL
-from shoal.searcher.consistency import Consistency
+from shoal.searcher.consistency import Consistency, check_seq
 from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
 from shoal.searcher.filters import Filter, parse_filter
 from shoal.searcher.placement import Placement
@@ -91,6 +94,31 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
 # The search services sharing each segment cache (the runtime's): the budget is the cache's, so one service
 # may unload another's least recently searched index to fit one it loads.
 _SHARING: weakref.WeakKeyDictionary[SegmentCache, weakref.WeakSet[SearchService]] = weakref.WeakKeyDictionary()
+
+
+def _poll_s(value: Any) -> float:
+    """A searcher's poll interval, checked: a real number of seconds in (0, MAX_DURATION_S]. Zero, a negative
+    or NaN would poll the catalog in a busy loop; a string or a longer one would end the poll threads at their
+    first wait (TypeError, OverflowError), and the searcher silently stop following."""
+    seconds = float("nan")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except (OverflowError, ValueError):  # 10**400 has no float: too long anyway
+            seconds = float("inf")
+    if not 0 < seconds <= MAX_DURATION_S:  # NaN fails the comparison too
+        raise ValidationError(f"poll_interval must be a number of seconds in (0, {MAX_DURATION_S}], got "
+                              f"{value!r:.100}")
+    return seconds
+
+
+def _consistency(value: Any) -> Consistency:
+    """A search's consistency given as a level name ("eventual", "strong": the names the CLI and the HTTP API
+    take), else ValidationError naming what a search accepts."""
+    if isinstance(value, str) and value in ("eventual", "strong"):
+        return Consistency(value)  # type: ignore[arg-type]
+    raise ValidationError(f"consistency must be Consistency.eventual(), Consistency.at_least(token), "
+                          f"Consistency.strong() or the level name 'eventual' or 'strong', got {value!r:.100}")
 
 
 class _SourceGone(Exception):
@@ -149,6 +177,8 @@ class SearchService:
         self, runtime: Runtime, *, follow: bool = True, poll_interval: float | None = None,
         placement: Placement | None = None,
     ) -> None:
+        # Checked first: a service refused here must not have joined _SHARING (other services walk it).
+        self.poll_interval = runtime.settings.searcher_poll_s if poll_interval is None else _poll_s(poll_interval)
         self.runtime = runtime
         # Which shards of placed indexes this process loads (the rest are other nodes'; shoal.api.fanout asks them).
         self.placement = placement or Placement()
@@ -157,7 +187,6 @@ class SearchService:
         self.shards = runtime.shards
         self.cache = runtime.segment_cache
         _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
-        self.poll_interval = runtime.settings.searcher_poll_s if poll_interval is None else poll_interval
         # (tenant id, index name, version) -> the view served, and the scope to reload it with.
         self._views: dict[tuple[int, str, str], IndexView] = {}
         self._scopes: dict[int, Scope] = {}
@@ -218,13 +247,37 @@ class SearchService:
         (`check_hits`)."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
+        # Only what the steps below would fail on with a raw TypeError or AttributeError, or a catalog error, is
+        # checked here; the query vectors themselves are checked by prepare_queries.
+        if queries is None or isinstance(queries, SparseVector) or not hasattr(queries, "__iter__"):
+            raise ValidationError(f"queries must be a list (or array) of query vectors, got {queries!r:.100}")
+        if split_filter is not None and not isinstance(split_filter, Mapping):
+            raise ValidationError(f"split_filter must be a mapping of split attribute to value, got "
+                                  f"{type(split_filter).__name__} {split_filter!r:.100}")
+        if consistency is not None and not isinstance(consistency, Consistency):
+            consistency = _consistency(consistency)
         if tag is not None or as_of is not None:
+            check_name("index name", index_name)
+            check_name("index version", index_version)
+            if tag is not None:
+                check_name("tag", tag)
+            if as_of is not None:
+                check_seq(as_of, "as_of")
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
                                         retrieve_vectors, consistency, tag, as_of, search_params, filters, shards,
                                         max_hits)
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
-        view = self._views.get(key) or self._load(scope, index_name, index_version)
+        try:
+            view = self._views.get(key)
+        except TypeError:  # an unhashable name (a list): refused just below
+            view = None
+        if view is None:
+            # Checked before the catalog sees them (a NUL, a lone surrogate or an int is a raw database error
+            # there); a served view's names passed this check when it was loaded, so searches of it skip it.
+            check_name("index name", index_name)
+            check_name("index version", index_version)
+            view = self._load(scope, index_name, index_version)
         args = (queries, k, split_filter, retrieve_vectors, consistency, search_params, filters, shards, max_hits)
         try:
             return self._search_current(scope, key, view, *args)
@@ -838,7 +891,8 @@ class Searcher:
 
         Options: `split_filter` (attribute -> value), `filters` (attribute filters, see
         `shoal.searcher.filters`: only matching points are searched, at any consistency), `retrieve_vectors`,
-        `consistency` (eventual by default, `Consistency.at_least(token)`, `Consistency.strong()`). Time travel:
+        `consistency` (eventual by default, `Consistency.at_least(token)`, `Consistency.strong()`; the level names
+        "eventual" and "strong" are taken too). Time travel:
         `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of that seq (a write
         token's), from the newest kept version at or below it plus the log up to it. `search_params` overrides
         the index's query-time parameters for this search only, without a rebuild: `ef_search` for HNSW,
@@ -853,7 +907,7 @@ class Searcher:
     def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
         """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
         by the index before a move or wholly by the one after it."""
-        target = self.scope.aliases.get(alias)
+        target = self.scope.aliases.get(check_name("alias", alias))
         return self.search(target.index_name, target.index_version, queries, k, **options)
 
     def view(self, index_name: str, index_version: str) -> IndexView:
