@@ -10,10 +10,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import wait_for
 
-from shoal import DataPoint, DataSourceSpec, Shoal
+from shoal import DataPoint, DataSourceSpec, Shoal, SparseVector
 from shoal.config.settings import MAX_DURATION_S, Settings
 from shoal.errors import ConfigurationError, InvalidNameError, QueryError, ShoalError, ValidationError
 from shoal.index.builder import ShardBuilder
@@ -214,3 +215,45 @@ def test_shoal_refuses_settings_and_a_runtime_of_other_settings(make_settings: C
         assert shared.settings is runtime.settings
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize(("queries", "says"), [
+    ([[10**400, 0.0]], "an integer of 401 digits at index 0 is past float32's range"),
+    ([[3 + 4j, 1j]], "query vectors must be numbers (bool, integer or float), got complex"),
+    (np.array([["2024-01-01", "2024-01-02"]], dtype="datetime64[D]"), "got datetime64"),
+    (np.zeros((1, 1, 2), np.float32), "must be one vector or a list of vectors, got an array of shape [1, 1, 2]"),
+    (np.array(1.0, np.float32), "at least one query vector"),
+    ([[0.0], [0.0, 1.0]], "query vectors must be numbers, in rows of one length"),
+])
+def test_dense_queries_of_other_kinds_are_refused_naming_them(local_shoal: Shoal, queries: object, says: str) -> None:
+    """Query vectors follow the stored vectors' rule: numbers only (complex and datetime queries were cast
+    silently), of one shape; an integer past float64's range raised OverflowError, a 0-d array IndexError."""
+    local_shoal.create_data_source(DataSourceSpec("Q", "1", 2, {"id": "int64"}, ["id"]))
+    local_shoal.create_index(IndexSpec("Q.Index", "1", "Q", "1", algorithm="flat", metric="euclidean"))
+    local_shoal.producer("Q", "1").upload_columns(np.ones((3, 2), np.float32), {"id": np.arange(3)})
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        with pytest.raises(QueryError) as err:
+            searcher.search("Q.Index", "1", queries, 1, consistency=Consistency.strong())
+        assert says in str(err.value), str(err.value)
+    finally:
+        searcher.close()
+
+
+@pytest.mark.parametrize(("vector", "says"), [
+    (SparseVector([5.9], [1.0]), "sparse indices must be integers"),  # was searched as index 5
+    (SparseVector([2**70], [1.0]), "sparse index out of range 0..99"),  # was OverflowError
+    (SparseVector([1], ["x"]), "sparse values must be numbers"),  # was ValueError
+])
+def test_sparse_queries_of_other_kinds_are_refused_naming_them(local_shoal: Shoal, vector: SparseVector,
+                                                               says: str) -> None:
+    local_shoal.create_data_source(DataSourceSpec("S", "1", 100, {"id": "int64"}, ["id"], vectors_are_sparse=True))
+    local_shoal.create_index(IndexSpec("S.Index", "1", "S", "1", algorithm="SparnnIndex.Cosine"))
+    local_shoal.producer("S", "1").upload([DataPoint({"id": 1}, SparseVector([5], [1.0]))])
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        with pytest.raises(QueryError) as err:
+            searcher.search("S.Index", "1", [vector], 1, consistency=Consistency.strong())
+        assert says in str(err.value), str(err.value)
+    finally:
+        searcher.close()

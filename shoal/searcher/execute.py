@@ -25,7 +25,8 @@ from shoal.log.validation import (
     SPARSE_VALUES,
     VECTOR,
     check_value,
-    to_float32,
+    number_array,
+    numbers_to_float32,
     unfit_rows,
     vector_problem,
 )
@@ -67,39 +68,48 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
                 Problem("the index holds sparse vectors: query with sparse vectors", attribute="queryVectors")
             )
         for i, q in enumerate(items):
-            idx = np.asarray(q.indices, dtype=np.int64)
-            if idx.size and (idx.min() < 0 or idx.max() >= source.vector_dimension):
+            given_idx, wrong = number_array(q.indices, "sparse indices")
+            given_val, wrong_val = number_array(q.values, "sparse values")
+            if given_idx is not None and given_idx.size and given_idx.dtype.kind not in "iu":
+                # Python integers past 64 bits make an object array: out of every index range.
+                huge = given_idx.dtype.kind == "O" and all(type(v) is int for v in given_idx.reshape(-1))
+                wrong = (f"sparse index out of range 0..{source.vector_dimension - 1}" if huge
+                         else "sparse indices must be integers")  # 5.9 was searched as index 5
+                if huge:
+                    raise ValidationError(Problem(wrong, i, "queryVectors"))
+            if wrong or wrong_val:
+                raise ValidationError(Problem(f"query {wrong or wrong_val}", i, "queryVectors"))
+            assert given_idx is not None
+            if given_idx.size and (given_idx.min() < 0 or given_idx.max() >= source.vector_dimension):
                 raise ValidationError(
                     Problem(f"sparse index out of range 0..{source.vector_dimension - 1}", i, "queryVectors")
                 )
+            idx = given_idx.astype(np.int64)
             if np.unique(idx).size != idx.size:
                 raise ValidationError(Problem("sparse query vector repeats an index", i, "queryVectors"))
         return SparseRows.from_lists(
             [list(q.indices) for q in items], [list(q.values) for q in items], source.vector_dimension
         )
     given: Any = queries
-    if isinstance(queries, np.ndarray):
-        try:
-            arr = to_float32(queries)
-        except (TypeError, ValueError):
-            raise ValidationError(Problem("query vectors must be numbers", attribute="queryVectors")) from None
-    else:
+    if not isinstance(queries, np.ndarray):
         given = items = list(queries)
         if any(isinstance(q, SparseVector) for q in items):
             raise ValidationError(
                 Problem("the index holds dense vectors: query with dense vectors", attribute="queryVectors")
             )
-        try:
-            arr = to_float32(items)
-        except ValueError:
-            raise ValidationError(
-                Problem("query vectors must be lists of numbers, all of one dimension", attribute="queryVectors")
-            ) from None
+    # Bool, integer and float numbers only, as stored vectors: complex or datetime queries were cast silently.
+    numbers, wrong = number_array(given, "query vectors")
+    if numbers is None:
+        raise ValidationError(Problem(str(wrong), attribute="queryVectors"))
+    arr = numbers_to_float32(numbers)  # an integer past float64's range: infinite, named below
     if arr.ndim == 1 and arr.size:
         arr, given = arr[None, :], [given]
-    if arr.size == 0 or arr.shape[0] == 0:
+    if arr.size == 0 or arr.ndim == 0 or arr.shape[0] == 0:
         raise ValidationError(Problem("at least one query vector is required", attribute="queryVectors"))
-    if arr.ndim != 2 or arr.shape[1] != source.vector_dimension:
+    if arr.ndim != 2:
+        raise ValidationError(Problem(f"query vectors must be one vector or a list of vectors, got an array of "
+                                      f"shape {list(arr.shape)}", attribute="queryVectors"))
+    if arr.shape[1] != source.vector_dimension:
         raise ValidationError(
             Problem(
                 f"wrong query dimension: expected {source.vector_dimension}, got {arr.shape[-1]}",
