@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from conftest import wait_for
 
@@ -311,3 +312,67 @@ def test_strong_sees_writes_committed_while_redis_was_down(
         print(f"{checks} strong queries after the restart, none missed the write made while Redis was away")
     finally:
         s.close()
+
+
+def test_a_swap_or_rollback_keeps_no_young_tier_of_another_generation(setup: Callable[..., Setup]) -> None:
+    """A reindex swap and a rollback load another generation: the young tier kept under the replaced one's id
+    pinned its whole generation outside the memory budget, and the one kept under the restored generation's id
+    since it last served (a rollback) answered eventual searches with points deleted since."""
+    s = setup()
+    s.upload(np.array([3_000]))
+    wait_for(lambda: s.nearest(3_000) == 3_000, 10, "the write to show (the young tier of generation 1)")
+    first = s.shoal.get_index(s.index, "1").id
+    s.shoal.reindex(s.index, "1", metric="euclidean", wait=True)
+    s.searcher.refresh()
+    second = s.shoal.get_index(s.index, "1").id
+    assert second != first
+    assert set(s.searcher.service._tails) <= {second}  # nothing kept of generation 1
+    assert s.nearest(3_000) == 3_000
+    s.producer.delete({"id": np.array([3_000])})
+    wait_for(lambda: s.nearest(3_000) != 3_000, 10, "the deletion to show in eventual searches")
+    s.shoal.rollback(s.index, "1")
+    s.searcher.refresh()
+    assert s.shoal.get_index(s.index, "1").id == first
+    assert set(s.searcher.service._tails) <= {first}
+    assert s.nearest(3_000) != 3_000, "the rollback showed a point deleted before it"
+
+
+def test_eventual_never_shows_half_a_batch_across_shards_built_to_different_seqs(
+    make_settings: Callable[..., Settings], redis_url: str,
+) -> None:
+    """One batch updates a key of shard 0 and a key of shard 1. Shard 1's worker builds it, shard 0's not yet, and
+    the young tier's bound (5 seqs) ends below shard 1's new watermark: the young tier is read on to the highest
+    shard watermark, so an eventual search shows the whole batch. It showed shard 1's update without shard 0's,
+    a state the log never had."""
+    from shoal.index.sharding import shard_numbers
+
+    with Shoal(make_settings("local", redis_url=redis_url, young_tier_max_seqs=5), notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec("Mix", "1", 4, {"id": "int64"}, ["id"]))
+        shoal.create_index(IndexSpec("Mix.Index", "1", "Mix", "1", algorithm="flat", metric="euclidean",
+                                     id_attributes=["id"], shard_count=3))
+        rng = np.random.default_rng(0)
+        producer = shoal.producer("Mix", "1")
+        producer.upload_columns(rng.standard_normal((30, 4)).astype(np.float32), {"id": np.arange(30)})
+        builder = ShardBuilder(shoal.engine, shoal.storage)
+        shards = sorted(shoal.get_index("Mix.Index", "1").shards, key=lambda s: s.shard_no)
+        for shard in shards:
+            builder.materialize(shard.id)
+        shard_of = dict(enumerate(shard_numbers(pa.table({"id": pa.array(range(30), pa.int64())}), ["id"], 3)))
+        a = next(i for i in range(30) if shard_of[i] == 0)
+        b = next(i for i in range(30) if shard_of[i] == 1)
+        others = [i for i in range(30) if i not in (a, b)][:6]
+        searcher = shoal.searcher(follow=True, poll_interval=30.0)
+        try:
+            def nearest(vector: list[float]) -> int:
+                return searcher.search("Mix.Index", "1", np.asarray([vector], np.float32), 1)[0][0].attributes["id"]
+
+            nearest([0.0] * 4)  # loaded: its young tier reaches at most 5 seqs past 30
+            va, vb = [5.0] * 4, [-5.0] * 4
+            vectors = np.concatenate([rng.standard_normal((6, 4)), [va, vb]]).astype(np.float32)
+            producer.upload_columns(vectors, {"id": np.array([*others, a, b])})  # seqs 31-38, one batch
+            builder.materialize(shards[1].id)  # shard 1 built to 38; shards 0 and 2 stay at 30
+            searcher.refresh()
+            assert searcher.served_watermarks("Mix.Index", "1") == {0: 30, 1: 38, 2: 30}
+            assert (nearest(va), nearest(vb)) == (a, b)
+        finally:
+            searcher.close()

@@ -694,20 +694,33 @@ class SearchService:
             self._fit_budget(key)
         # The young tier for the new versions, derived now in the loader (only the shards whose version changed
         # are, cut from what is held: no I/O). Until it is served, searches answer from the young tier's own view.
+        if old is not None and old.index.id != index.id:
+            # Another generation (a reindex swap, a rollback, the index made again): the young tiers kept under
+            # the generations' ids are of other versions and times. The old one's pinned its whole generation
+            # outside the budget; the new one's, kept since it last served (a rollback), showed points deleted
+            # since. The view is loaded as anew.
+            with self._lock:
+                self._tails.pop(old.index.id, None)
+                self._tails.pop(index.id, None)
+            old = None
         young = self._tails.get(index.id)
+        # A young tier reaches at least the highest shard watermark: below it, shards built further than the
+        # others would show writes of a batch the others do not (a state the log never had).
+        top = max((s.watermark for s in view.shards), default=0)
+        bound = view.min_watermark + self.young_max_seqs
         if old is not None and young is not None and young.versions != view.versions:
             try:
-                self._extend_within(view, young.end, max(young.end, view.min_watermark + self.young_max_seqs))
+                self._extend_within(view, max(young.end, top), max(young.end, top, bound))
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
         elif old is None and self.follows and self.young_max_seqs > 0 and view.shards:
             # A view loaded now answers its first eventual search with the log up to the head read with it, as a
             # followed view does: writes acknowledged before the load (maybe long before, with no worker
             # building) are shown at once, not from the follower's next wake, up to a poll later.
-            target = min(source.head_seq, view.min_watermark + self.young_max_seqs)
+            target = max(min(source.head_seq, bound), top)
             if target > view.min_watermark:
                 try:
-                    self._extend_within(view, target, view.min_watermark + self.young_max_seqs)
+                    self._extend_within(view, target, max(bound, top))
                 except Exception as exc:  # noqa: BLE001 - the follower extends it then
                     log.debug("young tier of index %s not read at load: %s", name, exc)
         self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
@@ -834,14 +847,17 @@ class SearchService:
             if not view.shards:  # a placed index none of whose shards is here: nothing to keep
                 continue
             head = self._heads.get(view.source.id, 0)
-            target = min(head, view.min_watermark + self.young_max_seqs)
+            # At least to the highest shard watermark (see _load), up to the bound past the lowest beyond it.
+            top = max(s.watermark for s in view.shards)
+            bound = max(view.min_watermark + self.young_max_seqs, top)
+            target = max(min(head, bound), top)
             cached = self._tails.get(view.index.id)
             if target <= view.min_watermark and cached is None:
                 continue
             if cached is not None and cached.versions == view.versions and cached.end >= target:
                 continue
             try:
-                self._extend_within(view, target, view.min_watermark + self.young_max_seqs)
+                self._extend_within(view, target, bound)
             except _Stale:  # eventual serves the young tier it has (a state the log had) until the reload
                 self._wake.set()
             except Exception as exc:  # noqa: BLE001 - an outage or a dropped index: eventual serves what it has
