@@ -1140,6 +1140,14 @@ def test_a_log_read_below_a_compaction_shows_a_state_the_log_had(make_shoal: Cal
         following.close()
 
 
+def one_key_index(shoal: Shoal, name: str) -> Any:
+    """A 2-d data source `name` keyed by `id` with a flat euclidean index `name.flat`; its producer."""
+    shoal.create_data_source(DataSourceSpec(name, "1", 2, {"id": "int64"}, ["id"]))
+    shoal.create_index(IndexSpec(f"{name}.flat", "1", name, "1", algorithm="flat", metric="euclidean",
+                                 id_attributes=["id"]))
+    return shoal.producer(name, "1")
+
+
 def test_a_searcher_serving_an_older_version_never_shows_a_compacted_tombstone_undone(
     make_shoal: Callable[..., Shoal],
 ) -> None:
@@ -1149,10 +1157,7 @@ def test_a_searcher_serving_an_older_version_never_shows_a_compacted_tombstone_u
     strong and at_least searches scan the log above its version (seq 1) and must still hide key 1: the state at
     seq 3 (or any seq >= 2) holds key 2 alone, never key 1."""
     shoal = make_shoal(tombstone_retention_s=0, gc_grace_s=0)
-    shoal.create_data_source(DataSourceSpec("lag", "1", 2, {"id": "int64"}, ["id"]))
-    shoal.create_index(IndexSpec("lag.flat", "1", "lag", "1", algorithm="flat", metric="euclidean",
-                                 id_attributes=["id"]))
-    producer = shoal.producer("lag", "1")
+    producer = one_key_index(shoal, "lag")
     query = np.zeros((1, 2), dtype=np.float32)
 
     def ids(searcher: Any, **options: Any) -> list[int]:
@@ -1185,10 +1190,7 @@ def test_a_searcher_that_loaded_an_index_before_its_first_build_never_shows_a_co
     entry, past the retention). The searcher's next strong search extends its tail from seq 1 and must not show
     key 1 again."""
     shoal = make_shoal(tombstone_retention_s=0, gc_grace_s=0)
-    shoal.create_data_source(DataSourceSpec("unbuilt", "1", 2, {"id": "int64"}, ["id"]))
-    shoal.create_index(IndexSpec("unbuilt.flat", "1", "unbuilt", "1", algorithm="flat", metric="euclidean",
-                                 id_attributes=["id"]))
-    producer = shoal.producer("unbuilt", "1")
+    producer = one_key_index(shoal, "unbuilt")
     query = np.zeros((1, 2), dtype=np.float32)
     searcher = shoal.searcher(follow=False)
 

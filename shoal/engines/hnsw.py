@@ -31,7 +31,6 @@ from shoal.engines.params import int_param, reject_unknown
 from shoal.errors import Problem, ValidationError
 from shoal.log.validation import MAX_SQ_NORM, vector_problem
 
-MAX_SQ = float(MAX_SQ_NORM)  # a Python float: compared on every single-query search
 DEFAULTS = {"M": 16, "ef_construction": 200, "ef_search": 64}
 _LIMITS = {"M": (2, 512), "ef_construction": (1, 1 << 16), "ef_search": (1, 1 << 16)}
 _SPACES = {Metric.COSINE: "cosine", Metric.DOT_PRODUCT: "ip", Metric.EUCLIDEAN: "l2", Metric.L2_SQUARED: "l2"}
@@ -201,7 +200,7 @@ class HnswEngine(Engine):
             return None
         # One dot product (0.6 us) checks the query: NaN and inf propagate into it, and a vector past MAX_NORM
         # makes it too large (its distances may overflow float32, or cosine normalize it to zeros).
-        if not float(np.vdot(query, query)) <= MAX_SQ:
+        if not float(np.vdot(query, query)) <= MAX_SQ_NORM:
             raise ValidationError(Problem(f"query {vector_problem(query[0], query[0])}", 0, "queryVectors"))
         # `_knn` inlined on purpose: one Python call less on the path every single-query search takes.
         grouped = self._node_of_row is not None

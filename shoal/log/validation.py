@@ -204,7 +204,9 @@ def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
 # there. Past it distances overflow to infinity, rankings come out wrong (cosine normalizes such a vector to
 # zeros) and faiss's k-means aborts the whole process.
 MAX_NORM = math.sqrt(_FLOAT32_MAX) / 2
-MAX_SQ_NORM = np.float32(MAX_NORM * MAX_NORM)
+# A Python float (the value float32 rounds it to): hot paths compare a Python float with it, cheaper than with
+# a NumPy scalar.
+MAX_SQ_NORM = float(np.float32(MAX_NORM * MAX_NORM))
 
 
 def vector_problem(original: Any, row: np.ndarray) -> str | None:

@@ -39,7 +39,6 @@ from shoal.searcher.views import IndexView
 __all__ = ["Hit", "Hits", "Tail", "attributes_of", "build_tails", "execute", "prepare_queries", "split_matcher"]
 
 
-_MAX_SQ = float(MAX_SQ_NORM)  # a Python float: compared on every search
 _F32 = np.dtype(np.float32)
 
 
@@ -57,7 +56,7 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         # The usual call, checked in a few attribute reads and one dot product: a sum of squares within the
         # bound on one vector's means every coordinate is finite (NaN and inf propagate) and every vector within
         # MAX_NORM; any other takes the full check below.
-        if float(np.vdot(queries, queries)) <= _MAX_SQ:
+        if float(np.vdot(queries, queries)) <= MAX_SQ_NORM:
             return queries
     if source.vectors_are_sparse:
         items = list(queries)
