@@ -97,6 +97,37 @@ def _index(s: Session, row: Index, tenant: str) -> IndexRecord:
     return IndexRecord(row.id, tenant, spec, row.data_source_id, row.generation, tuple(_shard(r) for r in shards))
 
 
+
+def insert_index_rows(s: Session, tenant_id: int, source_id: int, spec: IndexSpec, generation: int) -> int | None:
+    """Insert the index row of `spec` and its shards in the caller's transaction; the new index id, or None
+    (nothing written) when a live index of that name and version exists already."""
+    index_id = s.execute(
+        insert(Index)
+        .values(
+            tenant_id=tenant_id,
+            data_source_id=source_id,
+            name=spec.name,
+            version=spec.version,
+            algorithm=spec.algorithm,
+            metric=spec.metric,
+            params=dict(spec.params),
+            id_attributes=list(spec.id_attributes),
+            split_attributes=list(spec.split_attributes),
+            shard_attributes=list(spec.shard_attributes),
+            payload_attributes=list(spec.payload_attributes or ()),
+            shard_count=spec.shard_count,
+            generation=generation,
+        )
+        .on_conflict_do_nothing(
+            index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
+        )
+        .returning(Index.id)
+    ).scalar_one_or_none()
+    if index_id is not None:
+        s.execute(insert(IndexShard), [{"index_id": index_id, "shard_no": n} for n in range(spec.shard_count)])
+    return index_id
+
+
 class IndexCatalog:
     """Index definitions of one tenant, plus the by-id operations the workers use."""
 
@@ -113,30 +144,7 @@ class IndexCatalog:
         """Create the index and its shards; `spec` must already be resolved against `source`. A reindex
         creates later generations (shoal.index.generations)."""
         with Session(self.engine) as s, s.begin():
-            index_id = s.execute(
-                insert(Index)
-                .values(
-                    tenant_id=self.tenant_id,
-                    data_source_id=source.id,
-                    name=spec.name,
-                    version=spec.version,
-                    algorithm=spec.algorithm,
-                    metric=spec.metric,
-                    params=dict(spec.params),
-                    id_attributes=list(spec.id_attributes),
-                    split_attributes=list(spec.split_attributes),
-                    shard_attributes=list(spec.shard_attributes),
-                    payload_attributes=list(spec.payload_attributes or ()),
-                    shard_count=spec.shard_count,
-                    generation=generation,
-                )
-                .on_conflict_do_nothing(
-                    index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
-                )
-                .returning(Index.id)
-            ).scalar_one_or_none()
-            if index_id is not None:
-                s.execute(insert(IndexShard), [{"index_id": index_id, "shard_no": n} for n in range(spec.shard_count)])
+            index_id = insert_index_rows(s, self.tenant_id, source.id, spec, generation)
         record = self.get_index(spec.name, spec.version)
         if index_id is None:
             if not exist_ok:

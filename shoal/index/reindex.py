@@ -28,11 +28,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from sqlalchemy import Engine, func, insert, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog
-from shoal.catalog.models import DataSource, Index, IndexShard, LogSegment, ReindexJob
+from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog, insert_index_rows
+from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
@@ -125,24 +124,10 @@ def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec,
         ))
         generation = int(top or 0) + 1
         spec = dataclasses.replace(resolved, version=hidden_version(version, generation))
-        new_id = s.scalar(
-            pg_insert(Index)
-            .values(
-                tenant_id=indexes.tenant_id, data_source_id=current.source_id, name=spec.name,
-                version=spec.version, algorithm=spec.algorithm, metric=spec.metric, params=dict(spec.params),
-                id_attributes=list(spec.id_attributes), split_attributes=list(spec.split_attributes),
-                shard_attributes=list(spec.shard_attributes), payload_attributes=list(spec.payload_attributes or ()),
-                shard_count=spec.shard_count, generation=generation,
-            )
-            .on_conflict_do_nothing(
-                index_elements=["tenant_id", "name", "version"], index_where=Index.deleted_at.is_(None)
-            )
-            .returning(Index.id)
-        )
+        new_id = insert_index_rows(s, indexes.tenant_id, current.source_id, spec, generation)
         if new_id is None:  # a leftover row holds the name: refuse rather than reuse it
             raise ReindexConflictError(f"index {name!r} version {version!r}: generation {generation} exists "
                                        "already; try again once the sweep removed it")
-        s.execute(insert(IndexShard), [{"index_id": new_id, "shard_no": n} for n in range(spec.shard_count)])
         definition = {"algorithm": spec.algorithm, "metric": spec.metric, "params": dict(spec.params),
                       "generation": generation}
         job_id = s.scalar(insert(ReindexJob).values(
