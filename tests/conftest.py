@@ -192,6 +192,16 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return settings.child_env()
 
 
+def use_settings_env(monkeypatch: pytest.MonkeyPatch, settings: Settings) -> None:
+    """Make this process's environment name `settings` alone (every other SHOAL_ variable removed), as a
+    worker's would: for tasks run in the test's own process."""
+    for key in [k for k in os.environ if k.startswith("SHOAL_")]:
+        monkeypatch.delenv(key)
+    for key, value in settings_env(settings).items():
+        if key.startswith("SHOAL_"):
+            monkeypatch.setenv(key, value)
+
+
 def start_worker(settings: Settings, *extra: str, beat: bool = False, **env: str) -> subprocess.Popen[str]:
     """A real Celery worker process (solo pool: the task runs in the process a test may SIGKILL), in a session
     of its own so that `kill_worker` takes its embedded beat (a child process) down with it."""

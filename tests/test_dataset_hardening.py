@@ -7,6 +7,7 @@ without a document_id or content as the text "".
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,24 +33,16 @@ def _key(settings: Settings, role: str) -> str:
 def open_api(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Api]]:
     """Serve the API for a fresh tenant (local storage; `overrides` for the settings) and connect to its
     `/api/v1` with an admin key of that tenant."""
-    stack: list[Any] = []
+    with contextlib.ExitStack() as stack:
 
-    def start(**overrides: Any) -> Api:
-        settings = make_settings("local", **overrides)
-        server = serve_api(settings)
-        url = server.__enter__()
-        stack.append(server)
-        client = httpx.Client(base_url=f"{url}/api/v1", headers={"Authorization": f"ApiKey {_key(settings, 'admin')}"},
-                              timeout=60)
-        stack.append(client)
-        return client, settings
+        def start(**overrides: Any) -> Api:
+            settings = make_settings("local", **overrides)
+            url = stack.enter_context(serve_api(settings))
+            headers = {"Authorization": f"ApiKey {_key(settings, 'admin')}"}
+            client = stack.enter_context(httpx.Client(base_url=f"{url}/api/v1", headers=headers, timeout=60))
+            return client, settings
 
-    yield start
-    for item in reversed(stack):
-        if isinstance(item, httpx.Client):
-            item.close()
-        else:
-            item.__exit__(None, None, None)
+        yield start
 
 
 def _create(http: httpx.Client, name: str, **extra: Any) -> None:

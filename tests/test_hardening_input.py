@@ -6,6 +6,7 @@ Each test keeps the shape of the issue's repro: the same bodies, sent over real 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import socket
@@ -129,24 +130,16 @@ class Api:
 @pytest.fixture
 def serve(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Api]]:
     """Serve the API for a fresh anonymous tenant with some settings changed; the Api over it."""
-    stack: list[Any] = []
+    with contextlib.ExitStack() as stack:
 
-    def start(**overrides: Any) -> Api:
-        settings = make_settings("local")
-        settings = settings.model_copy(update={"anonymous_tenant": settings.tenant, **overrides})
-        context = serve_api(settings)
-        url = context.__enter__()
-        stack.append(context)
-        api = Api(url, settings)
-        stack.append(api.http)
-        return api
+        def start(**overrides: Any) -> Api:
+            settings = make_settings("local")
+            settings = settings.model_copy(update={"anonymous_tenant": settings.tenant, **overrides})
+            api = Api(stack.enter_context(serve_api(settings)), settings)
+            stack.callback(api.http.close)
+            return api
 
-    yield start
-    for item in reversed(stack):
-        if isinstance(item, httpx.Client):
-            item.close()
-        else:
-            item.__exit__(None, None, None)
+        yield start
 
 
 def _declared_only(url: str, path: str, length: int) -> tuple[int, str]:

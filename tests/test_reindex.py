@@ -218,10 +218,9 @@ def test_a_reindex_task_run_is_one_bounded_step_while_the_new_generation_lags(  
     visibility timeout, which would redeliver the task while it runs): while the generation lags (here: another
     worker holds its shard's lease, so it cannot be built), each run records progress, queues the shard's
     materialization and its own continuation, and returns within seconds; a later run swaps it in."""
-    import os
     import time
 
-    from conftest import settings_env
+    from conftest import use_settings_env
 
     from shoal.catalog.indexes import ShardCatalog
     from shoal.workers import tasks
@@ -229,11 +228,7 @@ def test_a_reindex_task_run_is_one_bounded_step_while_the_new_generation_lags(  
     from shoal.workers.names import MATERIALIZE_SHARD, REINDEX
 
     settings = make_settings("local", redis_url=redis_url)
-    for key in [k for k in os.environ if k.startswith("SHOAL_")]:
-        monkeypatch.delenv(key)
-    for key, value in settings_env(settings).items():
-        if key.startswith("SHOAL_"):
-            monkeypatch.setenv(key, value)
+    use_settings_env(monkeypatch, settings)
     queued: list[tuple[str, int, float | None]] = []
 
     def record(client, celery, task, item_id, pending_ttl_s=120.0, countdown=None) -> bool:  # type: ignore[no-untyped-def]

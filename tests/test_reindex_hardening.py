@@ -4,7 +4,6 @@ however many calls race; a build of a dropped shard ends instead of retrying; ba
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -197,17 +196,13 @@ def test_building_a_shard_of_a_dropped_index_ends_instead_of_retrying(  # type: 
 ) -> None:
     """A materialization queued before its index was dropped finds no shard: NotFoundError, which the task
     answers as "nothing to do" (a LeaseBusyError, as before, made it retry for minutes), as a merge does."""
-    from conftest import settings_env
+    from conftest import use_settings_env
 
     from shoal.workers import tasks
     from shoal.workers.base import ShoalTask
 
     settings = make_settings("local", redis_url=redis_url)
-    for key in [k for k in os.environ if k.startswith("SHOAL_")]:
-        monkeypatch.delenv(key)
-    for key, value in settings_env(settings).items():
-        if key.startswith("SHOAL_"):
-            monkeypatch.setenv(key, value)
+    use_settings_env(monkeypatch, settings)
     ShoalTask.reset_context()
     try:
         with Shoal(settings, notify=False) as shoal:

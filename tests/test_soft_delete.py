@@ -6,6 +6,7 @@ moving `purge_after` into the past in the catalog (or by a zero retention)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import serve_api, settings_env, start_worker, stop_process, wait_for
+from conftest import serve_api, settings_env, start_worker, stop_process, use_settings_env, wait_for
 from sqlalchemy import func, update
 from sqlalchemy import select as sql_select
 from sqlalchemy.orm import Session
@@ -41,26 +42,18 @@ API = "/api/v1"
 def served(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., tuple[httpx.Client, Settings]]]:
     """Serve the API for fresh tenants (anonymous too), each client with its tenant's admin key (deletes need a
     key, hard deletes and purges an admin one); every tenant shares one storage root."""
-    stack: list[Any] = []
+    with contextlib.ExitStack() as stack:
 
-    def start(**overrides: Any) -> tuple[httpx.Client, Settings]:
-        settings = make_settings("local", **overrides)
-        settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
-        ctx = serve_api(settings)
-        url = ctx.__enter__()
-        stack.append(ctx)
-        with Shoal(settings, notify=False) as shoal:
-            key = create_key(shoal.engine, settings.tenant, "admin")[1]
-        client = httpx.Client(base_url=url + API, headers={"Authorization": f"ApiKey {key}"}, timeout=30)
-        stack.append(client)
-        return client, settings
+        def start(**overrides: Any) -> tuple[httpx.Client, Settings]:
+            settings = make_settings("local", **overrides)
+            settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+            url = stack.enter_context(serve_api(settings))
+            with Shoal(settings, notify=False) as shoal:
+                key = create_key(shoal.engine, settings.tenant, "admin")[1]
+            headers = {"Authorization": f"ApiKey {key}"}
+            return stack.enter_context(httpx.Client(base_url=url + API, headers=headers, timeout=30)), settings
 
-    yield start
-    for item in reversed(stack):
-        if isinstance(item, httpx.Client):
-            item.close()
-        else:
-            item.__exit__(None, None, None)
+        yield start
 
 
 def create(http: httpx.Client, name: str, dimensions: int = 2, **extra: Any) -> dict[str, Any]:
@@ -170,11 +163,7 @@ def purge_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Settings], 
     """Give this process a worker's environment for `settings`, so task functions run here directly."""
 
     def use(settings: Settings) -> None:
-        for key in [k for k in os.environ if k.startswith("SHOAL_")]:
-            monkeypatch.delenv(key)
-        for key, value in settings_env(settings).items():
-            if key.startswith("SHOAL_"):
-                monkeypatch.setenv(key, value)
+        use_settings_env(monkeypatch, settings)
         ShoalTask.reset_context()
 
     yield use
