@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shoal.errors import ValidationError
@@ -24,10 +24,16 @@ def check_seq(value: Any, what: str) -> int:
 class Consistency:
     """`eventual`: what the searcher serves now; `at_least`: every write up to `seq`; `strong`: every write
     committed before the search started. An unknown level, or a seq that is not a whole non-negative integer (or
-    one given with another level than at_least), raises ValidationError."""
+    one given with another level than at_least), raises ValidationError.
+
+    `data_source` and `data_source_version` name the data source whose log `seq` counts, when the seq came from a
+    WriteToken that names it (empty for a bare seq): a search of an index over another data source is refused,
+    since seqs of different logs are unrelated. They do not take part in equality, as in WriteToken."""
 
     level: Literal["eventual", "at_least", "strong"] = "eventual"
     seq: int = 0
+    data_source: str = field(default="", compare=False)
+    data_source_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         # Checked here, not at search time: an unknown level would otherwise run as strong (the search's
@@ -38,6 +44,11 @@ class Consistency:
         if seq and self.level != "at_least":
             raise ValidationError(f"consistency {self.level} takes no seq (got {seq}): use Consistency.at_least")
         object.__setattr__(self, "seq", seq)
+        if not isinstance(self.data_source, str) or not isinstance(self.data_source_version, str):
+            raise ValidationError(f"consistency data source must be a name and a version, got "
+                                  f"{self.data_source!r:.100} {self.data_source_version!r:.100}")
+        if self.data_source and self.level != "at_least":
+            raise ValidationError(f"consistency {self.level} takes no write token: use Consistency.at_least")
 
     @classmethod
     def eventual(cls) -> Consistency:
@@ -47,9 +58,13 @@ class Consistency:
     @classmethod
     def at_least(cls, token: WriteToken | int) -> Consistency:
         """Reflect every write up to the token (read-your-writes across processes); a token that is neither a
-        WriteToken nor a whole seq (1.9, None, "5", True) raises ValidationError rather than being rounded."""
-        return cls("at_least", check_seq(token.seq if isinstance(token, WriteToken) else token,
-                                         "consistency at_least token"))
+        WriteToken nor a whole seq (1.9, None, "5", True) raises ValidationError rather than being rounded. A
+        WriteToken naming its data source (as uploads return them) is good only for indexes over that data
+        source: a search of another raises QueryError (a bare seq is taken as the searched data source's)."""
+        if isinstance(token, WriteToken):
+            return cls("at_least", check_seq(token.seq, "consistency at_least token"),
+                       token.data_source or "", token.version or "")
+        return cls("at_least", check_seq(token, "consistency at_least token"))
 
     @classmethod
     def strong(cls) -> Consistency:

@@ -59,36 +59,7 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         if float(np.vdot(queries, queries)) <= MAX_SQ_NORM:
             return queries
     if source.vectors_are_sparse:
-        items = list(queries)
-        if not items:
-            raise ValidationError(Problem("at least one query vector is required", attribute="queryVectors"))
-        if not all(isinstance(q, SparseVector) for q in items):
-            raise ValidationError(
-                Problem("the index holds sparse vectors: query with sparse vectors", attribute="queryVectors")
-            )
-        for i, q in enumerate(items):
-            given_idx, wrong = number_array(q.indices, "sparse indices")
-            given_val, wrong_val = number_array(q.values, "sparse values")
-            if given_idx is not None and given_idx.size and given_idx.dtype.kind not in "iu":
-                # Python integers past 64 bits make an object array: out of every index range.
-                huge = given_idx.dtype.kind == "O" and all(type(v) is int for v in given_idx.reshape(-1))
-                wrong = (f"sparse index out of range 0..{source.vector_dimension - 1}" if huge
-                         else "sparse indices must be integers")  # 5.9 was searched as index 5
-                if huge:
-                    raise ValidationError(Problem(wrong, i, "queryVectors"))
-            if wrong or wrong_val:
-                raise ValidationError(Problem(f"query {wrong or wrong_val}", i, "queryVectors"))
-            assert given_idx is not None
-            if given_idx.size and (given_idx.min() < 0 or given_idx.max() >= source.vector_dimension):
-                raise ValidationError(
-                    Problem(f"sparse index out of range 0..{source.vector_dimension - 1}", i, "queryVectors")
-                )
-            idx = given_idx.astype(np.int64)
-            if np.unique(idx).size != idx.size:
-                raise ValidationError(Problem("sparse query vector repeats an index", i, "queryVectors"))
-        return SparseRows.from_lists(
-            [list(q.indices) for q in items], [list(q.values) for q in items], source.vector_dimension
-        )
+        return _sparse_queries(source, list(queries))
     given: Any = queries
     if not isinstance(queries, np.ndarray):
         given = items = list(queries)
@@ -103,7 +74,9 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
     arr = numbers_to_float32(numbers)  # an integer past float64's range: infinite, named below
     if arr.ndim == 1 and arr.size:
         arr, given = arr[None, :], [given]
-    if arr.size == 0 or arr.ndim == 0 or arr.shape[0] == 0:
+    # No vector at all ([], an array of no rows) is refused as such; a vector of no coordinates ([[]]) by its
+    # dimension, below: it was given, only empty.
+    if arr.ndim == 0 or arr.shape[0] == 0:
         raise ValidationError(Problem("at least one query vector is required", attribute="queryVectors"))
     if arr.ndim != 2:
         raise ValidationError(Problem(f"query vectors must be one vector or a list of vectors, got an array of "
@@ -121,6 +94,58 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         i = int(unfit[0])
         raise ValidationError(Problem(f"query {vector_problem(given[i], arr[i])}", i, "queryVectors"))
     return arr
+
+
+def _sparse_queries(source: DataSourceSpec, items: list[Any]) -> SparseRows:
+    """Sparse query vectors checked as an upload's sparse vectors are (validation._check_sparse): indices and
+    values two one-dimensional lists of one length, unique integer indices within the dimension, finite float32
+    values and a norm of at most MAX_NORM; else ValidationError naming queryVectors and the query's position."""
+    if not items:
+        raise ValidationError(Problem("at least one query vector is required", attribute="queryVectors"))
+    if not all(isinstance(q, SparseVector) for q in items):
+        raise ValidationError(
+            Problem("the index holds sparse vectors: query with sparse vectors", attribute="queryVectors")
+        )
+    dim = source.vector_dimension
+    all_idx: list[np.ndarray] = []
+    all_val: list[np.ndarray] = []
+    for i, q in enumerate(items):
+        given_idx, wrong = number_array(q.indices, "sparse indices")
+        given_val, wrong_val = number_array(q.values, "sparse values")
+        if given_idx is None or given_val is None:
+            raise ValidationError(Problem(f"query {wrong or wrong_val}", i, "queryVectors"))
+        if given_idx.ndim != 1 or given_val.ndim != 1 or given_idx.shape != given_val.shape:
+            raise ValidationError(Problem("sparse query vector needs its indices and values as two lists of one "
+                                          "length", i, "queryVectors"))
+        # Integers only: a float index (5.9 was searched as index 5) or a bool is refused, never truncated into
+        # another dimension. An object array holds Python integers, some past 64 bits: out of every range.
+        kind = given_idx.dtype.kind
+        if given_idx.size and (kind not in "iuO" or kind == "O" and not all(
+                isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in given_idx)):
+            raise ValidationError(Problem("query sparse indices must be integers", i, "queryVectors"))
+        idx: np.ndarray | None
+        try:
+            idx = given_idx.astype(np.int64) if kind != "u" else given_idx
+        except OverflowError:
+            idx = None
+        if idx is None or idx.size and (idx.min() < 0 or idx.max() >= dim):
+            raise ValidationError(Problem(f"sparse index out of range 0..{dim - 1}", i, "queryVectors"))
+        idx = idx.astype(np.int64)
+        if np.unique(idx).size != idx.size:
+            raise ValidationError(Problem("sparse query vector repeats an index", i, "queryVectors"))
+        val = numbers_to_float32(given_val)  # past float32's range (even float64's): inf, named just below
+        wrong = vector_problem(given_val, val)  # as a dense query's: finite, norm at most MAX_NORM
+        if wrong is not None:
+            raise ValidationError(Problem(f"query {wrong}", i, "queryVectors"))
+        all_idx.append(idx)
+        all_val.append(val)
+    # The rows from the checked arrays (not the caller's lists again), sorted within each row.
+    lengths = np.array([len(idx) for idx in all_idx], dtype=np.int64)
+    indptr = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    flat_idx, flat_val = np.concatenate(all_idx), np.concatenate(all_val)
+    order = np.lexsort((flat_idx, np.repeat(np.arange(len(items)), lengths)))
+    return SparseRows(indptr, flat_idx[order], flat_val[order], dim)
 
 
 def split_matcher(

@@ -158,6 +158,19 @@ def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int,
             f"{max_hits:,} a search may (SHOAL_MAX_SEARCH_HITS): ask for a smaller k or fewer query vectors")
 
 
+def _check_token_source(view: IndexView, consistency: Consistency) -> None:
+    """Refuse (QueryError) an at_least token of another data source than the one `view` indexes: seqs count
+    one data source's log, so another's token asks for an unrelated point of this log."""
+    spec = view.source.spec
+    if consistency.data_source != spec.name or (
+        consistency.data_source_version and consistency.data_source_version != spec.version
+    ):
+        raise QueryError(
+            f"write token of data source {consistency.data_source}/{consistency.data_source_version} given to a "
+            f"search of index {view.index.spec.name}/{view.index.spec.version}, over data source "
+            f"{spec.name}/{spec.version}: a write token counts only its own data source's writes")
+
+
 def _stored_only(view: IndexView, flt: Filter) -> Filter:
     """`flt`, unless it tests an attribute the index's segments do not keep per row (ValidationError)."""
     stored = set(view.index.spec.stored_attributes())
@@ -311,6 +324,8 @@ class SearchService:
     ) -> list[Hits]:
         """`search` over one served view; _SourceGone when a head read finds its data source gone."""
         self._used[key] = time.monotonic()
+        if consistency is not None and consistency.data_source:
+            _check_token_source(view, consistency)
         served = view
         if shards is not None or view.partial:
             view = self._part(view, scope.tenant, shards)
@@ -327,6 +342,10 @@ class SearchService:
                     self._check_token(view.source.id, required)
                 except NotFoundError:
                     raise _SourceGone from None
+            # At least the highest shard watermark, as the young tier reaches (see _load): below it, shards built
+            # further than the others would show writes of a batch the others do not (a state the log never
+            # had). Every shard then answers at one seq, the token's or later.
+            required = max(required, max((s.watermark for s in served.shards), default=0))
         else:
             read = self._head_read(view.source.id)
             if read is None:
