@@ -12,6 +12,9 @@ dependency resolution and five middleware layers cost more than the search itsel
 Every request body, on every route, is read here first within SHOAL_MAX_BODY_BYTES: a Content-Length above it
 is answered 413 before a byte is read, and a streamed body is cut off (413) as soon as it passes the limit. No
 route ever parses more than that: parsing is what costs, so a limit checked after it would protect nothing.
+Before a body of the API's routes (/api/) is read, what its headers alone tell is answered: 401 for a missing
+key (without an anonymous tenant), a malformed header or a key rejected moments ago, 429 for an address over
+its failure limit (shoal.auth.keys.screen), so a caller that will be refused never has its body buffered.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from fastapi import FastAPI
 from starlette.routing import Match
 
 from shoal.api.datasets import router as dataset_router
-from shoal.api.errors import core_error, dataset_error, vektonn_error, vektonn_response
-from shoal.api.security import context_from_cache
+from shoal.api.errors import answer, core_error, dataset_error, extra_headers, vektonn_error, vektonn_response
+from shoal.api.security import context_from_cache, screen_request
 from shoal.api.vektonn import JSON, fanned_out, plain_search, search_content
 from shoal.auth import Role
-from shoal.errors import ShoalError
+from shoal.errors import AuthenticationError, RateLimitedError, ShoalError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,6 +40,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 PREFIX = "/api/v1/search/"
+API_PREFIX = "/api/"  # every route under it authenticates its caller
 JSON_BYTES = JSON.encode()
 WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of",
           b"x-shoal-shards", b"x-shoal-allow-partial", b"content-length"}
@@ -61,6 +65,8 @@ class FastSearchAPI(FastAPI):
         limit = self.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._too_large(scope, send, f"the request body ({declared} bytes) is larger than")
+            return
+        if path.startswith(API_PREFIX) and await self._refused(scope, send, headers):
             return
         body = await _read_body(receive, limit)
         if body is None:
@@ -137,6 +143,24 @@ class FastSearchAPI(FastAPI):
                 response = vektonn_response(core)
         await response(scope, _nothing, send)
         return True
+
+    async def _refused(self, scope: Scope, send: Send, headers: dict[str, str]) -> bool:
+        """Answer 401 or 429 before the body is read when the headers alone tell the request will be refused
+        (security.screen_request: no I/O), in the error shape of the route asked for; False otherwise."""
+        tenants = getattr(self.state, "tenants", None)
+        if tenants is None:
+            return False
+        try:
+            screen_request(tenants, scope, headers.get("authorization"))
+        except (AuthenticationError, RateLimitedError) as exc:
+            known = answer(exc)  # 401 UNAUTHORIZED or 429 TOO_MANY_REQUESTS, as the routes answer them
+            if self._dataset_route(scope) and known.code is not None:
+                response: Any = dataset_error(known.status, known.code.value, str(exc), {}, extra_headers(exc))
+            else:
+                response = vektonn_response(exc)
+            await response(scope, _nothing, send)
+            return True
+        return False
 
     async def _too_large(self, scope: Scope, send: Send, what: str) -> None:
         """Answer 413 naming the limit and its setting, in the error shape of the route asked for. The body

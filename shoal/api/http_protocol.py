@@ -30,6 +30,9 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
+# The scope key holding the connection's own peer (host, port), which uvicorn's proxy middleware leaves alone
+# while it rewrites "client" from X-Forwarded-For (shoal.api.security.peer_address).
+PEER = "shoal.peer"
 # The requests answered on the spot: the search route's prefix, bodies up to this size.
 SEARCH_PREFIX = b"/api/v1/search/"
 FAST_BODY_BYTES = 1 << 20
@@ -152,6 +155,12 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self.transport = CoalescingTransport(transport, self.loop)
         if self.access_log:  # each request's cycle takes the protocol's logger
             self.access_logger = AfterSendAccessLog(self.access_logger, self.transport)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # Kept apart from "client": failed authentications count against the peer, and X-Forwarded-For, which
+        # any loopback peer may send, must not choose the address counted.
+        self.scope[PEER] = self.client  # type: ignore[typeddict-unknown-key]
 
     # -- requests answered on the spot ----------------------------------------------------------------------
 

@@ -15,13 +15,17 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
+from shoal.api.http_protocol import PEER
 from shoal.api.metrics import MetricsView
 from shoal.api.state import TenantHandle, Tenants
 from shoal.auth import Principal, Role, authenticate, cached_principal, require, require_key
+from shoal.auth.keys import screen
 from shoal.config.settings import Settings
 from shoal.errors import AuthenticationError, ConfigurationError, PermissionDeniedError
 
@@ -41,9 +45,18 @@ def _tenant_context(tenants: Tenants, principal: Principal, need: Role) -> Tenan
     return TenantContext(principal.tenant_name, principal.role, tenants.get(principal.tenant_name), principal)
 
 
+def peer_address(scope: Mapping[str, Any]) -> str:
+    """The address failed authentications are counted against: the connection's peer (a proxy in front counts as
+    one), as Shoal's HTTP protocol records it. Never the ASGI `client`, which uvicorn's proxy middleware rewrites
+    from X-Forwarded-For for any loopback peer: a header must not choose the address that is counted. Under
+    another server, which records no peer, the ASGI `client`."""
+    peer = scope[PEER] if PEER in scope else scope.get("client")
+    return str(peer[0]) if peer else "unknown"
+
+
 def client_address(request: Request) -> str:
-    """The address failed authentications are counted against (the peer: a proxy in front counts as one)."""
-    return request.client.host if request.client is not None else "unknown"
+    """The address failed authentications of `request` are counted against (`peer_address`)."""
+    return peer_address(request.scope)
 
 
 def _principal(request: Request) -> Principal:
@@ -72,6 +85,14 @@ def context_from_cache(tenants: Tenants, authorization: str | None, need: Role) 
     if principal is None or not tenants.has(principal.tenant_name):
         return None
     return _tenant_context(tenants, principal, need)
+
+
+def screen_request(tenants: Tenants, scope: Mapping[str, Any], authorization: str | None) -> None:
+    """Raise the AuthenticationError (401) or RateLimitedError (429) the routes would answer a request with, when
+    its headers alone tell (shoal.auth.keys.screen: no KDF, no catalog), so it is refused before its body is
+    read; return when the routes must authenticate it."""
+    screen(tenants.engine, authorization, tenants.anonymous_tenant, client=peer_address(scope),
+           limiter=tenants.limiter)
 
 
 def reader_tenant(request: Request) -> TenantContext:
@@ -118,10 +139,12 @@ def metrics_view(request: Request) -> MetricsView:
     header = (request.headers.get("Authorization") or "").strip()
     scheme, _, presented = header.partition(" ")
     if token and scheme.lower() == "bearer":
-        address = client_address(request)
-        tenants.limiter.check(address)
+        # Compared first: it costs nothing, so the right token works from an address over its limit (a scraper
+        # behind the proxy others fail through); only a wrong one is limited and counted.
         if hmac.compare_digest(presented.strip().encode(), token.encode()):
             return MetricsView(every_tenant=True)
+        address = client_address(request)
+        tenants.limiter.check(address)
         tenants.limiter.failed(address)
         raise AuthenticationError("invalid metrics token")
     principal = _principal(request)

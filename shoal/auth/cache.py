@@ -3,7 +3,9 @@ ones, so a key that failed is answered 401 again without hashing it for a short 
 
 Revocation is therefore seen by other processes within the TTL (30 s by default); the process that revokes
 a key evicts it at once. Entries are keyed by a SHA-256 digest of the presented key, never the key itself.
-Both tables are bounded (a flood of distinct keys evicts the oldest entries, never grows memory).
+When each key was last verified is kept past its verdict (`verified_within`), so a key that worked is not
+refused by the failure limiter (shoal.auth.limits) when its verdict expires and it is verified again.
+Every table is bounded (a flood of distinct keys evicts the oldest entries, never grows memory).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class VerifiedKeys:
         self._keys: dict[str, CachedKey] = {}
         self._failures: dict[str, tuple[str, float]] = {}  # digest -> (the 401's message, expires at)
         self._anonymous: dict[str, tuple[int, float]] = {}
+        self._verified: dict[str, float] = {}  # digest -> when last verified, oldest first (outlives the verdict)
         self._lock = threading.Lock()
 
     def get(self, key_digest: str) -> CachedKey | None:
@@ -72,16 +75,28 @@ class VerifiedKeys:
             return entry
 
     def put(self, key_digest: str, principal: Principal, row_id: int, touched: bool) -> None:
-        """Remember a verified key for the TTL; `touched` says whether last_used_at was just written."""
-        if self.ttl_s <= 0:
-            return
+        """Remember a verified key for the TTL (and that it was verified now, for `verified_within`); `touched`
+        says whether last_used_at was just written."""
         now = self.clock()
         with self._lock:
+            self._verified.pop(key_digest, None)  # re-inserted last: the dict stays ordered by time
+            while len(self._verified) >= self.max_entries:
+                del self._verified[next(iter(self._verified))]
+            self._verified[key_digest] = now
+            if self.ttl_s <= 0:
+                return
             if len(self._keys) >= self.max_entries:
                 self._prune(now)
             self._keys[key_digest] = CachedKey(
                 principal, row_id, now + self.ttl_s, now if touched else now - TOUCH_INTERVAL_S
             )
+
+    def verified_within(self, key_digest: str, seconds: float) -> bool:
+        """True when the key was verified less than `seconds` ago and has not failed since (its verdict may have
+        expired meanwhile)."""
+        with self._lock:
+            at = self._verified.get(key_digest)
+            return at is not None and self.clock() - at < seconds
 
     def failure(self, key_digest: str) -> str | None:
         """The message a key was recently rejected with, or None when it was not (or the verdict expired)."""
@@ -95,11 +110,13 @@ class VerifiedKeys:
             return found[0]
 
     def put_failure(self, key_digest: str, message: str, ttl_s: float = FAILURE_TTL_S) -> None:
-        """Remember for `ttl_s` that a key was rejected with `message` (bounded: the oldest go first)."""
-        if ttl_s <= 0:
-            return
+        """Remember for `ttl_s` that a key was rejected with `message` (bounded: the oldest go first). The key
+        no longer counts as verified recently (`verified_within`): revoked, it is limited like any other."""
         now = self.clock()
         with self._lock:
+            self._verified.pop(key_digest, None)
+            if ttl_s <= 0:
+                return
             if key_digest not in self._failures and len(self._failures) >= MAX_FAILURES:
                 for k in [k for k, (_, until) in self._failures.items() if until <= now]:
                     del self._failures[k]
@@ -139,6 +156,7 @@ class VerifiedKeys:
             self._keys.clear()
             self._failures.clear()
             self._anonymous.clear()
+            self._verified.clear()
 
     def _prune(self, now: float) -> None:
         for k in [k for k, e in self._keys.items() if e.expires_at <= now]:

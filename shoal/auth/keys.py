@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from shoal.auth.cache import FAILURE_TTL_S, TOUCH_INTERVAL_S, CachedKey, VerifiedKeys, cache_for, digest
 from shoal.auth.hashing import (
+    KEY_ID_HEX_DIGITS,
     dummy_hash,
     format_key,
     hash_secret,
@@ -31,12 +32,14 @@ from shoal.auth.limits import FailureLimiter
 from shoal.auth.principal import Principal, Role
 from shoal.catalog.models import ApiKey, Tenant
 from shoal.errors import AlreadyExistsError, AuthenticationError, NotFoundError, ValidationError
-from shoal.log.records import check_tenant_name
+from shoal.log.records import check_tenant_name, storable_text
 
 log = logging.getLogger(__name__)
 
 AUTH_SCHEME = "apikey"
 SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9-]{0,19}")
+KEY_ID_RE = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_DIGITS}}}")
+MISSING_KEY = "missing API key: send the header 'Authorization: ApiKey <key>'"
 MAX_KEY_NAME = 200
 # The default role of the anonymous tenant: Vektonn clients send no key, and they upload as well as search.
 # Whatever its role, an anonymous caller never deletes (shoal.auth.principal.require_key).
@@ -125,11 +128,19 @@ def list_tenants(engine: Engine) -> list[TenantRecord]:
 def create_key(engine: Engine, tenant: str, role: str | Role, name: str = "") -> tuple[KeyRecord, str]:
     """Create a key of `tenant` with `role`; return its record and the plaintext key, which exists only here.
 
-    NotFoundError if the tenant does not exist; ValidationError for an unknown role or a name over 200 chars.
+    NotFoundError if the tenant does not exist; ValidationError for an unknown role, or a name over 200 chars or
+    that the catalog cannot store (a NUL, or a lone surrogate: a byte of a latin-1 terminal that is not UTF-8).
     """
     parsed_role = Role.parse(role)
+    if not isinstance(name, str):
+        raise ValidationError(f"key name must be a string, got {type(name).__name__}")
     if len(name) > MAX_KEY_NAME:
         raise ValidationError(f"key name is {len(name)} characters long; at most {MAX_KEY_NAME} are allowed")
+    if not storable_text(name):
+        raise ValidationError(
+            f"key name must be valid Unicode without NUL characters (Postgres stores neither a lone surrogate nor "
+            f"NUL), got {name!r}"
+        )
     secret = new_secret()
     secret_hash = hash_secret(secret)  # before the transaction: the KDF must not hold a connection
     for attempt in range(3):
@@ -169,8 +180,12 @@ def revoke_key(engine: Engine, key_id: str, *, tenant: str | None = None) -> Key
     """Revoke `key_id` (idempotent: a revoked key keeps its first revocation time) and return its record.
 
     With `tenant`, only a key of that tenant is found (what a tenant-scoped route must pass). NotFoundError
-    for an unknown key. This process forgets the key at once; others within the verified-key cache's TTL.
+    for an unknown key, and for an id no key can have (not 12 lower-case hex digits). This process forgets the
+    key at once; others within the verified-key cache's TTL.
     """
+    if not isinstance(key_id, str) or not KEY_ID_RE.fullmatch(key_id):
+        # No key has such an id; asked of the catalog, a NUL or a lone surrogate would fail as a driver error.
+        raise NotFoundError(f"API key {key_id!r} not found: key ids are {KEY_ID_HEX_DIGITS} lower-case hex digits")
     with Session(engine) as s, s.begin():
         q = _key_and_tenant(key_id)
         if tenant is not None:
@@ -209,22 +224,17 @@ def authenticate(
 
     A rejected key is remembered for `failure_ttl_s`, and answered again without the KDF. With a `limiter`,
     every rejection counts against the `client` address, and an address over its limit gets RateLimitedError
-    for any key not verified already (a cached good key costs nothing, so it still passes).
+    for any key not verified already: a cached good key costs nothing, so it still passes, and so does a key
+    verified within the limiter's window before its verdict expired (a key the address used successfully keeps
+    working for the rest of the window: `_check_limit`).
     """
     cache = cache if cache is not None else cache_for(engine)
     if header_value is None or not header_value.strip():
         if anonymous_tenant is None:
-            raise AuthenticationError("missing API key: send the header 'Authorization: ApiKey <key>'")
+            raise AuthenticationError(MISSING_KEY)
         return _anonymous(engine, anonymous_tenant, Role.parse(anonymous_role), cache)
     address = client or "unknown"
-    try:
-        presented = _presented_key(header_value)
-    except AuthenticationError:
-        if limiter is not None:
-            limiter.check(address)
-            limiter.failed(address)
-        raise
-
+    presented = _presented_counted(header_value, limiter, address)
     key_digest = digest(presented)
     entry = _cached(cache, key_digest, presented)
     if entry is not None:
@@ -233,13 +243,66 @@ def authenticate(
         return entry.principal
 
     if limiter is not None:
-        limiter.check(address)  # before anything that costs: the KDF, a catalog query
+        _check_limit(cache, limiter, key_digest, address)  # before anything that costs: the KDF, a catalog query
     try:
         return _verify(engine, cache, presented, key_digest, failure_ttl_s)
     except AuthenticationError:
         if limiter is not None:
             limiter.failed(address)
         raise
+
+
+def screen(
+    engine: Engine,
+    header_value: str | None,
+    anonymous_tenant: str | None = None,
+    *,
+    cache: VerifiedKeys | None = None,
+    client: str | None = None,
+    limiter: FailureLimiter | None = None,
+) -> None:
+    """Raise what `authenticate` would raise for this header when that is known without any I/O (no KDF, no
+    catalog): AuthenticationError for a missing key without an anonymous tenant, a malformed header or a key
+    rejected moments ago; RateLimitedError for an address over its limit presenting a key not verified
+    recently. Counts the failure as `authenticate` would, so a caller answers the error instead of calling it.
+    Returns when `authenticate` must decide (it may still refuse), e.g. before a request's body is read."""
+    cache = cache if cache is not None else cache_for(engine)
+    if header_value is None or not header_value.strip():
+        if anonymous_tenant is None:
+            raise AuthenticationError(MISSING_KEY)
+        return
+    address = client or "unknown"
+    presented = _presented_counted(header_value, limiter, address)
+    key_digest = digest(presented)
+    if _cached(cache, key_digest, presented) is not None:
+        return
+    if limiter is not None:
+        _check_limit(cache, limiter, key_digest, address)
+    failed = cache.failure(key_digest)
+    if failed is not None:
+        if limiter is not None:
+            limiter.failed(address)
+        raise AuthenticationError(failed)
+
+
+def _presented_counted(header_value: str, limiter: FailureLimiter | None, address: str) -> str:
+    """The key a header presents; a malformed header is a failed authentication of `address` (429 when over)."""
+    try:
+        return _presented_key(header_value)
+    except AuthenticationError:
+        if limiter is not None:
+            limiter.check(address)
+            limiter.failed(address)
+        raise
+
+
+def _check_limit(cache: VerifiedKeys, limiter: FailureLimiter, key_digest: str, address: str) -> None:
+    """RateLimitedError when `address` is over its limit, unless the key was verified within the limiter's window
+    plus the cache's TTL: its verdict expired only because the TTL is shorter than the window, and a key an
+    address used successfully keeps working (else 20 bogus keys from behind a shared proxy lock out everyone's
+    keys once their verdicts expire). A key that fails verification loses that standing (put_failure)."""
+    if not cache.verified_within(key_digest, cache.ttl_s + limiter.window_s):
+        limiter.check(address)
 
 
 def _cached(cache: VerifiedKeys, key_digest: str, presented: str) -> CachedKey | None:

@@ -2,8 +2,10 @@
 
 Each address gets a fixed window (`window_s`) from its first failure; once it has failed `limit` times in the
 window, every authentication from it that would have to hash or query answers 429 until the window ends.
-A key already verified (cached) still works from that address: it costs nothing, so refusing it protects
-nothing. The table is bounded: an attacker spraying addresses evicts the oldest windows first.
+A key already verified still works from that address, cached (it costs nothing, so refusing it protects nothing)
+or verified within the window before its verdict expired (shoal.auth.keys._check_limit). The table is bounded: an
+attacker spraying addresses evicts the oldest windows first. Counts are per process: under `shoal api --workers
+N` an address may fail up to N times the limit before every process refuses it.
 """
 
 from __future__ import annotations
