@@ -71,6 +71,18 @@ class BatchTooLargeError(ValidationError):
     """A batch holds more points than the configured maximum."""
 
 
+class BatchIdReusedError(ValidationError):
+    """A batch id that already committed (or is committing in the same group commit) came with another batch:
+    only a repeat of the same batch may reuse its id. Nothing of this batch was written; `batch_id` names the id.
+    Not a ConflictError: a retry of the same request can only be refused again."""
+
+    def __init__(self, batch_id: str, token: int) -> None:
+        super().__init__(Problem(
+            f"batch id {batch_id!r} was already used for another batch (write token {token}): a repeat must carry "
+            f"the same batch to get that token back; a new batch needs a new batch id", attribute="batch_id"))
+        self.batch_id = batch_id
+
+
 class NotFoundError(ShoalError):
     """The named tenant or data source does not exist."""
 

@@ -80,7 +80,8 @@ def test_repeated_batch_id_returns_the_original_token_and_writes_nothing(shoal: 
     assert len(shoal.log_segments(SPEC.name, SPEC.version)) == 2
     # Another process (another Shoal) sees the same batch id as committed.
     with Shoal(shoal.settings) as other:
-        assert other.producer(SPEC.name, SPEC.version).upload([point(0, 0, "a", 1.0)], batch_id="upstream-17") == first
+        repeat = [point(0, 0, "a", 1.0), point(0, 1, "b", 1.0)]
+        assert other.producer(SPEC.name, SPEC.version).upload(repeat, batch_id="upstream-17") == first
 
 
 def test_concurrent_uploads_share_segments_and_get_dense_tokens(shoal: Shoal) -> None:

@@ -124,6 +124,10 @@ class ProducerBatch(Base):
         UUID(as_uuid=True), ForeignKey("log_segments.id", ondelete="CASCADE"), index=True
     )
     committed_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+    # The batch's content hash (shoal.log.writer.batch_fingerprint): a repeat must match it, another batch under
+    # the id is refused. NULL for batches committed before it was recorded (any repeat is taken) and for
+    # Shoal's own retention batches.
+    fingerprint: Mapped[str | None] = mapped_column(String(80), nullable=True)
 
 
 class LogCompaction(Base):

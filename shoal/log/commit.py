@@ -9,6 +9,11 @@ look fails, StateUnknownError).
 A caller that decided what to write from the log up to some head states it as `expect_head`: under the lock
 the head must still be that one, or the commit writes nothing and raises ConflictError carrying the actual
 head, and the caller reloads and decides again (retention does).
+
+A batch id answers a repeat of its batch with the first token, writing nothing. A batch slot may carry its
+fingerprint (a hash of its content): a batch whose id committed, or is taken by an earlier batch of the same
+group, under another fingerprint is refused alone (BatchIdReusedError in its place among the results), and
+the rest of the group commits as if it were not there.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, LogSegment, ProducerBatch
-from shoal.errors import CommitError, ConflictError, StateUnknownError
+from shoal.errors import BatchIdReusedError, CommitError, ConflictError, StateUnknownError
 from shoal.log.segment_file import WrittenSegment
 
 log = logging.getLogger(__name__)
@@ -35,6 +40,12 @@ class BatchSlot:
 
     size: int
     batch_id: str | None
+    # The batch's content hash, or None to take any batch under its id for a repeat (Shoal's own batches).
+    fingerprint: str | None = None
+
+
+# What became of a batch of a group commit: its write token (its last seq), or why it alone was refused.
+Outcome = int | BatchIdReusedError
 
 
 # Called under the lock with the first seq and which batches to write; returns the durable file.
@@ -52,15 +63,18 @@ def commit_group(
     lock_timeout_ms: int,
     expect_head: int | None = None,
     on_commit: Callable[[int], None] | None = None,
-) -> list[int]:
-    """Commit the batches as one segment; return each batch's last seq (its write token).
+) -> list[Outcome]:
+    """Commit the batches as one segment; return each batch's last seq (its write token), or the
+    BatchIdReusedError that refused it alone.
 
     `on_commit(head)` runs after the commit landed and before this returns, so before any writer of the
     group is acknowledged (the head announcement: shoal.log.heads); its failure does not fail the commit.
 
-    A batch whose id already committed writes nothing and gets its original token back. With `expect_head`,
-    the rest is written only if the head is still `expect_head` under the row lock; otherwise nothing is
-    written and ConflictError is raised with `actual` set to the head found. Transient failures (and a
+    A batch whose id already committed writes nothing and gets its original token back; one that carries a
+    fingerprint other than the one its id committed with (or was taken with earlier in `batches`) is refused
+    with BatchIdReusedError in its place, the others committing as usual. With `expect_head`, the rest is
+    written only if the head is still `expect_head` under the row lock; otherwise nothing is written and
+    ConflictError is raised with `actual` set to the head found. Transient failures (and a
     lost head compare-and-swap) are retried up to `retries` times, then CommitError; StateUnknownError when
     the catalog cannot say whether the last attempt landed; NotFoundError when the source is gone or in
     the trash.
@@ -109,7 +123,8 @@ def commit_group(
     raise CommitError(f"commit failed after {retries} attempts: {last_error}") from last_error
 
 
-def _committed(on_commit: Callable[[int], None] | None, tokens: list[int]) -> None:
+def _committed(on_commit: Callable[[int], None] | None, outcomes: list[Outcome]) -> None:
+    tokens = [t for t in outcomes if isinstance(t, int)]
     if on_commit is None or not tokens:
         return
     try:
@@ -135,41 +150,43 @@ def _attempt(
     lock_timeout_ms: int,
     expect_head: int | None,
     made: list[WrittenSegment],
-) -> list[int]:
+) -> list[Outcome]:
     # `live`: no batch lands in a source in the trash (a soft delete takes the same lock).
     head = lock_source(
         conn, source_id, lock_timeout_ms=lock_timeout_ms, live=True, during="while the batch was in flight"
     ).head_seq
 
     ids = [b.batch_id for b in batches if b.batch_id is not None]
-    known: dict[str, int] = {}
+    # batch id -> (token, fingerprint) of the batches under it: committed before, or earlier in this group.
+    known: dict[str, tuple[int, str | None]] = {}
     if ids:
         rows = conn.execute(
-            select(ProducerBatch.batch_id, ProducerBatch.last_seq).where(
+            select(ProducerBatch.batch_id, ProducerBatch.last_seq, ProducerBatch.fingerprint).where(
                 ProducerBatch.data_source_id == source_id, ProducerBatch.batch_id.in_(ids)
             )
         )
-        known = {r.batch_id: r.last_seq for r in rows}
+        known = {r.batch_id: (r.last_seq, r.fingerprint) for r in rows}
 
-    # Decide which batches go into the file: new ones, each batch id once (the first occurrence wins).
+    # Decide which batches go into the file: new ones, each batch id once (the first occurrence wins); a repeat
+    # gets the first one's token, another batch under its id (both fingerprinted, and different) is refused.
     keep: list[int] = []
-    pending: dict[str, int] = {}
     first_seq = head + 1
     end = head
     ends: list[int | None] = []
+    tokens: list[Outcome] = []
     for i, b in enumerate(batches):
-        if b.batch_id is not None and (b.batch_id in known or b.batch_id in pending):
+        if b.batch_id is not None and b.batch_id in known:
+            token, fingerprint = known[b.batch_id]
+            reused = b.fingerprint is not None and fingerprint is not None and b.fingerprint != fingerprint
             ends.append(None)
+            tokens.append(BatchIdReusedError(b.batch_id, token) if reused else token)
             continue
         keep.append(i)
         end += b.size
         ends.append(end)
+        tokens.append(end)
         if b.batch_id is not None:
-            pending[b.batch_id] = end
-    tokens = [
-        e if e is not None else known.get(b.batch_id or "", pending.get(b.batch_id or "", 0))
-        for b, e in zip(batches, ends, strict=True)
-    ]
+            known[b.batch_id] = (end, b.fingerprint)
     if not keep:
         return tokens
     # Checked after the batch ids: a decision that already landed is answered with its tokens, as any replay.
@@ -204,6 +221,7 @@ def _attempt(
             "first_seq": ends[i] - batches[i].size + 1,  # type: ignore[operator]
             "last_seq": ends[i],
             "segment_id": written.id,
+            "fingerprint": batches[i].fingerprint,
         }
         for i in keep
         if batches[i].batch_id is not None

@@ -11,6 +11,12 @@ The commit happens only if the head is still the one the expiry was computed at 
 precondition, checked under the data source's lock): a point updated meanwhile is never deleted by a stale
 decision. When the head moved (ConflictError, carrying the actual head), the entries since are folded in and
 the decision is made again.
+
+A batch id of the expiry may be taken by a batch it did not write: a client's, from before such ids were
+refused (`shoal.intake.producer.RESERVED_PREFIXES`), which the commit answers as a repeat with that batch's
+token (at or below the head the decision was made at), or another run's decision at the same head with another
+cutoff (refused: another fingerprint). Those points are not counted as expired, and the decision is made again
+on the log as it now is, under ids no batch holds (`shoal-retention:{head}:{n}:{salt}`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,12 +35,13 @@ from sqlalchemy import Engine
 
 from shoal.catalog.repo import SourceRecord, head_of
 from shoal.errors import CommitError, ConflictError
-from shoal.log.commit import BatchSlot, commit_group
+from shoal.log.commit import BatchSlot, Outcome, commit_group
 from shoal.log.compaction_swap import sources_with_metadata
 from shoal.log.reader import fold, read_log
 from shoal.log.records import DATASET_KEY, DataSourceSpec
 from shoal.log.segment_file import WrittenSegment, build_segment_table, store_segment
 from shoal.log.validation import INGESTED_AT, KEY, OP, columns_to_table
+from shoal.log.writer import batch_fingerprint
 from shoal.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -112,10 +120,12 @@ def apply_retention(
     columns = [KEY, OP, INGESTED_AT, *spec.permanent_attributes]
     head = head_of(engine, source.id)[0]
     state = fold(read_log(engine, storage, source.id, 0, head, columns=columns))
+    done, last = 0, None  # tombstones appended by earlier attempts of this run, and the last one's seq
+    salt = ""  # set once an id of the expiry turned out taken by a batch it did not write
     for _ in range(ATTEMPTS):
         expired = _older_than(state, cutoff)
         if not expired.num_rows:
-            return RetentionResult(source.id, days, cutoff, 0, None)
+            return RetentionResult(source.id, days, cutoff, done, last)
         tables = [
             columns_to_table(
                 spec, None, {a: expired[a].slice(i, max_batch_points) for a in spec.permanent_attributes},
@@ -124,7 +134,9 @@ def apply_retention(
             for i in range(0, expired.num_rows, max_batch_points)
         ]
         try:
-            tokens = _commit(engine, storage, source, head, tables, lock_timeout_ms, commit_retries, announce_head)
+            tokens = _commit(
+                engine, storage, source, head, tables, lock_timeout_ms, commit_retries, announce_head, salt
+            )
         except ConflictError as moved:
             # The head the commit found under the lock (reloaded if the conflict did not say).
             new_head = moved.actual if isinstance(moved.actual, int) else head_of(engine, source.id)[0]
@@ -132,12 +144,28 @@ def apply_retention(
             state = fold([*state.to_batches(), *newer])
             head = new_head
             continue
-        log.info(
-            "retention: appended %d tombstones to data source %s (tenant %s, %s/%s) for points ingested before %s "
-            "(retention %s days), up to seq %d",
-            expired.num_rows, source.id, source.tenant, spec.name, spec.version, cutoff.isoformat(), days, tokens[-1],
+        # This decision's tombstones land after `head`; a token at or below it answered one of its batch ids
+        # with a batch committed before the decision, which the expiry did not write.
+        wrote = [t for t, seq in zip(tables, tokens, strict=True) if isinstance(seq, int) and seq > head]
+        appended = sum(t.num_rows for t in wrote)
+        if appended:
+            done, last = done + appended, max(seq for seq in tokens if isinstance(seq, int))
+            log.info(
+                "retention: appended %d tombstones to data source %s (tenant %s, %s/%s) for points ingested "
+                "before %s (retention %s days), up to seq %d",
+                appended, source.id, source.tenant, spec.name, spec.version, cutoff.isoformat(), days, last,
+            )
+        if len(wrote) == len(tables):
+            return RetentionResult(source.id, days, cutoff, done, last)
+        log.warning(
+            "retention of data source %s: a batch id of its expiry at head %d was taken by a batch it did not "
+            "write; deciding again under other ids", source.id, head,
         )
-        return RetentionResult(source.id, days, cutoff, expired.num_rows, tokens[-1])
+        salt = uuid.uuid4().hex[:12]
+        new_head = head_of(engine, source.id)[0]
+        newer = list(read_log(engine, storage, source.id, head, new_head, columns=columns))
+        state = fold([*state.to_batches(), *newer])
+        head = new_head
     raise CommitError(f"retention of data source {source.id}: the log kept moving; try again later")
 
 
@@ -156,14 +184,20 @@ def _commit(
     lock_timeout_ms: int,
     retries: int,
     announce_head: Callable[[int, int], None] | None = None,
-) -> list[int]:
+    salt: str = "",
+) -> list[Outcome]:
     spec = source.spec
 
     def write(first_seq: int, keep: list[int]) -> WrittenSegment:
         table = build_segment_table([tables[i] for i in keep])
         return store_segment(storage, source.tenant, spec.name, spec.version, first_seq, table)
 
-    slots = [BatchSlot(t.num_rows, f"{BATCH_PREFIX}{head}:{i}") for i, t in enumerate(tables)]
+    # Fingerprinted: another run that decided at the same head (with another `now`) may have expired other
+    # points under these ids; its batches are not this decision's.
+    suffix = f":{salt}" if salt else ""
+    slots = [
+        BatchSlot(t.num_rows, f"{BATCH_PREFIX}{head}:{i}{suffix}", batch_fingerprint(t)) for i, t in enumerate(tables)
+    ]
     # `expect_head`: a commit that landed since the decision makes it stale (ConflictError, nothing written).
     return commit_group(
         engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms,

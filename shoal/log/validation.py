@@ -674,10 +674,14 @@ def encode_keys(columns: list[pa.Array]) -> pa.Array:
     """The key of each row: its permanent attribute values as one unambiguous string.
 
     Each value is written `length:text` and values are joined by `|`, so no two different keys can
-    produce the same string whatever characters the values hold.
+    produce the same string whatever characters the values hold. A float key of -0.0 is the key 0.0 (they are
+    equal numbers; the text cast would write "-0" and "0").
     """
     parts = []
     for col in columns:
+        if pa.types.is_floating(col.type):
+            # -0.0 == 0.0 is true, so this puts +0.0 in place of both zeros and leaves every other value.
+            col = pc.if_else(pc.equal(col, 0.0), pa.scalar(0.0, col.type), col)
         text = col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
         parts.append(pc.binary_join_element_wise(pc.cast(pc.utf8_length(text), pa.string()), text, ":"))
     if len(parts) == 1:

@@ -3,17 +3,25 @@
 Whichever uploading thread finds no commit in flight becomes the leader: it takes every queued batch (up
 to a point limit), commits them together and wakes their callers. Batches that arrive meanwhile queue up
 for the next leader, so the batch size grows with the load and no timer adds latency when idle.
+
+A batch with a batch id carries its fingerprint (`batch_fingerprint`, computed by its own caller's thread
+before it queues): the commit answers a repeat of the batch with its first token and refuses another batch
+under the id, that batch alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from sqlalchemy import Engine
 
 from shoal.catalog.repo import SourceRecord
@@ -24,10 +32,60 @@ from shoal.storage import Storage
 log = logging.getLogger(__name__)
 
 
+def batch_fingerprint(table: pa.Table) -> str:
+    """`sha256:<hex>` of a validated batch's content: its column names and every value, row by row.
+
+    Equal batches get equal fingerprints however they arrived (points or columns, a JSON or an Arrow body,
+    chunked or not) and whatever pyarrow version built them: only values are hashed, never buffer layouts,
+    slice offsets, padding or the bytes behind a null (a repeat of a batch must be known as one, months later).
+    """
+    h = hashlib.sha256()
+    h.update(b"shoal-batch/1 %d\0" % table.num_rows)
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        h.update(name.encode() + b"\0")
+        _hash_values(h, column.combine_chunks() if column.num_chunks != 1 else column.chunk(0))
+    return "sha256:" + h.hexdigest()
+
+
+def _hash_values(h: Any, arr: pa.Array) -> None:
+    """Feed `arr`'s values to `h`: which rows are null, then the values of the others (a tag per type, the
+    lengths of variable-length values, then their bytes as one run)."""
+    if arr.null_count:
+        valid = arr.is_valid()
+        h.update(b"N" + np.packbits(valid.to_numpy(zero_copy_only=False)).tobytes())
+        arr = arr.filter(valid)
+    kind = arr.type
+    n = len(arr)
+    if n == 0:  # every row null (a tombstone's vector or other attributes): the null rows said it all
+        return
+    if pa.types.is_fixed_size_list(kind):
+        size = kind.list_size
+        h.update(b"F%d" % size)
+        _hash_values(h, arr.values.slice(arr.offset * size, n * size))  # a zero-copy view of the rows' values
+    elif pa.types.is_list(kind):
+        h.update(b"L" + pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+        _hash_values(h, arr.flatten())
+    elif pa.types.is_string(kind) or pa.types.is_binary(kind):
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + n + 1]
+        h.update(b"S" + np.diff(offsets).astype("<i8").tobytes())
+        data = arr.buffers()[2]
+        if data is not None:  # None when every value is empty
+            h.update(memoryview(data)[int(offsets[0]) : int(offsets[-1])])
+    elif pa.types.is_boolean(kind):
+        h.update(b"B" + np.packbits(arr.to_numpy(zero_copy_only=False)).tobytes())
+    elif kind.bit_width % 8 == 0:  # fixed-width numbers and timestamps: their bytes, straight from the buffer
+        width = kind.bit_width // 8
+        h.update(b"P%d" % width)
+        h.update(memoryview(arr.buffers()[1])[arr.offset * width : (arr.offset + n) * width])
+    else:  # no validated batch holds another type; hashed by value rather than refused
+        h.update(repr(arr.to_pylist()).encode())
+
+
 @dataclass
 class _Request:
     table: pa.Table
     batch_id: str | None
+    fingerprint: str | None = None
     done: bool = False
     token: int | None = None
     error: BaseException | None = None
@@ -70,9 +128,16 @@ class LogWriter:
         """Append several validated batches, each all or nothing with its own batch id, sharing commits
         (as many as fit `group_max_points` per segment); block until every one is committed; their tokens.
 
-        Raises the first failure; batches of other commits may have landed (their ids make a retry safe).
+        A batch whose id committed before returns its first token and writes nothing; another batch under a
+        known id fails alone with BatchIdReusedError. Raises the first failure; the other batches may have
+        landed (their ids make a retry safe).
         """
-        reqs = [_Request(table, batch_id) for table, batch_id in batches]
+        # Fingerprints only for batches with an id (nothing to compare the others with), here in the caller's
+        # thread rather than by the group's leader, which holds the data source's lock.
+        reqs = [
+            _Request(table, batch_id, batch_fingerprint(table) if batch_id is not None else None)
+            for table, batch_id in batches
+        ]
         with self._cv:
             self._queue.extend(reqs)
         for req in reqs:
@@ -122,7 +187,7 @@ class LogWriter:
             tokens = commit_group(
                 self.engine,
                 src.id,
-                [BatchSlot(r.table.num_rows, r.batch_id) for r in group],
+                [BatchSlot(r.table.num_rows, r.batch_id, r.fingerprint) for r in group],
                 write,
                 self.storage.delete_quietly,
                 retries=self.retries,
@@ -134,8 +199,12 @@ class LogWriter:
                 r.error, r.done = exc, True
             return
         self.commits += 1
-        for r, token in zip(group, tokens, strict=True):
-            r.token, r.done = token, True
+        for r, outcome in zip(group, tokens, strict=True):
+            if isinstance(outcome, int):
+                r.token = outcome
+            else:  # refused alone (a batch id reused with another batch): the rest of the group committed
+                r.error = outcome
+            r.done = True
         if self.after_commit is not None:
             try:
                 self.after_commit(src.id)
