@@ -171,12 +171,14 @@ unknownKey: 1
         ("QuickStart.Source", "1.10", 3),  # 1.10 stays "1.10", not 1.1
     ]
     [index] = declared.indexes
-    assert (index.source_version, index.shard_count, index.shard_attributes) == ("1.0", 2, ("id",))
+    # No shard names a shard attribute: the default (the id attributes), whatever the data source's sharders.
+    assert (index.source_version, index.shard_count, index.shard_attributes) == ("1.0", 2, ())
     with Shoal(make_settings("local"), notify=False) as shoal:
         for spec in declared.sources:
             shoal.create_data_source(spec, exist_ok=True)
         record = shoal.create_index(index, exist_ok=True)
         assert (record.spec.algorithm, record.spec.metric, record.spec.params["M"]) == ("hnsw", "l2_squared", 16)
+        assert record.spec.shard_attributes == ("id",)
         assert len(record.shards) == 2
         # Applying again checks and changes nothing.
         for spec in read_folder(tmp_path).sources:
@@ -262,3 +264,39 @@ def test_the_dataset_key_in_a_data_sources_metadata_is_refused(served: tuple[str
         with pytest.raises(ValidationError, match="reserved"):
             shoal.create_data_source(DataSourceSpec("Fake.Dataset", "1", 2, {"id": "int64"}, ["id"],
                                                     custom_metadata={"shoal.dataset": {}}))
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("data-sources", {"vectorDimension": True}, "vectorDimension"),
+        ("data-sources", {"vectorDimension": "3"}, "vectorDimension"),
+        ("data-sources", {"vectorDimension": 2.0}, "vectorDimension"),
+        ("data-sources", {"vectorDimension": 2, "vectorsAreSparse": "yes"}, "vectorsAreSparse"),
+        ("data-sources", {"vectorDimension": 2, "vectorsAreSparse": 1}, "vectorsAreSparse"),
+        ("indexes", {"shardCount": True}, "shardCount"),
+        ("indexes", {"shardCount": "4"}, "shardCount"),
+    ],
+)
+def test_management_bodies_take_numbers_and_flags_of_their_own_type(
+    served: tuple[str, Settings], route: str, body: dict[str, object], field: str
+) -> None:
+    """The routes coerced loose JSON values and stored the result: `"vectorDimension": true` made a 1-d source,
+    "3" a 3-d one, `"vectorsAreSparse": "yes"` a sparse one, `"shardCount": "4"` four shards. Such a value is
+    now refused (400 in the route's shape, naming the field), as the Python API's specs refuse it, and nothing
+    is written."""
+    url, settings = served
+    source = {"name": "Lax", "version": "1", "vectorDimension": 2, "attributeValueTypes": {"id": "int64"},
+              "permanentAttributes": ["id"]}
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=30) as http:
+        if route == "indexes":
+            assert http.post("/api/v1/data-sources", json=source).status_code == 201
+            body = {"name": "Lax.Index", "version": "1", "dataSourceName": "Lax", "dataSourceVersion": "1",
+                    "algorithm": "FaissIndex.L2", **body}
+        else:
+            body = {**source, **body}
+        r = http.post(f"/api/v1/{route}", json=body)
+        assert r.status_code == 400, r.text
+        [message] = r.json()["errorMessages"]
+        assert message.startswith(f"{field}: "), message
+        assert shoal.list_indexes() == [] and len(shoal.list_data_sources()) == (route == "indexes")

@@ -92,6 +92,21 @@ def test_an_idempotency_key_reused_with_another_body_is_refused(served: tuple[st
         assert head(shoal) == 1
 
 
+def test_an_idempotency_key_may_not_take_a_prefix_shoal_keeps(served: tuple[str, Settings]) -> None:
+    """`Idempotency-Key: msg:order-7` would make broker message `order-7` pass for a redelivery (never
+    written): refused 400 naming the prefix, and nothing written; an ordinary key is taken."""
+    url, settings = served
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=30) as http:
+        shoal.create_data_source(SPEC)
+        for key in ("msg:order-7", "shoal-retention:4:0"):
+            r = http.post("/api/v1/upload/Batches/1", json=json_points([1]), headers={"Idempotency-Key": key})
+            assert r.status_code == 400, r.text
+            assert f"must not start with '{key.split(':')[0]}:'" in r.json()["errorMessages"][0], r.text
+        assert head(shoal) == 0
+        r = http.post("/api/v1/upload/Batches/1", json=json_points([1]), headers={"Idempotency-Key": "order-7"})
+        assert r.status_code == 200, r.text
+
+
 def test_python_uploads_refuse_another_batch_under_a_known_id(make_shoal: Callable[..., Shoal]) -> None:
     shoal = make_shoal()
     shoal.create_data_source(SPEC)

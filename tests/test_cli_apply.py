@@ -16,6 +16,7 @@ from typer.testing import CliRunner, Result
 from shoal import Shoal
 from shoal.cli import app
 from shoal.config.settings import Settings
+from shoal.log.records import IndexSpec
 
 runner = CliRunner()
 
@@ -196,3 +197,66 @@ def test_existing_definition_differs(settings: Settings, tmp_path: Path) -> None
     result = shoal_apply(index_differs, code=1)
     assert stored(settings) == (["A.src/1"], ["A.idx/1"])  # New.src/1 was not created either
     assert str(index_differs / "indices/A.idx/1.yaml") in result.stderr and "metric" in result.stderr
+
+
+
+def index_spec(settings: Settings, name: str) -> IndexSpec:
+    """The stored (resolved) definition of index NAME/1."""
+    with Shoal(settings, notify=False) as shoal:
+        return shoal.get_index(name, "1").spec
+
+
+def test_vektonn_hnsw_parameter_names(settings: Settings, tmp_path: Path) -> None:
+    """Vektonn's index reads HNSW's parameters as Hnsw_M, Hnsw_EfConstruction and Hnsw_EfSearch
+    (Vektonn.Index IndexParamsKeys): `shoal apply` refused them as unknown parameters. They make an HNSW index
+    now; the short names (M, EfConstruction, EfSearch) stay accepted, and still come all or none."""
+
+    def with_params(params: str) -> str:
+        return INDEX.replace("{type: FaissIndex.L2}", f"{{type: FaissIndex.L2, params: {params}}}")
+
+    folder = write(tmp_path / "cfg", {
+        "data-sources/A.src/1.yaml": SOURCE,
+        "indices/A.idx/1.yaml": with_params("{Hnsw_M: 16, Hnsw_EfConstruction: 200, Hnsw_EfSearch: 64}"),
+    })
+    assert "index A.idx/1: created" in shoal_apply(folder).stdout
+    spec = index_spec(settings, "A.idx")
+    assert (spec.algorithm, spec.metric, spec.params) == (
+        "hnsw", "l2_squared", {"M": 16, "ef_construction": 200, "ef_search": 64})
+    assert shoal_apply(folder).stdout.count("unchanged") == 2
+    for i, (params, says) in enumerate((
+        ("{Hnsw_M: 16, Hnsw_EfConstruction: 200}", "all or none: missing Hnsw_EfSearch"),
+        ("{Hnsw_M: 16, M: 16, Hnsw_EfConstruction: 200, Hnsw_EfSearch: 64}", "HNSW parameter Hnsw_M is given twice"),
+        ("{Hnsw_Nope: 1}", "does not take parameter(s) 'Hnsw_Nope'"),
+    )):
+        bad = write(tmp_path / f"bad{i}", {"indices/B.idx/1.yaml": with_params(params)})
+        assert says in shoal_apply(bad, code=1).stderr
+    assert stored(settings) == (["A.src/1"], ["A.idx/1"])
+
+
+SHARDED_SOURCE = ("vectorDimension: 2\nattributeValueTypes: {Id: Int64, Region: String, ShopId: Int64}\n"
+                  "permanentAttributes: [Id, Region, ShopId]\nshardersByAttributeKey:\n  Region:\n"
+                  "    numberOfShards: 2\n")
+UNSHARDED_INDEX = ("dataSourceId: {name: S.src, version: '1'}\nindexAlgorithm: {type: FaissIndex.L2}\n"
+                   "idAttributes: [Id]\n")
+SHARDED_INDEX = (UNSHARDED_INDEX + "shardsById:\n"
+                 "  ShardA:\n    shardsByAttributeKey:\n      ShopId: {numberOfShards: 2, shardValues: [0]}\n"
+                 "  ShardB:\n    shardsByAttributeKey:\n      ShopId: {numberOfShards: 2, shardValues: [1]}\n")
+
+
+def test_an_index_is_sharded_by_its_own_shard_attributes(settings: Settings, tmp_path: Path) -> None:
+    """An index's shard attributes are the keys of its own `shardsById.*.shardsByAttributeKey` (Vektonn's
+    IndexMeta.ShardAttributes), else the default (its id attributes). They came from the data source's sharders
+    instead, and only when the source's file was in the folder: the same index file applied with and without
+    it made different indexes, and applying it alone after the whole folder failed ("exists with another
+    definition")."""
+    whole = write(tmp_path / "whole", {"data-sources/S.src/1.yaml": SHARDED_SOURCE,
+                                       "indices/S.idx/1.yaml": SHARDED_INDEX,
+                                       "indices/S.plain/1.yaml": UNSHARDED_INDEX})
+    shoal_apply(whole)
+    assert (index_spec(settings, "S.idx").shard_attributes, index_spec(settings, "S.idx").shard_count) == (
+        ("ShopId",), 2)
+    assert index_spec(settings, "S.plain").shard_attributes == ("Id",)
+    alone = write(tmp_path / "alone", {"indices/S.idx/1.yaml": SHARDED_INDEX})
+    assert "index S.idx/1: unchanged" in shoal_apply(alone).stdout
+    bad = write(tmp_path / "bad", {"indices/S.bad/1.yaml": UNSHARDED_INDEX + "shardsById:\n  ShardA: [x]\n"})
+    assert "shardsById.ShardA must be a mapping, got a list" in shoal_apply(bad, code=1).stderr

@@ -60,7 +60,9 @@ def test_decode_search_reads_vektonn_queries() -> None:
         (b'{"queryVectors": []}', "k", "a search query needs k"),
         (b'{"k": 1}', "queryVectors", "a search query needs queryVectors"),
         (b'{"k": true, "queryVectors": []}', "k", "k must be a JSON integer, got boolean"),
-        (b'{"k": "3", "queryVectors": []}', "k", "k must be a JSON integer, got string"),
+        # Vektonn reads numbers from JSON strings ("k": "3" is k 3); a string that spells no integer is refused.
+        (b'{"k": "three", "queryVectors": []}', "k", "k must be a JSON integer, got string 'three'"),
+        (b'{"k": "3.0", "queryVectors": []}', "k", "k must be a JSON integer, got string '3.0'"),
         (b'{"k": 3.0, "queryVectors": []}', "k", "k must be a JSON integer, got number"),
         (b'{"k": 3, "queryVectors": {}}', "queryVectors", "must be a JSON array"),
         (b'{"k": 3, "queryVectors": [{"coordinates": ["a"]}]}', "queryVectors", "coordinates must be JSON numbers"),

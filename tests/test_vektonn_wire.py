@@ -32,7 +32,7 @@ from hypothesis import event, given
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.intake import codec
-from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.log.validation import SPARSE_INDICES, VECTOR
 from shoal.vektonn import dto as dto_module
 from shoal.vektonn import json_fields, simd_upload, upload_json
@@ -212,13 +212,18 @@ def refused(batch: Any, spec: DataSourceSpec = ALL_TYPES, max_points: int = 100)
     [
         (point(1, id={"string": "1"}), "id", "expected a int64 value, got string"),
         (point(1, id={"int64": "x"}), "id", "int64 value must be a JSON integer, got string"),
-        (point(1, id={"int64": "5"}), "id", "int64 value must be a JSON integer, got string"),
+        (point(1, id={"int64": "5.0"}), "id", "int64 value must be a JSON integer, got string '5.0'"),
+        (point(1, id={"int64": " 5"}), "id", "int64 value must be a JSON integer, got string ' 5'"),
+        (point(1, id={"int64": str(2**63)}), "id", "int64 value out of range"),
         (point(1, id={"int64": True}), "id", "int64 value must be a JSON integer, got boolean"),
         (point(1, id={"int64": 1.0}), "id", "int64 value must be a JSON integer, got number"),
         (point(1, id={"int64": 2**64}), "id", "int64 value out of range"),
         (point(1, flag={"bool": 1}), "flag", "bool value must be a JSON boolean, got integer"),
         (point(1, flag={"bool": "yes"}), "flag", "bool value must be a JSON boolean, got string"),
-        (point(1, score={"float64": "1.5"}), "score", "float64 value must be a JSON number, got string"),
+        (point(1, score={"float64": "NaN"}), "score", "float64 value must be a JSON number, got string 'NaN'"),
+        (point(1, score={"float64": "-Infinity"}), "score", "float64 value must be a JSON number, got string"),
+        (point(1, score={"float64": "1e400"}), "score", "float64 value must be finite"),
+        (point(1, score={"float64": "0x10"}), "score", "float64 value must be a JSON number, got string"),
         (point(1, uid={"guid": "nope"}), "uid", "not a guid: 'nope'"),
         (point(1, at={"dateTime": 1700000000}), "at", "dateTime value must be a JSON string, got integer"),
         (point(1, at={"dateTime": "yesterday"}), "at", "not an ISO 8601 date and time"),
@@ -295,6 +300,41 @@ def test_empty_and_oversized_batches_as_points_to_table_refuses_them() -> None:
     err = refused([point(i) for i in range(3)], max_points=2)
     assert isinstance(err, BatchTooLargeError)
     assert "batch holds 3 points, more than the configured maximum 2" in str(err)
+
+
+def test_numbers_written_as_strings_read_as_vektonn_reads_them() -> None:
+    """Vektonn's HttpJson reads numbers from JSON strings (NumberHandling.AllowReadingFromString): an int64 slot
+    takes a decimal integer string (one beyond a double's exact integers stays exact), a float64 slot a decimal
+    number string; the table is the one the numbers themselves give. Before, both were refused."""
+    as_numbers = [point(1, id={"int64": 9007199254740993}, score={"float64": 1500.0}),
+                  point(2, id={"int64": -7}, score={"float64": 3})]
+    as_strings = [point(1, id={"int64": "9007199254740993"}, score={"float64": "1.5e3"}),
+                  point(2, id={"int64": "-7"}, score={"float64": "+3"})]
+    table = decode_upload(ALL_TYPES, json.dumps(as_strings).encode(), 10)
+    assert table.equals(decode_upload(ALL_TYPES, json.dumps(as_numbers).encode(), 10))
+    assert table["id"].to_pylist() == [9007199254740993, -7] and table["score"].to_pylist() == [1500.0, 3.0]
+    tombstone = {"attributes": [{"key": "id", "value": {"int64": "3"}}, {"key": "uid", "value": {"guid": str(
+        uuid.UUID(int=3))}}], "isDeleted": True}
+    assert decode_upload(ALL_TYPES, json.dumps([tombstone]).encode(), 10)["id"].to_pylist() == [3]
+    # Not a number however written: a boolean, or a string that spells none.
+    assert "int64 value must be a JSON integer, got boolean" in str(refused([point(1, id={"int64": True})]))
+    assert "float64 value must be a JSON number, got string 'one'" in str(refused([point(1, score={"float64": "one"})]))
+
+
+def test_an_empty_sparse_vector_is_refused_where_the_vektonn_routes_ask() -> None:
+    """Vektonn's SparseVectorValidator refuses a sparse vector without coordinates ("Vector must have
+    coordinates"): the upload route decodes with empty_sparse=False and is refused naming the point. By default
+    the decoder takes it as the all-zero vector the records (and the intake publisher's messages) allow."""
+    empty = {"attributes": [{"key": "id", "value": {"int64": 1}}, {"key": "tag", "value": {"string": "x"}}],
+             "vector": {"isSparse": True, "coordinates": [], "coordinateIndices": []}}
+    good = {**empty, "vector": {"isSparse": True, "coordinates": [1.0], "coordinateIndices": [2]}}
+    body = json.dumps([good, empty]).encode()
+    with pytest.raises(ValidationError) as err:
+        decode_upload(SPARSE, body, 10, empty_sparse=False)
+    assert err.value.problems == [Problem("a sparse vector must have at least one coordinate", 1, "vector")]
+    assert decode_upload(SPARSE, body, 10)[SPARSE_INDICES].to_pylist() == [[2], []]
+    assert codec.decode(SPARSE, codec.JSON, codec.encode_json([DataPoint({"id": 1, "tag": "x"}, SparseVector([], []))]),
+                        10)[SPARSE_INDICES].to_pylist() == [[]]
 
 
 def test_keys_match_ignoring_case() -> None:

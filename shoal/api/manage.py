@@ -6,14 +6,15 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from shoal.api.security import TenantContext, deleter_tenant, reader_tenant, writer_tenant
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.client import Shoal
-from shoal.errors import PermissionDeniedError
+from shoal.errors import IndexDefinitionError, PermissionDeniedError
 from shoal.index.generations import JobRecord
+from shoal.index.spec import vektonn_metric_problem
 from shoal.log.records import DATASET_KEY, DataSourceSpec, IndexSpec, check_name
 from shoal.vektonn.dto import ErrorDto
 
@@ -21,11 +22,13 @@ router = APIRouter(prefix="/api/v1", tags=["management"])
 ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}, 409: {"model": ErrorDto}}
 
 
+# Numbers and booleans are strict: `true` or "3" for a dimension, "yes" or 1 for a flag, are refused (400 naming
+# the field) rather than coerced and stored, as the Python API's DataSourceSpec and IndexSpec refuse them.
 class DataSourceBody(BaseModel):
     name: str
     version: str
-    vectorDimension: int  # noqa: N815 - Vektonn's field names
-    vectorsAreSparse: bool = False  # noqa: N815
+    vectorDimension: StrictInt  # noqa: N815 - Vektonn's field names
+    vectorsAreSparse: StrictBool = False  # noqa: N815
     attributeValueTypes: dict[str, str]  # noqa: N815
     permanentAttributes: list[str]  # noqa: N815
     description: str = ""
@@ -38,13 +41,13 @@ class IndexBody(BaseModel):
     dataSourceName: str  # noqa: N815
     dataSourceVersion: str  # noqa: N815
     algorithm: str = "flat"
-    metric: str = "cosine"
+    metric: str | None = None  # None: the algorithm's (a Vektonn type's own), else IndexSpec's default
     params: dict[str, Any] = Field(default_factory=dict)
     idAttributes: list[str] = Field(default_factory=list)  # noqa: N815
     splitAttributes: list[str] = Field(default_factory=list)  # noqa: N815
     shardAttributes: list[str] = Field(default_factory=list)  # noqa: N815
     payloadAttributes: list[str] | None = None  # noqa: N815
-    shardCount: int = 1  # noqa: N815
+    shardCount: StrictInt = 1  # noqa: N815
 
 
 def _source(r: SourceRecord) -> dict[str, Any]:
@@ -140,14 +143,17 @@ def list_indexes(ctx: Reader) -> list[dict[str, Any]]:
 
 @router.post("/indexes", responses=ERRORS, status_code=201)
 def create_index(body: IndexBody, ctx: Writer) -> dict[str, Any]:
-    """Create an index over a data source (Vektonn's rules apply; Vektonn algorithm names accepted)."""
+    """Create an index over a data source (Vektonn's rules apply; Vektonn algorithm names accepted, with no
+    metric or the one the type implies: any other is refused)."""
+    if body.metric is not None and (problem := vektonn_metric_problem(body.algorithm, body.metric)) is not None:
+        raise IndexDefinitionError([problem])
     spec = IndexSpec(
         name=body.name,
         version=body.version,
         source_name=body.dataSourceName,
         source_version=body.dataSourceVersion,
         algorithm=body.algorithm,
-        metric=body.metric,
+        **({} if body.metric is None else {"metric": body.metric}),
         params=body.params,
         id_attributes=body.idAttributes,
         split_attributes=body.splitAttributes,

@@ -33,6 +33,7 @@ from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
 from shoal.vektonn import wire
 from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
+from shoal.vektonn.upload_json import EmptyUploadError
 
 router = APIRouter(prefix="/api/v1", tags=["vektonn"])
 ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}
@@ -110,14 +111,24 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
     producer = shoal.producer(name, version, fresh=False)
     try:
         table = _decode_upload(request, producer.spec, body, shoal.settings)
+    except EmptyUploadError:
+        # Vektonn answers an empty upload 200 and writes nothing: so does this, with the data source's head as
+        # the token (a search at it reflects every write so far). Read afresh: a source gone answers 404.
+        head = shoal.get_data_source(name, version).head_seq
+        return Response(status_code=200, headers={TOKEN_HEADER: str(head)})
     except ValidationError:
         # The definition may be one this process reused for a moment (runtime.SOURCE_TTL_S): a source dropped
-        # or trashed meanwhile answers 404, as it would have before any body was read.
-        shoal.get_data_source(name, version)
-        raise
+        # or trashed meanwhile answers 404, as it would have before any body was read; one made again under
+        # the name (another dimension or other attributes, perhaps) judges the batch by its own definition.
+        record = shoal.get_data_source(name, version)
+        if record.id == producer.source.id:
+            raise
+        shoal.runtime.forget_source(producer.source.id)
+        producer = shoal.producer(name, version)
+        table = _decode_upload(request, producer.spec, body, shoal.settings)
     key = request.headers.get(IDEMPOTENCY_HEADER)
     try:
-        token = producer.append_tables([(table, key)])[0]
+        token = producer.append_tables([(table, key)], client=True)[0]
     except NotFoundError:
         # The definition this process reused may be of a source dropped since (nothing was written): read
         # it again; a source of that name made meanwhile takes the batch, checked against its own definition
@@ -125,7 +136,7 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
         shoal.runtime.forget_source(producer.source.id)
         producer = shoal.producer(name, version)
         table = _decode_upload(request, producer.spec, body, shoal.settings)
-        token = producer.append_tables([(table, key)])[0]
+        token = producer.append_tables([(table, key)], client=True)[0]
     request.app.state.metrics.uploaded.labels(ctx.tenant).inc(table.num_rows)
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
 
@@ -137,7 +148,8 @@ def _decode_upload(request: Request, spec: Any, body: bytes, settings: Settings)
         return wire.decode_arrow_upload(spec, body, max_points, settings.body_limit_bytes)
     if kind == JSON or kind.endswith("+json") or kind in ("", "text/plain"):
         with _JSON_DECODES, collector_paused():
-            return wire.decode_upload(spec, body, max_points)
+            # Vektonn's rules: a sparse vector needs a coordinate (the Python producer takes an all-zero one).
+            return wire.decode_upload(spec, body, max_points, empty_sparse=False)
     raise ValidationError(f"unsupported Content-Type {kind!r}: send {JSON} or {ARROW}")
 
 
@@ -158,17 +170,21 @@ def _int_header(headers: Mapping[str, str], name: str) -> int | None:
 
 
 def _consistency(headers: Mapping[str, str]) -> Consistency:
+    """The level the headers ask for, as the dataset API reads `consistency` and `min_write_token`: `strong` if
+    asked (it reflects every committed write, so whatever token is sent too); else at least the required token
+    when one is sent, `eventual` included (the token is checked: one past the log head is refused); else
+    eventual."""
     level = headers.get("x-shoal-consistency")
     token = _int_header(headers, "x-shoal-required-token")
-    if token is not None and level in (None, "at_least"):
-        return Consistency.at_least(token)
-    if level in (None, "eventual"):
-        return Consistency.eventual()
+    if level not in (None, "eventual", "strong", "at_least"):
+        raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
     if level == "strong":
         return Consistency.strong()
+    if token is not None:
+        return Consistency.at_least(token)
     if level == "at_least":
         raise ValidationError("X-Shoal-Consistency at_least needs X-Shoal-Required-Token")
-    raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
+    return Consistency.eventual()
 
 
 def plain_search(headers: Mapping[str, str]) -> bool:
@@ -208,7 +224,7 @@ def _search_answer(
             searcher = ctx.handle.searcher
             # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
             source = searcher.view(name, version).source.spec
-            vectors = wire.query_vectors(source, query)
+            vectors = wire.query_vectors(source, query, empty_sparse=False)  # Vektonn's rule, as on upload
             results = searcher.search(
                 name, version, vectors, query.k,
                 split_filter=wire.split_filter(source, query),

@@ -48,6 +48,7 @@ from shoal.searcher.execute import execute, prepare_queries
 from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage
 from shoal.upkeep import drops
+from shoal.vektonn.algorithms import VEKTONN_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ def start_reindex(
     if not same_algorithm:
         changes["algorithm"] = algorithm
         changes["params"] = {}  # the old algorithm's params may not apply to the new one
+        if metric is None and isinstance(algorithm, str) and algorithm in VEKTONN_TYPES:
+            # A Vektonn type carries its metric (FaissIndex.IP: dot_product): the index's own is not inherited,
+            # or resolve_index would refuse the pair as a contradiction the caller never made.
+            changes["metric"] = VEKTONN_TYPES[algorithm][1].value
     if metric is not None:
         changes["metric"] = metric
     if params is not None:

@@ -12,9 +12,12 @@ Each reader notes what is wrong as a Problem naming the point (or query vector) 
 goes on, so a body that breaks several rules reports all of them as the DTO path did.
 
 Types are stricter than pydantic's lax mode was: a slot, `isDeleted`, `isSparse`, `k` or `retrieveVectors`
-holding a JSON value of another type ("5" for an int64, 1 or "yes" for a bool, 1.0 for an integer, a number of
-seconds for a dateTime) is refused instead of coerced. Coordinates are JSON numbers; a JSON boolean among them
-still reads as 1 or 0, as before (refusing it would cost a type check per coordinate on every batch).
+holding a JSON value of another type (1 or "yes" for a bool, 1.0 for an integer, a number of seconds for a
+dateTime) is refused instead of coerced. The one coercion kept is Vektonn's own: its HttpJson reads numbers from
+JSON strings (System.Text.Json's NumberHandling.AllowReadingFromString), so an int64 slot or `k` takes a decimal
+integer string ("9007199254740993", beyond a double's exact range) and a float64 slot a decimal number string
+("1.5e3"); not "NaN" or "Infinity", nor spaces. Coordinates are JSON numbers; a JSON boolean among them still
+reads as 1 or 0, as before (refusing it would cost a type check per coordinate on every batch).
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ _DATETIME = pydantic.TypeAdapter(dt.datetime)
 # The hyphenated form: pydantic and uuid.UUID both take it and agree on its canonical (lower-case) text.
 HYPHENATED_GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _COORDINATE_TYPES = frozenset((float, int, bool))  # a JSON boolean reads as 1 or 0, as the DTO read it
+# Numbers written as JSON strings, as .NET's parser reads them there: a sign, ASCII digits and, for a float, a
+# fraction and an exponent. An integer of more digits than Python's int() reads is far past any range anyway.
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+_NUMBER_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_MAX_INTEGER_DIGITS = 4000
 
 # An attribute after phase 1: (key, slot, value); a vector: (is sparse, coordinates, coordinate indices).
 Entry = tuple[str, str, Any]
@@ -249,13 +257,31 @@ def _value(raw: Any, position: int | None, attribute: str, problems: list[Proble
     return given[0]
 
 
+def integer_text(raw: str) -> int | None:
+    """The integer a decimal string spells ("42", "-7", "+3"), which Vektonn reads where it wants an integer;
+    None when it spells none."""
+    if len(raw) > _MAX_INTEGER_DIGITS + 1 or not _INTEGER_TEXT.fullmatch(raw):
+        return None
+    return int(raw)
+
+
+def _number_text(raw: str) -> float | None:
+    """The double a decimal number string spells ("1.5", "-2e3"); None when it spells none ("NaN" included)."""
+    return float(raw) if _NUMBER_TEXT.fullmatch(raw) else None
+
+
 def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
-    """(the slot's Python value, None), or (None, the rule the JSON value breaks)."""
+    """(the slot's Python value, None), or (None, the rule the JSON value breaks). An int64 or float64 slot
+    takes its number written as a JSON string too, as Vektonn does; the range checks that follow are the same."""
     kind = type(raw)
     if slot == "string":
         return (raw, None) if kind is str else (None, _wrong_type(slot, "string", raw))
     if slot == "int64":
-        return (raw, None) if kind is int else (None, _wrong_type(slot, "integer", raw))
+        if kind is int:
+            return raw, None
+        if kind is str and (number := integer_text(raw)) is not None:
+            return number, None
+        return None, _wrong_type(slot, "integer", raw)
     if slot == "bool":
         return (raw, None) if kind is bool else (None, _wrong_type(slot, "boolean", raw))
     if slot == "float64":
@@ -266,6 +292,8 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
                 return float(raw), None
             except OverflowError:
                 return None, "float64 value out of range"
+        if kind is str and (double := _number_text(raw)) is not None:
+            return double, None
         return None, _wrong_type(slot, "number", raw)
     if kind is not str:
         return None, _wrong_type(slot, "string", raw)
@@ -286,7 +314,17 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
 
 
 def _wrong_type(slot: str, wanted: str, raw: Any) -> str:
+    if wanted in ("integer", "number"):
+        return wrong_number(f"{slot} value", wanted, raw)
     return f"{slot} value must be a JSON {wanted}, got {jtype(raw)}"
+
+
+def wrong_number(field: str, wanted: str, raw: Any) -> str:
+    """The rule a value that is no number (`wanted`: integer or number) breaks where Vektonn reads one, naming
+    the string given when it is one that spells no decimal number."""
+    if type(raw) is str:
+        return f"{field} must be a JSON {wanted}, got string {raw[:50]!r}, which spells no decimal {wanted}"
+    return f"{field} must be a JSON {wanted}, got {jtype(raw)}"
 
 
 def read_vector(raw: Any, position: int | None, attribute: str, problems: list[Problem]) -> Vector | None:
@@ -376,9 +414,12 @@ def attributes_dict(
 
 
 def vector_value(
-    spec: DataSourceSpec, vector: Vector, position: int | None, attribute: str, problems: list[Problem]
+    spec: DataSourceSpec, vector: Vector, position: int | None, attribute: str, problems: list[Problem],
+    *, empty_sparse: bool = True,
 ) -> list[float] | SparseVector | None:
-    """A vector as the records take it (a list, or a SparseVector), or None after noting the problem."""
+    """A vector as the records take it (a list, or a SparseVector), or None after noting the problem. A sparse
+    vector without coordinates is the records' all-zero vector; `empty_sparse=False` refuses it, as Vektonn's
+    SparseVectorValidator does ("Vector must have coordinates")."""
     sparse, coordinates, indices = vector
     if sparse != spec.vectors_are_sparse:
         want = "sparse" if spec.vectors_are_sparse else "dense"
@@ -388,6 +429,9 @@ def vector_value(
         return coordinates
     if indices is None:
         problems.append(Problem("a sparse vector needs coordinateIndices", position, attribute))
+        return None
+    if not empty_sparse and not len(coordinates):
+        problems.append(Problem("a sparse vector must have at least one coordinate", position, attribute))
         return None
     if any(i < _INT64_MIN or i > _INT64_MAX for i in indices):
         # Beyond int64 NumPy cannot even hold the index (the DTO path failed there with a server error).

@@ -1,8 +1,10 @@
 """Vektonn's JSON search query (SearchQueryDto) read with orjson, and its values checked against the data source:
 the query vectors as the searcher takes them, the split filter as {attribute: value}.
 
-The JSON types are checked as the pydantic DTO checked them (shoal.vektonn.json_fields, keys in any case); the
-values as the former conversion checked them, with the same problems.
+The JSON types are checked as the pydantic DTO checked them (shoal.vektonn.json_fields, keys in any case; `k` and
+int64 or float64 values may be written as decimal strings, as Vektonn reads them); the values as the former
+conversion checked them, with the same problems (and, for the search routes, Vektonn's rule that a sparse query
+vector has a coordinate).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from shoal.log.validation import to_float32, unfit_rows
 from shoal.vektonn.json_fields import (
     attributes_dict,
     canon,
+    integer_text,
     jtype,
     load,
     read_entry,
@@ -27,6 +30,7 @@ from shoal.vektonn.json_fields import (
     shape_body,
     stdlib_loads,
     vector_value,
+    wrong_number,
 )
 
 _BEYOND_INT64 = 2.0**63  # orjson reads integers from here on as floats
@@ -87,10 +91,12 @@ def _search_shape(raw: Any, max_vectors: int | None = None) -> tuple[SearchQuery
     query = canon(raw)
     problems: list[Problem] = []
     k = query.get("k")
+    if type(k) is str and (number := integer_text(k)) is not None:
+        k = number  # Vektonn reads numbers from JSON strings too ("k": "2")
     if k is None:
         problems.append(Problem("a search query needs k", attribute="k"))
     elif type(k) is not int:
-        problems.append(Problem(f"k must be a JSON integer, got {jtype(k)}", attribute="k"))
+        problems.append(Problem(wrong_number("k", "integer", k), attribute="k"))
     vectors: list[dict[str, Any]] = []
     raw_vectors = query.get("queryVectors")
     if type(raw_vectors) is list and max_vectors is not None and len(raw_vectors) > max_vectors:
@@ -134,15 +140,17 @@ def _search_shape(raw: Any, max_vectors: int | None = None) -> tuple[SearchQuery
     return SearchQuery(k, vectors, split, retrieve is True, raw_filter), []
 
 
-def query_vectors(spec: DataSourceSpec, query: SearchQuery) -> list[Any] | np.ndarray:
+def query_vectors(spec: DataSourceSpec, query: SearchQuery, *, empty_sparse: bool = True) -> list[Any] | np.ndarray:
     """The query vectors as the searcher takes them: dense ones as one float32 [n, dim] array when they have
     one length (else the list, which the searcher refuses by name), sparse ones as SparseVectors. ValidationError
-    with the former query_vectors's problems (attribute `queryVectors`) when one is of the wrong kind."""
+    with the former query_vectors's problems (attribute `queryVectors`) when one is of the wrong kind.
+    `empty_sparse=False` refuses a sparse query vector without coordinates, as Vektonn does (the search routes);
+    by default it is the all-zero query the searcher takes from Python, as decode_upload's default is."""
     problems: list[Problem] = []
     out: list[Any] = []
     for i, vector in enumerate(query.query_vectors):
         triple = (vector["isSparse"], vector["coordinates"], vector["coordinateIndices"])
-        out.append(vector_value(spec, triple, i, "queryVectors", problems))
+        out.append(vector_value(spec, triple, i, "queryVectors", problems, empty_sparse=empty_sparse))
     if problems:
         raise ValidationError(problems)
     if not spec.vectors_are_sparse and out and len(set(map(len, out))) == 1:

@@ -65,13 +65,16 @@ class EmptyUploadError(ValidationError):
     """The upload body is an empty JSON array (refused as points_to_table refuses an empty batch)."""
 
 
-def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
+def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int, *, empty_sparse: bool = True) -> pa.Table:
     """Vektonn's upload body (a JSON array of InputDataPointOrTombstoneDto) as the validated batch table.
 
     Promises the table `points_to_table(spec, points_from_dtos(spec, dtos), max_points)` gives for the same
     body, or a ValidationError naming each problem's point position and attribute: UploadBodyError when the
     body is no JSON array of objects, EmptyUploadError ("batch is empty") for an empty array, BatchTooLargeError
     beyond `max_points` (before any point is checked). Nothing is written by this function either way.
+    `empty_sparse=False` refuses a sparse vector without coordinates, as Vektonn does (the upload route); by
+    default it is taken as the records take it (an all-zero vector), so a message the intake publisher encoded
+    from SparseVector([], []) decodes as the producer would have written it.
     """
     if not spec.vectors_are_sparse:
         # The common case first: dense points with their coordinates read by simdjson into one matrix. Whatever
@@ -100,7 +103,7 @@ def decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Tabl
         table = _fast_batch(spec, items, max_points)
         if table is not None:
             return table
-    return points_to_table(spec, _records(spec, shape_body(body, loaded, _shape)), max_points)
+    return points_to_table(spec, _records(spec, shape_body(body, loaded, _shape), empty_sparse), max_points)
 
 
 # -- the fast path --------------------------------------------------------------------------------------------
@@ -305,7 +308,7 @@ def _shape(items: list[dict[str, Any]]) -> tuple[list[Shaped], list[Problem]]:
     return out, problems
 
 
-def _records(spec: DataSourceSpec, items: list[Shaped]) -> list[DataPoint | Tombstone]:
+def _records(spec: DataSourceSpec, items: list[Shaped], empty_sparse: bool = True) -> list[DataPoint | Tombstone]:
     """The batch as records, with the former points_from_dtos's rules; ValidationError listing what breaks them."""
     problems: list[Problem] = []
     records: list[DataPoint | Tombstone] = []
@@ -319,7 +322,7 @@ def _records(spec: DataSourceSpec, items: list[Shaped]) -> list[DataPoint | Tomb
         if vector is None:
             problems.append(Problem("a data point needs a vector", pos, "vector"))
             continue
-        value = vector_value(spec, vector, pos, "vector", problems)
+        value = vector_value(spec, vector, pos, "vector", problems, empty_sparse=empty_sparse)
         if value is not None:
             records.append(DataPoint(attributes, value))
     if problems:

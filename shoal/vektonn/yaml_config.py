@@ -169,8 +169,22 @@ def _source(path: Path, data: dict[str, Any]) -> tuple[DataSourceSpec, list[str]
     return spec, [str(k) for k in sharders]
 
 
-def _index(path: Path, data: dict[str, Any], sharders: dict[tuple[str, str], list[str]]) -> IndexSpec:
-    """The index a file declares, as far as it can be checked without its data source."""
+def _shard_attributes(shards: dict[Any, Any]) -> list[str]:
+    """The attribute keys the index's shards are sharded by (Vektonn's IndexMeta.ShardAttributes: every key of
+    every `shardsById.<shard>.shardsByAttributeKey`), in the order first given; none: the default (resolve_index:
+    the id attributes)."""
+    keys: dict[str, None] = {}
+    for shard_id, shard in shards.items():
+        where = f"shardsById.{shard_id}"
+        meta = _keys_folded(where, _mapping(where, shard))
+        by_key = _mapping(f"{where}.shardsByAttributeKey", meta.get("shardsbyattributekey"))
+        keys.update(dict.fromkeys(str(key) for key in by_key))
+    return list(keys)
+
+
+def _index(path: Path, data: dict[str, Any]) -> IndexSpec:
+    """The index a file declares, as far as it can be checked without its data source. Its shard attributes are
+    the index file's own (Vektonn's rule), whatever data source files the folder holds."""
     source_id = _keys_folded("dataSourceId", _mapping("dataSourceId", data.get("datasourceid")))
     if not source_id:
         raise ValidationError(Problem("dataSourceId is required: a mapping {name, version}"))
@@ -194,7 +208,7 @@ def _index(path: Path, data: dict[str, Any], sharders: dict[tuple[str, str], lis
         params=params,
         id_attributes=_names("idAttributes", data.get("idattributes")),
         split_attributes=_names("splitAttributes", data.get("splitattributes")),
-        shard_attributes=sharders.get((source_name, source_version), []),
+        shard_attributes=_shard_attributes(shards),
         shard_count=max(1, len(shards)),
     )
 
@@ -229,7 +243,7 @@ def read_folder(folder: Path) -> Declared:
         declared.source_files[(spec.name, spec.version)] = path
     for path in index_paths:
         with naming_file(path):
-            index = _index(path, _load(path), declared.sharders)
+            index = _index(path, _load(path))
         declared.indexes.append(index)
         declared.index_files[(index.name, index.version)] = path
     return declared
