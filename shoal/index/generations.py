@@ -6,6 +6,10 @@ other; only its version says what it is. The generation serving searches holds t
 take (`~` is not allowed in names) and that lists leave out. A swap renames the two rows in one transaction,
 guarded like a compare-and-swap: it happens only if the serving row is still the one the job started from.
 Aliases naming the index move with it in the same transaction.
+
+A job belongs to the index whose generations it links (`from_index_id`, `to_index_id`), not to its name: a
+name is free for a new index once the old one is dropped or in the trash, and the old one's jobs are not the
+new one's.
 """
 
 from __future__ import annotations
@@ -74,6 +78,36 @@ class JobRecord:
     finished_at: dt.datetime | None
 
 
+@dataclass(frozen=True)
+class _Lineage:
+    """The live index (name, version): the ids of all its generations, and when its data source was made."""
+
+    ids: frozenset[int]
+    since: dt.datetime | None
+
+
+def _lineage(s: Session, tenant_id: int, name: str, version: str) -> _Lineage:
+    """The live index (name, version)'s generations; none when there is no such live index."""
+    serving = s.execute(
+        select(Index.id, DataSource.created_at)
+        .join(DataSource, DataSource.id == Index.data_source_id)
+        .where(Index.tenant_id == tenant_id, Index.name == name, Index.version == version, Index.deleted_at.is_(None))
+    ).one_or_none()
+    if serving is None:
+        return _Lineage(frozenset(), None)
+    return _Lineage(frozenset(generation_ids(s, serving.id)), serving.created_at)
+
+
+def _of_lineage(row: ReindexJob, lineage: _Lineage) -> bool:
+    """Whether the job is one of the index's: it links one of its generations, or none any more (both rows
+    went, as a replaced generation's do once their keep time ended) and it started after the index's data
+    source was made (one of a dropped data source's index of the same name started before)."""
+    linked = [i for i in (row.from_index_id, row.to_index_id) if i is not None]
+    if linked:
+        return any(i in lineage.ids for i in linked)
+    return lineage.since is not None and row.created_at >= lineage.since
+
+
 def _job(row: ReindexJob) -> JobRecord:
     return JobRecord(
         row.id, row.tenant_id, row.index_name, row.index_version, row.from_index_id, row.to_index_id, row.state,
@@ -97,15 +131,17 @@ class Generations:
             return _job(row)
 
     def jobs(self, tenant_id: int, name: str, version: str) -> list[JobRecord]:
-        """The index's reindex jobs, newest first."""
+        """The live index's reindex jobs, newest first; not those of an index of the same name that was dropped
+        or is in the trash (see the module doc)."""
         with Session(self.engine) as s:
+            lineage = _lineage(s, tenant_id, name, version)
             rows = s.scalars(
                 select(ReindexJob)
                 .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
                        ReindexJob.index_version == version)
                 .order_by(ReindexJob.id.desc())
             )
-            return [_job(r) for r in rows]
+            return [_job(r) for r in rows if _of_lineage(r, lineage)]
 
     def stalled(self, idle_s: float) -> list[int]:
         """Ids of building jobs that recorded no progress for `idle_s` seconds (their task may be lost)."""
@@ -116,8 +152,19 @@ class Generations:
             ))
 
     def running(self, tenant_id: int, name: str, version: str) -> JobRecord | None:
-        """The index's job still building, if any."""
-        return next((j for j in self.jobs(tenant_id, name, version) if j.state == "building"), None)
+        """The live index's job still building (one building a generation of it), if any."""
+        with Session(self.engine) as s:
+            ids = list(_lineage(s, tenant_id, name, version).ids)
+            if not ids:
+                return None
+            row = s.scalars(
+                select(ReindexJob)
+                .where(ReindexJob.tenant_id == tenant_id, ReindexJob.state == "building",
+                       ReindexJob.from_index_id.in_(ids) | ReindexJob.to_index_id.in_(ids))
+                .order_by(ReindexJob.id.desc())
+                .limit(1)
+            ).one_or_none()
+            return _job(row) if row is not None else None
 
     def set_progress(self, job_id: int, progress: float, eta_s: float | None) -> None:
         """Record how far the new generation got (a job that ended is left alone)."""
@@ -147,14 +194,16 @@ class Generations:
         serving row is no longer the one the job started from or the job ended meanwhile (reload the job to
         see which)."""
         with Session(self.engine) as s, s.begin():
-            job = s.get(ReindexJob, job_id, with_for_update=True)
+            # The source row first, then the job and the index rows: the order a soft delete and the drops of a
+            # data source take them in (they end its building jobs), so a swap racing one of them waits instead
+            # of deadlocking. The job is read unlocked first only to learn its data source.
+            to_index = s.scalar(select(ReindexJob.to_index_id).where(ReindexJob.id == job_id))
+            source_id = s.scalar(select(Index.data_source_id).where(Index.id == to_index)) if to_index else None
+            locked = lock_source(s, source_id, missing_ok=True) if source_id is not None else None
+            job = s.get(ReindexJob, job_id, with_for_update=True, populate_existing=True)
             if job is None or job.state != "building" or job.from_index_id is None or job.to_index_id is None:
                 raise ConflictError(f"reindex job {job_id} is no longer building", expected="building",
                                     actual=job.state if job is not None else None)
-            # The source row first, then the index rows: the order a soft delete and the drops take them in,
-            # so a swap racing one of them waits instead of deadlocking.
-            source_id = s.scalar(select(Index.data_source_id).where(Index.id == job.to_index_id))
-            locked = lock_source(s, source_id, missing_ok=True) if source_id is not None else None
             old = s.get(Index, job.from_index_id, with_for_update=True)
             new = s.get(Index, job.to_index_id, with_for_update=True)
             if old is None or new is None or old.version != job.index_version:
@@ -173,10 +222,13 @@ class Generations:
     def rollback(self, tenant_id: int, name: str, version: str) -> tuple[int, int]:
         """Serve the generation the last swap replaced again (if still kept); returns (from id, to id)."""
         with Session(self.engine) as s, s.begin():
+            # Of this index: a swapped job of a dropped or trashed index of the same name is not its to undo.
+            lineage = list(_lineage(s, tenant_id, name, version).ids)
             job = s.scalars(
                 select(ReindexJob)
                 .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
-                       ReindexJob.index_version == version, ReindexJob.state == "swapped")
+                       ReindexJob.index_version == version, ReindexJob.state == "swapped",
+                       ReindexJob.to_index_id.in_(lineage))
                 .order_by(ReindexJob.id.desc())
                 .limit(1)
                 .with_for_update()

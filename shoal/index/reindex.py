@@ -36,7 +36,7 @@ from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
-from shoal.index.generations import HIDDEN, Generations, JobRecord, hidden_version, is_hidden
+from shoal.index.generations import HIDDEN, Generations, JobRecord, generation_ids, hidden_version, is_hidden
 from shoal.index.segment import vectors_of
 from shoal.index.segment_cache import SegmentCache
 from shoal.index.sharding import shard_numbers
@@ -118,9 +118,11 @@ def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec,
             raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {indexes.tenant!r}")
         if serving != current.id:  # swapped or dropped and made again since it was read
             raise ReindexConflictError(f"index {name!r} version {version!r} changed meanwhile; try again")
+        # A job of this index's generations (not one of a dropped index that had the name: not this one's).
+        ids = generation_ids(s, serving)
         if s.scalar(select(ReindexJob.id).where(
-            ReindexJob.tenant_id == indexes.tenant_id, ReindexJob.index_name == name,
-            ReindexJob.index_version == version, ReindexJob.state == "building",
+            ReindexJob.tenant_id == indexes.tenant_id, ReindexJob.state == "building",
+            ReindexJob.from_index_id.in_(ids) | ReindexJob.to_index_id.in_(ids),
         ).limit(1)) is not None:
             raise ReindexConflictError(f"index {name!r} version {version!r} is being reindexed already")
         top = s.scalar(select(func.max(Index.generation)).where(

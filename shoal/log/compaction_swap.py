@@ -30,6 +30,7 @@ from shoal.catalog.models import (
 )
 from shoal.catalog.repo import SourceRecord, _record
 from shoal.errors import ConflictError, NotFoundError
+from shoal.upkeep.gc_queue import deleted_among
 
 # Garbage reasons: why a file was queued for deletion (the deletion log shows them).
 COMPACTED = "compacted"
@@ -86,14 +87,15 @@ def load_source(engine: Engine, source_id: int) -> SourceRecord:
 
 
 def sources_with_metadata(engine: Engine, key: str, dataset_marker: str) -> list[SourceRecord]:
-    """Every data source (of every tenant) whose custom metadata has `key`, at the top or in its dataset's
-    metadata (`custom_metadata[dataset_marker]["metadata"]`)."""
+    """Every live data source (of every tenant) whose custom metadata has `key`, at the top or in its dataset's
+    metadata (`custom_metadata[dataset_marker]["metadata"]`). One in the trash is left out: nothing changes it
+    there (a sweep would only read its log and fail on it, every run)."""
     meta = DataSource.custom_metadata
     with Session(engine) as s:
         rows = s.execute(
             select(DataSource, Tenant.name)
             .join(Tenant, Tenant.id == DataSource.tenant_id)
-            .where(meta.has_key(key) | meta[dataset_marker]["metadata"].has_key(key))
+            .where(meta.has_key(key) | meta[dataset_marker]["metadata"].has_key(key), DataSource.deleted_at.is_(None))
             .order_by(DataSource.id)
         ).all()
         return [_record(row, tenant) for row, tenant in rows]
@@ -134,12 +136,13 @@ def dropped_through(engine: Engine, source_id: int) -> int:
 
 
 def compaction_states(engine: Engine, source_ids: Sequence[int] | None = None) -> list[CompactionState]:
-    """The compaction state of every data source (of `source_ids` when given), for the sweep."""
+    """The compaction state of every live data source (of `source_ids` when given), for the sweep. A source in
+    the trash is left out: nothing changes it there, and a purge or a restore decides what becomes of it."""
     low = _lowest_watermark_expr(DataSource.id)
     with Session(engine) as s:
         q = select(
             DataSource.id, DataSource.head_seq, low, LogCompaction.compacted_through, LogCompaction.compacted_at
-        ).outerjoin(LogCompaction, LogCompaction.data_source_id == DataSource.id)
+        ).outerjoin(LogCompaction, LogCompaction.data_source_id == DataSource.id).where(DataSource.deleted_at.is_(None))
         if source_ids is not None:
             q = q.where(DataSource.id.in_(list(source_ids)))
         rows = s.execute(q.order_by(DataSource.id)).all()
@@ -208,8 +211,8 @@ def replace_segments(
     files_exist: Callable[[list[str]], bool],
 ) -> None:
     """Swap the old segments for the new ones in one transaction. ConflictError, nothing changed, when
-    another compaction replaced any of the old segments first or a new file is missing (the caller discards
-    its files); NotFoundError when the data source was dropped.
+    another compaction replaced any of the old segments first or a new file is missing or being deleted by GC
+    (the caller discards its files); NotFoundError when the data source was dropped.
 
     Under the data source's row lock, as commits take it: the producer batches move to the new segments,
     the old rows go, the new rows come, the old files are queued as garbage (deleted after
@@ -227,10 +230,13 @@ def replace_segments(
                 f"data source {source_id}: another compaction replaced some of these segments first",
                 expected=len(old_ids), actual=present,
             )
-        # GC deletes log files only under this same lock, so a file present now stays until we commit,
-        # and from then on our row references it.
-        if not files_exist([r.new.path for r in replacements]):
-            raise ConflictError(f"data source {source_id}: a compacted file vanished before the swap")
+        # GC records the deletion of a log file under this same lock and deletes the file after its COMMIT
+        # (shoal.upkeep.gc): a new file with no record now keeps none until we commit, and from then on our row
+        # references it; one with a record is going, even if it is still there.
+        new_paths = [r.new.path for r in replacements]
+        if deleted_among(conn, new_paths) or not files_exist(new_paths):
+            raise ConflictError(f"data source {source_id}: a compacted file vanished before the swap (collected "
+                                "as garbage: the compaction ran past the GC grace period)")
         # The producer batches (batch id -> token, for deduplication) move to the segment now holding their
         # seqs. Deleting the old rows cascades to them, and the new row cannot come first (it takes the old
         # first row's first_seq), so they are read, dropped with the old rows and inserted again.

@@ -152,6 +152,27 @@ class Storage:
         except (OSError, FileNotFoundError):
             pass
 
+    def remove_empty_dir(self, relative_dir: str) -> bool:
+        """Remove the folder `relative_dir` if it holds nothing: locally an empty directory, on S3 the directory
+        marker object pyarrow writes when it deletes a folder's last file. True when removed; a folder with
+        anything in it stays. Locally the removal itself refuses a non-empty directory; on S3 a listing checks
+        first, so call it only for a folder nothing writes into any more (an object written between the two
+        would go with the marker)."""
+        full = self.path(relative_dir)
+        if self.local:
+            try:
+                os.rmdir(full)
+            except OSError:  # not empty, or gone already
+                return False
+            return True
+        if self.fs.get_file_info(pafs.FileSelector(full, recursive=False, allow_not_found=True)):
+            return False
+        try:
+            self.fs.delete_dir(full)
+        except FileNotFoundError:
+            return False
+        return True
+
     def list_files(self, relative_dir: str) -> list[str]:
         """Layout-relative paths of every file under `relative_dir` (empty when it does not exist)."""
         selector = pafs.FileSelector(self.path(relative_dir), recursive=True, allow_not_found=True)

@@ -68,16 +68,24 @@ def drop_index(
         garbage.lock_shards(conn, ids)  # a publish in flight commits first (and is listed) or fails
         files = sorted(garbage.index_files_of(conn, ids))
         if generations:
-            conn.execute(
-                update(ReindexJob)
-                .where(ReindexJob.state == "building",
-                       (ReindexJob.from_index_id.in_(ids)) | (ReindexJob.to_index_id.in_(ids)))
-                .values(state="cancelled", error="the index was dropped", updated_at=func.now(),
-                        finished_at=func.now())
-            )
+            cancel_reindexes(conn, ids, "the index was dropped")
         conn.execute(delete(Index).where(Index.id.in_(ids)))  # cascades to shards, versions, index_files
         garbage.enqueue(conn, files, reason, delete_after)
     return files
+
+
+def cancel_reindexes(conn: Connection, index_ids: Sequence[int], why: str) -> int:
+    """Inside the caller's transaction: end as cancelled (with `why` as the error) every reindex still building
+    from or into one of these indexes, so none is left building for an index that is gone (it would block a
+    reindex of a new index under the name); how many."""
+    if not index_ids:
+        return 0
+    ids = list(index_ids)
+    return int(conn.execute(
+        update(ReindexJob)
+        .where(ReindexJob.state == "building", ReindexJob.from_index_id.in_(ids) | ReindexJob.to_index_id.in_(ids))
+        .values(state="cancelled", error=why, updated_at=func.now(), finished_at=func.now())
+    ).rowcount or 0)
 
 
 def drop_data_source(engine: Engine, source_id: int, *, delete_after: dt.datetime) -> list[str]:
@@ -93,9 +101,11 @@ def delete_source_rows(
     conn: Connection, source_id: int, reason: str, delete_after: dt.datetime, extra: Iterable[str] = ()
 ) -> list[str]:
     """Inside the caller's transaction, which holds the source's row lock: queue the files of the source's
-    rows (log segments, index versions) and `extra`, then delete the rows; the files queued."""
+    rows (log segments, index versions) and `extra`, end its indexes' reindexes still building as cancelled,
+    then delete the rows; the files queued."""
     index_ids = list(conn.scalars(select(Index.id).where(Index.data_source_id == source_id)))
     garbage.lock_shards(conn, index_ids)
+    cancel_reindexes(conn, index_ids, "the data source was dropped")
     files = set(conn.scalars(select(LogSegment.path).where(LogSegment.data_source_id == source_id)))
     files |= garbage.index_files_of(conn, index_ids)
     files |= set(extra)

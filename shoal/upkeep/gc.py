@@ -13,17 +13,37 @@ nothing will delete. Files reach the queue from:
 
 A queued file is deleted only after its grace period, and only if no row references it: no log segment row,
 no kept index version (`index_files`; versions share segment files, so a pruned version's files are often
-still in use), and for a dataset's metadata mirror no live data source of that name (or, in the trash folder,
-no data source in the trash with that id).
+still in use), and for a dataset's metadata mirror (the one file of a dataset or trash folder a row owns) no
+live data source of that name (or, in the trash folder, no data source in the trash with that id).
 
-A log file is deleted only inside a transaction holding the row lock of the data source owning its folder:
-commits write their file under that same lock, and compactions check their new files still exist under it
-before publishing, so no row can ever point at a file GC deleted. An index build writes its files before it
-publishes, without a lock GC could take; instead, each deletion locks the file's queue row, and a publish
-checks under a share lock of those rows that none of its new files was deleted (`publishable`): either the
-publish commits first, and the deletion sees its reference and keeps the file, or the publish sees the file
-deleted and gives up (the build runs again). The grace period protects readers that listed a segment or
-loaded a version just before it was replaced or dropped.
+A file the scan found may belong to a commit, compaction or build still in flight (one slower than the grace
+period), so its deletion has two steps. First one transaction locks the file's owner (the row lock of the
+data source owning a log folder, the share lock of the shard rows owning an index folder), then its queue
+row, checks no row references it, records the deletion (`deleted_at`) and commits. Then the file leaves
+storage, with no lock held (on S3 each deletion costs several requests, and every commit to the source would
+wait). The record is final (`gc_queue.enqueue` never reopens it for a uuid-named file), and every publisher
+checks it before naming a file it wrote:
+
+- a commit writes its log file under the data source's row lock, so the file is never older than the grace
+  period while unpublished;
+- a compaction checks under that same lock that none of its new files has a deletion record
+  (`shoal.log.compaction_swap.replace_segments`);
+- an index build or merge checks, holding its shard row and a share lock of the files' queue rows, that none
+  of its new files has one (`publishable`).
+
+So either the publish commits first, and the deletion (which waits for the owner's lock) sees its reference
+and keeps the file, or the deletion is recorded first and the publish gives up (the build runs again). A crash
+or a storage error between the two steps leaves a file whose deletion is recorded: no row can name it any
+more, and the next scan deletes it.
+
+Every other queued file was named by rows that are gone now (replaced, pruned, dropped, purged, released):
+nothing publishes it again, so it leaves storage first, with no lock held either, and its deletion is recorded
+after; a crash in between leaves it queued, and the next run (GC, a drop's `delete_now`, the purge) deletes it.
+The grace period protects readers that listed a segment or loaded a version just before it was replaced or
+dropped.
+
+Once the last file of an index segment's folder is gone, the folder goes too (an empty directory locally,
+the directory marker pyarrow leaves on S3): builds make a new one every time.
 """
 
 from __future__ import annotations
@@ -44,7 +64,7 @@ from shoal.upkeep import gc_queue as garbage
 
 log = logging.getLogger(__name__)
 
-CHUNK = 500  # files deleted per transaction (the data source's lock is held meanwhile)
+CHUNK = 500  # queued files one transaction checks (and for files the scan found, records under their owner's lock)
 
 Announce = Callable[[garbage.GarbageRow], None]  # told about each file a deletion removed
 
@@ -65,10 +85,26 @@ class GcResult:
         return asdict(self)
 
 
-def log_owner(path: str) -> tuple[str, str, str] | None:
-    """(tenant, data source, version) of a path inside a log folder, None for any other path."""
-    owner = layout.parse_log_path(path)
-    return (owner.tenant, owner.source, owner.version) if owner is not None else None
+Owner = tuple[str, str, str, str, int]  # (kind, tenant, name, version, shard number or 0)
+
+
+def _owner(path: str) -> Owner | None:
+    """Whose lock a deletion of `path` takes: a log folder's data source, an index folder's shard."""
+    if (found := layout.parse_log_path(path)) is not None:
+        return ("log", found.tenant, found.source, found.version, 0)
+    if (shard := layout.parse_index_path(path)) is not None:
+        return ("index", shard.tenant, shard.index, shard.version, shard.shard_no)
+    return None
+
+
+def _lock_owner(conn: Connection, owner: Owner | None, lock_timeout_ms: int) -> None:
+    if owner is None:
+        return
+    kind, tenant, name, version, shard_no = owner
+    if kind == "log":
+        garbage.lock_log_owner(conn, tenant, name, version, lock_timeout_ms)
+    else:
+        garbage.lock_index_owner(conn, tenant, name, version, shard_no)
 
 
 def collect_garbage(
@@ -85,8 +121,9 @@ def collect_garbage(
     queued file whose grace period ended by `now` and that no row references; of one tenant when given, else
     of all.
 
-    Promises: a file a catalog row references is never deleted; every deletion is logged (here and in
-    `garbage_files`); a crash at any point leaves at most files still queued, deleted by the next run.
+    Promises: a file a catalog row references is never deleted, nor one a publish names later; every
+    deletion is logged (here and in `garbage_files`); a crash at any point leaves at most files still queued,
+    or recorded as deleted but still in storage, both deleted by the next run (with `scan`).
     """
     now = now or dt.datetime.now(dt.UTC)
     result = GcResult()
@@ -112,18 +149,18 @@ def delete_queued(
 ) -> OSError | None:
     """Delete these queued files (their grace periods are the caller's business) unless a row references one,
     counting into `result`; `announce` hears of each file deleted. Returns the first storage error (the files
-    it hit stay queued, the rest still go), None when there was none."""
-    by_owner: dict[tuple[str, str, str] | None, list[garbage.GarbageRow]] = defaultdict(list)
+    it hit stay queued, or for files the scan found keep their deletion record, and the next run deletes them;
+    the rest still go), None when there was none."""
+    by_owner: dict[Owner | None, list[garbage.GarbageRow]] = defaultdict(list)
     for row in rows:
-        by_owner[log_owner(row.path)].append(row)
+        by_owner[_owner(row.path)].append(row)
     failure: OSError | None = None
     for owner, owned in by_owner.items():
         for start in range(0, len(owned), CHUNK):
             try:
                 _delete_chunk(engine, storage, owner, owned[start : start + CHUNK], lock_timeout_ms, result,
                               announce)
-            except OSError as exc:  # storage trouble with some files: the rest still go, these stay queued
-                log.warning("gc: could not delete files of %s: %s (they stay queued)", owner or "other folders", exc)
+            except OSError as exc:  # storage trouble with some files: the rest still go
                 failure = failure or exc
     return failure
 
@@ -147,10 +184,20 @@ def _scan(
         # Read after listing: a file whose commit or publish landed meanwhile is seen as referenced.
         with engine.connect() as conn:
             referenced = referenced_among(conn, [path for path, _ in found])
+        result.scanned += len(found)
+        unreferenced = [(path, mtime) for path, mtime in found if path not in referenced]
+        # A file whose deletion was recorded but that is still there (a run killed, or a storage error, between
+        # recording and deleting): the record is final, no row can name the file any more, so it goes now. A
+        # mirror (fixed name) may have been written again since: it is queued again instead.
+        with engine.connect() as conn:
+            recorded = garbage.recorded_deleted(
+                conn, [path for path, _ in unreferenced if not garbage.fixed_name(path)]
+            )
+        _remove(storage, recorded, result, None)  # a storage error: the next scan tries again
+        finished = {r.path for r in recorded}
         due: dict[str, dt.datetime] = {}
-        for path, mtime in found:
-            result.scanned += 1
-            if path in referenced:
+        for path, mtime in unreferenced:
+            if path in finished:
                 continue
             # Younger files may belong to a commit, compaction or build still in flight: a later scan sees them.
             written = _aware(mtime) if mtime is not None else now
@@ -163,44 +210,125 @@ def _scan(
 def _delete_chunk(
     engine: Engine,
     storage: Storage,
-    owner: tuple[str, str, str] | None,
+    owner: Owner | None,
     rows: list[garbage.GarbageRow],
     lock_timeout_ms: int,
     result: GcResult,
     announce: Announce | None,
 ) -> None:
+    """Delete the files of those of `rows` no row references, logging each (see the module doc for the two
+    orders). Raises the first storage error after trying every file."""
+    found = [r for r in rows if r.reason == garbage.UNREFERENCED]
+    released = [r for r in rows if r.reason != garbage.UNREFERENCED]
+    failure: OSError | None = None
+    if found:
+        failure = _record_then_delete(engine, storage, owner, found, lock_timeout_ms, result, announce)
+    if released:
+        failure = _delete_then_record(engine, storage, released, lock_timeout_ms, result, announce) or failure
+    if failure is not None:
+        raise failure
+
+
+def _unreferenced(conn: Connection, rows: list[garbage.GarbageRow], result: GcResult) -> list[garbage.GarbageRow]:
+    """Lock the queue rows, take those a catalog row references off the queue, and return the others."""
+    # Locked before the reference check: a publish naming one of these files waits for this transaction.
+    queued = garbage.lock_queued(conn, [r.id for r in rows])
+    rows = [r for r in rows if r.id in queued]  # another run may have done the rest meanwhile
+    refs = referenced_among(conn, [r.path for r in rows])
+    kept = [r for r in rows if r.path in refs]
+    for r in kept:
+        log.info("gc: kept %s: a catalog row references it (taken off the queue)", r.path)
+    garbage.forget(conn, [r.id for r in kept])
+    result.kept += len(kept)
+    return [r for r in rows if r.path not in refs]
+
+
+def _record_then_delete(
+    engine: Engine,
+    storage: Storage,
+    owner: Owner | None,
+    rows: list[garbage.GarbageRow],
+    lock_timeout_ms: int,
+    result: GcResult,
+    announce: Announce | None,
+) -> OSError | None:
+    """Files the scan found, which a commit, compaction or build in flight may still publish: their deletion
+    is recorded and committed under the owner's lock first, then they leave storage with no lock held."""
     with engine.begin() as conn:
         set_lock_timeout(conn, lock_timeout_ms)
-        if owner is not None:
-            garbage.lock_log_owner(conn, *owner, lock_timeout_ms)
-        # Locked before the reference check: a publish naming one of these files waits for this transaction.
-        queued = garbage.lock_queued(conn, [r.id for r in rows])
-        rows = [r for r in rows if r.id in queued]  # another run may have done the rest meanwhile
-        refs = referenced_among(conn, [r.path for r in rows])
-        kept = [r.id for r in rows if r.path in refs]
-        gone: list[int] = []
-        for r in rows:
-            if r.path in refs:
-                log.info("gc: kept %s: a catalog row references it (taken off the queue)", r.path)
-                continue
-            if _delete(storage, r.path):
-                result.deleted += 1
-                log.info("gc: deleted %s (%s; grace period ended %s)", r.path, r.reason, r.delete_after.isoformat())
-                if announce is not None:
-                    announce(r)
-            else:
-                result.already_gone += 1
-            gone.append(r.id)
-        result.kept += len(kept)
-        garbage.forget(conn, kept)
+        # The owner first: a commit or publish in flight holds it, then takes the queue rows (`publishable`).
+        _lock_owner(conn, owner, lock_timeout_ms)
+        gone = _unreferenced(conn, rows, result)
         # Recorded with the time it really happened, whatever `now` the run was asked to assume.
-        garbage.mark_deleted(conn, gone, dt.datetime.now(dt.UTC))
+        garbage.mark_deleted(conn, [r.id for r in gone], dt.datetime.now(dt.UTC))
+    _, failure = _remove(storage, gone, result, announce)
+    return failure
+
+
+def _delete_then_record(
+    engine: Engine,
+    storage: Storage,
+    rows: list[garbage.GarbageRow],
+    lock_timeout_ms: int,
+    result: GcResult,
+    announce: Announce | None,
+) -> OSError | None:
+    """Files that rows named until they were deleted (replaced, pruned, dropped, purged, released): nothing
+    publishes them again, so they leave storage first and their deletion is recorded after; a crash in between
+    leaves them queued for the next run (a drop's `delete_now`, the purge, or GC)."""
+    with engine.begin() as conn:
+        set_lock_timeout(conn, lock_timeout_ms)
+        gone = _unreferenced(conn, rows, result)
+    done, failure = _remove(storage, gone, result, announce)
+    with engine.begin() as conn:
+        garbage.mark_deleted(conn, [r.id for r in done], dt.datetime.now(dt.UTC))
+    return failure
+
+
+def _remove(
+    storage: Storage, rows: Sequence[garbage.GarbageRow], result: GcResult, announce: Announce | None
+) -> tuple[list[garbage.GarbageRow], OSError | None]:
+    """Delete the files of these rows, then the index segment folders they emptied; the rows whose file is
+    gone now, and the first storage error (after trying every file)."""
+    failure: OSError | None = None
+    done: list[garbage.GarbageRow] = []
+    folders: set[str] = set()
+    for r in rows:
+        try:
+            existed = _delete(storage, r.path)
+        except OSError as exc:
+            log.warning("gc: could not delete %s: %s (the next run tries again)", r.path, exc)
+            failure = failure or exc
+            continue
+        done.append(r)
+        if existed:
+            result.deleted += 1
+            log.info("gc: deleted %s (%s; grace period ended %s)", r.path, r.reason, r.delete_after.isoformat())
+            if announce is not None:
+                announce(r)
+        else:
+            result.already_gone += 1
+        if (folder := _segment_folder(r.path)) is not None:
+            folders.add(folder)
+    for folder in sorted(folders):
+        try:
+            storage.remove_empty_dir(folder)
+        except OSError as exc:  # only tidiness: the folder holds no file
+            log.info("gc: could not remove the empty folder %s: %s", folder, exc)
+    return done, failure
+
+
+def _segment_folder(path: str) -> str | None:
+    """The index segment folder (`.../shard-N/{segment_uuid}`) a file is directly in; None for other paths."""
+    parts = path.split("/")
+    return "/".join(parts[:-1]) if len(parts) == 9 and layout.parse_index_path(path) is not None else None
 
 
 def referenced_among(conn: Connection, paths: Iterable[str]) -> set[str]:
-    """The paths among `paths` a catalog row references: a log segment, a kept index version, or for a file
-    of a dataset folder a live data source of that name, for one of a trash folder a data source in the trash
-    with that id (the folder's owners; those files have fixed names, so they are known by their owner)."""
+    """The paths among `paths` a catalog row references: a log segment, a kept index version, or for the
+    metadata mirror of a dataset folder a live data source of that name, for the one of a trash folder a data
+    source in the trash with that id (the folders' owners; those files have fixed names, so they are known by
+    their owner). Any other file of those folders (a killed writer's temp file) is nobody's."""
     paths = sorted(set(paths))
     found: set[str] = set()
     for start in range(0, len(paths), CHUNK):
@@ -208,7 +336,7 @@ def referenced_among(conn: Connection, paths: Iterable[str]) -> set[str]:
         found |= garbage.log_paths_among(conn, chunk) | garbage.index_paths_among(conn, chunk)
     owners: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (tenant, folder, owner) -> paths
     for path in paths:
-        if (o := layout.parse_owner_path(path)) is not None:
+        if garbage.fixed_name(path) and (o := layout.parse_owner_path(path)) is not None:
             owners[(o.tenant, o.kind, o.owner)].append(path)
     for tenant in {t for t, _, _ in owners}:
         names = [o for t, f, o in owners if t == tenant and f == "datasets"]
@@ -222,9 +350,10 @@ def referenced_among(conn: Connection, paths: Iterable[str]) -> set[str]:
 
 
 def publishable(conn: Connection, new_files: Sequence[str]) -> bool:
-    """Whether a version may be published naming these files it wrote: False when GC deleted one of them
-    (a build that ran past the grace period, whose files the scan took for a crash's). Call it inside the
-    publishing transaction: it waits for a deletion of one of them in flight (see the module doc)."""
+    """Whether a version may be published naming these files it wrote: False when GC recorded the deletion of
+    one of them (a build that ran past the grace period, whose files the scan took for a crash's). Call it
+    inside the publishing transaction, after taking the shard row's lock: it waits for a deletion of one of
+    them in flight (see the module doc)."""
     gone = garbage.deleted_among(conn, sorted(set(new_files)))
     if gone:
         log.warning("gc: a build's file was collected before it published (%s, ...): the build must run again",
@@ -233,12 +362,9 @@ def publishable(conn: Connection, new_files: Sequence[str]) -> bool:
 
 
 def _delete(storage: Storage, path: str) -> bool:
-    """Delete one file; False when it was already gone. Storage errors propagate (the row stays queued)."""
-    full = storage.path(path)
-    if storage.fs.get_file_info(full).type == pafs.FileType.NotFound:
-        return False
+    """Delete one file; False when it was already gone. Other storage errors propagate."""
     try:
-        storage.fs.delete_file(full)
+        storage.fs.delete_file(storage.path(path))  # one check and one request fewer than asking first
     except FileNotFoundError:
         return False
     return True

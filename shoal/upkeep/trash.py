@@ -3,9 +3,10 @@
 A soft-deleted data source keeps its rows and its files where they are; the catalog marks it: the data
 source's `deleted_at` and `purge_after`, and `deleted_at` on each of its indexes. Every tenant-scoped lookup
 (`Catalog`, `IndexCatalog`, aliases, the dataset catalog) ignores marked rows, so a source in the trash is
-not found exactly like a missing one, builds stop (`ShardCatalog.shard_context`), and its names are free
-for reuse (the unique indexes cover live rows only). Restoring clears the marks unless a live data source or
-index took one of the names meanwhile (AlreadyExistsError), or the retention ended.
+not found exactly like a missing one, builds stop (`ShardCatalog.shard_context`; a reindex still building
+ends as cancelled), and its names are free for reuse (the unique indexes cover live rows only). Restoring
+clears the marks unless a live data source or index took one of the names meanwhile (AlreadyExistsError), or
+the retention ended.
 
 The purge (beat's `purge_trash`, `shoal trash purge`) is "delete rows, queue files", then deletes what it
 queued at once:
@@ -45,7 +46,7 @@ from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
 from shoal.storage.layout import trash_dir
 from shoal.upkeep import gc_queue as garbage
-from shoal.upkeep.drops import delete_now, delete_source_rows
+from shoal.upkeep.drops import cancel_reindexes, delete_now, delete_source_rows
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,10 @@ class Trash:
                 .where(Index.data_source_id == row.id, Index.deleted_at.is_(None))
                 .values(deleted_at=now)
             )
+            # Builds stop in the trash, so a reindex could never finish; left building, it would keep a new
+            # index under the name from being reindexed. A restore brings the index back as it serves.
+            index_ids = list(s.scalars(select(Index.id).where(Index.data_source_id == row.id)))
+            cancel_reindexes(s.connection(), index_ids, "the data source was moved to the trash")
             s.flush()
             trashed = _trashed(s, row, self.tenant)
         log.info(
