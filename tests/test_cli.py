@@ -116,7 +116,9 @@ def test_source_create_get_list_drop(tenant: str) -> None:
     ]
     table = shoal_cli("source", "list").stdout
     assert "docs.v" in table and "other" in table and "k:guid" in table
-    # Another tenant sees none of them.
+    # Another tenant sees none of them (a tenant that does not exist is not found, and not created by a read).
+    assert "not found" in shoal_cli("source", "list", "--tenant", tenant + "-b", code=1).stderr
+    shoal_cli("tenant", "create", tenant + "-b")
     assert "No data sources" in shoal_cli("source", "list", "--tenant", tenant + "-b").stdout
 
     again = shoal_cli("source", "create", "docs.v", "2.0", "--dim", "8", "--attr", "id:int64", "--permanent", "id",
@@ -158,7 +160,8 @@ def test_invalid_input_is_one_line_and_exit_1(tenant: str) -> None:
     shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id", "--permanent", "id", code=2)
     shoal_cli("source", "create", "s", "1", "--dim", "3", "--attr", "id:int64", "--permanent", "id",
               "--metadata", "[1]", code=2)
-    assert json.loads(shoal_cli("source", "list", "--json").stdout) == []
+    # Nothing was created, not even the tenant (a reading command does not create it).
+    assert "not found" in shoal_cli("source", "list", "--json", code=1).stderr
 
 
 # -- import ---------------------------------------------------------------------------------------------
@@ -309,7 +312,7 @@ def test_log_shows_head_segments_and_state(tenant: str, sample: tuple) -> None:
 
 
 def test_server_status_and_settings(cli_env: Path, tenant: str) -> None:
-    shoal_cli("source", "list")  # makes sure the catalog is up
+    shoal_cli("tenant", "list")  # makes sure the catalog is up
     status = shoal_cli("server", "status").stdout
     assert "catalog" in status and "broker" in status and "storage" in status
     assert "running" in status or "reachable" in status

@@ -138,7 +138,8 @@ def test_option_parsing() -> None:
     assert parse_consistency("eventual") == Consistency.eventual()
     assert parse_consistency("strong") == Consistency.strong()
     assert parse_consistency("at_least:42") == Consistency.at_least(42)
-    assert parse_consistency("at_least:docs/1@42") == Consistency.at_least(42)  # a whole write token
+    token = parse_consistency("at_least:docs/1@42")  # a whole write token: its data source is kept, to be checked
+    assert token == Consistency.at_least(42) and (token.data_source, token.data_source_version) == ("docs", "1")
     argv = worker_argv(beat=True, schedule=Path("/d/s"), concurrency=2, loglevel="info", pool="solo", quick=True)
     assert argv == ["worker", "--loglevel", "INFO", "--pool", "solo", "--concurrency", "2", "--without-gossip",
                     "--without-mingle", "--beat", "--schedule", "/d/s"]
@@ -180,6 +181,8 @@ def test_index_create_get_list_drop(tenant: str) -> None:
     assert listed[0]["payload_attributes"] == ["id", "lang", "title"]
     table = shoal_cli("index", "list").stdout
     assert "docs.flat" in table and "docs.hnsw" in table and "M=12" in table
+    assert "not found" in shoal_cli("index", "list", "--tenant", tenant + "-b", code=1).stderr  # not created
+    shoal_cli("tenant", "create", tenant + "-b")
     assert "No indexes" in shoal_cli("index", "list", "--tenant", tenant + "-b").stdout
 
     same = shoal_cli("index", "create", "docs.flat", "1", "--source", "docs", "--source-version", "1", "--exist-ok")

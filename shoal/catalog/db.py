@@ -12,7 +12,7 @@ from sqlalchemy import Engine, create_engine, inspect, text
 if TYPE_CHECKING:
     from alembic.config import Config
 
-from shoal.config.settings import Settings
+from shoal.config.settings import Settings, check_database_url
 from shoal.errors import ConfigurationError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -25,7 +25,11 @@ MIGRATION_LOCK_KEY = 0x5A0A1
 def resolve_database_url(settings: Settings) -> str:
     """The configured catalog URL, or the embedded Postgres's (started if needed)."""
     if settings.database_url:
-        url = settings.database_url
+        # Settings check it when read; ones built by model_copy skip that check, so it is made here again.
+        try:
+            url = check_database_url(settings.database_url)
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid settings: database_url: {exc}") from None
         # Plain postgresql:// URLs would pick psycopg2; Shoal speaks psycopg 3.
         if url.startswith("postgresql://") or url.startswith("postgres://"):
             url = "postgresql+psycopg://" + url.split("://", 1)[1]

@@ -12,15 +12,21 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, NoReturn, TypeVar
 
+import kombu.exceptions
 import pydantic
 import redis
 import typer
 from rich.console import Console
 from rich.text import Text
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
 
+from shoal.catalog.models import Tenant as TenantRow
 from shoal.client import Shoal
 from shoal.config.settings import Settings
-from shoal.errors import ConfigurationError, ShoalError
+from shoal.errors import ConfigurationError, NotFoundError, ShoalError
+from shoal.log.records import check_tenant_name
+from shoal.runtime import Runtime
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,7 +69,8 @@ def reporting_errors(func: F) -> F:
             return func(*args, **kwargs)
         except ShoalError as exc:
             fail(str(exc))
-        except redis.exceptions.ConnectionError as exc:
+        except (redis.exceptions.ConnectionError, kombu.exceptions.OperationalError) as exc:
+            # kombu's: a publish (the intake's Publisher) to a broker that went away.
             fail(f"cannot reach the broker: {first_line(exc)}")
 
     return wrapper  # type: ignore[return-value]
@@ -104,11 +111,38 @@ def load_settings() -> Settings:
         raise ConfigurationError(f"invalid settings: {problems}") from None
 
 
+# The tenant a CLI call works in when none is named: it needs no creating, so `existing` never refuses it.
+DEFAULT_TENANT = str(Settings.model_fields["tenant"].default)
+
+
 @contextlib.contextmanager
-def open_shoal(tenant: str | None, settings: Settings | None = None) -> Iterator[Shoal]:
-    """A Shoal on the given (else the configured) tenant, closed when the block ends."""
-    with Shoal(settings or load_settings(), tenant=tenant) as shoal:
-        yield shoal
+def open_shoal(tenant: str | None, settings: Settings | None = None, *, existing: bool = False) -> Iterator[Shoal]:
+    """A Shoal on the given (else the configured) tenant, closed when the block ends.
+
+    A Shoal creates its tenant on first use. With `existing` (commands that only read, or work on what must
+    exist already), a tenant the catalog does not hold is NotFoundError instead, and is not created: a
+    mistyped --tenant must not leave a tenant behind. DEFAULT_TENANT is exempt (a fresh install lists nothing).
+    """
+    settings = settings or load_settings()
+    if not existing:
+        with Shoal(settings, tenant=tenant) as shoal:
+            yield shoal
+        return
+    name = check_tenant_name(tenant or settings.tenant)
+    runtime = Runtime(settings)
+    try:
+        if name != DEFAULT_TENANT and not tenant_exists(runtime.engine, name):
+            raise NotFoundError(f"tenant {name!r} not found (`shoal tenant list` shows the tenants)")
+        with Shoal(runtime=runtime, tenant=name) as shoal:
+            yield shoal
+    finally:
+        runtime.close()
+
+
+def tenant_exists(engine: Engine, name: str) -> bool:
+    """Whether the catalog holds tenant `name` (a lookup that creates nothing)."""
+    with Session(engine) as s:
+        return s.scalar(select(TenantRow.id).where(TenantRow.name == name)) is not None
 
 
 def split_all(values: list[str] | None) -> list[str]:
@@ -116,10 +150,14 @@ def split_all(values: list[str] | None) -> list[str]:
     return [part.strip() for value in values or [] for part in value.split(",") if part.strip()]
 
 
-def split_pairs(values: list[str] | None, sep: str, form: str, option: str) -> list[tuple[str, str]]:
-    """Items of split_all written LEFT<sep>RIGHT, stripped; a usage error naming `form` for any other item."""
+def split_pairs(
+    values: list[str] | None, sep: str, form: str, option: str, *, commas: bool = True
+) -> list[tuple[str, str]]:
+    """Items of split_all (with `commas` False: the values as given, blanks dropped) written LEFT<sep>RIGHT,
+    stripped; a usage error naming `form` for any other item."""
     pairs = []
-    for item in split_all(values):
+    items = split_all(values) if commas else [v for v in values or [] if v.strip()]
+    for item in items:
         left, found, right = item.partition(sep)
         if not found or not left.strip() or not right.strip():
             raise typer.BadParameter(f"{item!r} is not {form}", param_hint=option)

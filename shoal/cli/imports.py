@@ -16,9 +16,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from shoal.cli.common import Name, Tenant, Version, err, load_settings, open_shoal, out, split_pairs
+from shoal.cli.common import Name, Tenant, Version, err, fail, load_settings, open_shoal, out, split_pairs
 from shoal.cli.formatting import count
-from shoal.errors import ValidationError
+from shoal.errors import BatchIdReusedError, ValidationError
 from shoal.intake.bulk import DEFAULT_BATCH_SIZE, BatchOutcome, ImportResult, is_npy, plan_import, run_import
 
 
@@ -33,6 +33,26 @@ def _check_file_options(file: Path, vectors_column: str | None, attributes: Path
             )
     elif attributes is not None:
         raise typer.BadParameter("only with a .npy file of vectors", param_hint="--attributes")
+
+
+def _attribute_map(values: list[str] | None) -> dict[str, str]:
+    """--attr-map COLUMN=ATTRIBUTE items as {column: attribute}; a column or an attribute named twice is a usage
+    error (one of the two entries would otherwise be dropped without a word)."""
+    mapping: dict[str, str] = {}
+    for column, attribute in split_pairs(values, "=", "COLUMN=ATTRIBUTE", "--attr-map"):
+        if column in mapping:
+            raise typer.BadParameter(
+                f"column {column!r} is mapped twice ({column}={mapping[column]}, {column}={attribute})",
+                param_hint="--attr-map",
+            )
+        twice = [c for c, a in mapping.items() if a == attribute]
+        if twice:
+            raise typer.BadParameter(
+                f"attribute {attribute!r} is mapped from two columns ({twice[0]}={attribute}, {column}={attribute})",
+                param_hint="--attr-map",
+            )
+        mapping[column] = attribute
+    return mapping
 
 
 def _progress_bar() -> Progress:
@@ -101,7 +121,8 @@ def import_file(
     limit: Annotated[int | None, typer.Option("--limit", min=0, help="Import only the first N rows.")] = None,
     batch_prefix: Annotated[
         str | None,
-        typer.Option("--batch-prefix", help="Prefix of the batch ids (default: import:FILE-NAME:FILE-SIZE)."),
+        typer.Option("--batch-prefix", help="Prefix of the batch ids (default: import:FILE-NAME:FILE-SIZE; a name "
+                     "over 60 characters as its first 40 plus a hash of the whole name)."),
     ] = None,
     tenant: Tenant = None,
 ) -> None:
@@ -111,21 +132,22 @@ def import_file(
     ignored. Vectors may be float16, float32 or float64; they are stored as float32.
 
     Re-running is safe: each batch is uploaded with the id PREFIX:OFFSET+COUNT, PREFIX being
-    import:FILE-NAME:FILE-SIZE (plus the --attributes file's name and size), and a batch id the data source
-    has committed before writes nothing. So an import that stopped half way resumes where it stopped, and
-    a repeated one adds no log entries. Keep the same --batch-size and --limit to match the earlier
-    batches. Two different files with the same name and size would share ids: give one of them its own
-    --batch-prefix.
+    import:FILE-NAME:FILE-SIZE (plus the --attributes file's name and size; a name over 60 characters
+    shortened to its first 40 and a hash of the whole name), and a batch id the data source has committed
+    before writes nothing. So an import that stopped half way resumes where it stopped, and a repeated one
+    adds no log entries. Keep the same --batch-size and --limit to match the earlier batches. Two different
+    files with the same name and size (or a file rewritten with the same size) would share ids: a batch id
+    met again with other rows is refused, and the other file needs its own --batch-prefix.
     """
     _check_file_options(file, vectors_column, attributes)
-    mapping = dict(split_pairs(attr_map, "=", "COLUMN=ATTRIBUTE", "--attr-map"))
+    mapping = _attribute_map(attr_map)
     settings = load_settings()
     if batch_size > settings.max_batch_points:
         raise ValidationError(
             f"--batch-size {batch_size} exceeds the largest batch allowed (SHOAL_MAX_BATCH_POINTS="
             f"{settings.max_batch_points})"
         )
-    with open_shoal(tenant, settings) as shoal:
+    with open_shoal(tenant, settings, existing=True) as shoal:
         # Made first: run_import judges which batches are new against the head this producer saw.
         producer = shoal.producer(name, version)
         plan = plan_import(
@@ -141,11 +163,17 @@ def import_file(
             f"{count(batch_size)}",
             soft_wrap=True,
         )
-        with _progress_bar() as progress:
-            task = progress.add_task("import", total=plan.rows)
+        try:
+            with _progress_bar() as progress:
+                task = progress.add_task("import", total=plan.rows)
 
-            def advance(outcome: BatchOutcome) -> None:
-                progress.update(task, advance=outcome.points)
+                def advance(outcome: BatchOutcome) -> None:
+                    progress.update(task, advance=outcome.points)
 
-            result = run_import(producer, plan, batch_size, on_batch=advance)
+                result = run_import(producer, plan, batch_size, on_batch=advance)
+        except BatchIdReusedError as exc:
+            # The batch ids are the file's name and size: a file rewritten with the same size, or another file of
+            # the same name and size, meets the ids of an earlier import.
+            fail(f"{exc}; an earlier import used these batch ids for other rows (a file with the same name and "
+                 "size): import this one under its own --batch-prefix")
     _report(result, file, name, version)

@@ -122,7 +122,7 @@ def index_create(
         payload_attributes=payload or None,
         shard_count=shards,
     )
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         existed = False
         if exist_ok:
             with contextlib.suppress(NotFoundError):
@@ -140,7 +140,7 @@ def index_create(
 @index_app.command("get")
 def index_get(name: IndexName, version: IndexVersion, as_json: AsJson = False, tenant: Tenant = None) -> None:
     """Show an index's definition and its shards (active version, built and served watermarks)."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         record = shoal.get_index(name, version)
     if as_json:
         echo_json(index_json(record))
@@ -181,7 +181,7 @@ def index_get(name: IndexName, version: IndexVersion, as_json: AsJson = False, t
 @index_app.command("list")
 def index_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     """List the tenant's indexes."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         records = shoal.list_indexes()
         tenant_name = shoal.tenant
     names = ("name", "version", "data source", "algorithm", "params", "metric", "id", "split")
@@ -207,7 +207,7 @@ def index_drop(
 ) -> None:
     """Delete an index with all its versions; its files are queued for GC (deleted after SHOAL_GC_GRACE_S).
     The data source stays."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         record = shoal.get_index(name, version)
         if not yes:
             typer.confirm(

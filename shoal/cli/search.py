@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,7 +16,7 @@ from shoal.cli.formatting import cell, count, echo_json
 from shoal.cli.indexes import IndexName, IndexVersion
 from shoal.engines.metrics import Metric, higher_is_nearer
 from shoal.errors import Problem, QueryError, ValidationError
-from shoal.log.records import AttributeType, DataSourceSpec, SparseVector
+from shoal.log.records import AttributeType, DataSourceSpec, SparseVector, WriteToken
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 
@@ -24,10 +24,23 @@ SHOWN_COORDINATES = 4  # of a vector in a table cell
 
 
 def parse_consistency(text: str) -> Consistency:
-    """eventual, strong or at_least:SEQ (SEQ may be a whole write token, NAME/VERSION@SEQ, as imports print)."""
+    """eventual, strong or at_least:SEQ; SEQ may be a whole write token, NAME/VERSION@SEQ, as imports print,
+    and then the search is refused (QueryError) unless the index is over that data source."""
     text = text.strip()
     if text.startswith("at_least:") and "@" in text:
-        text = "at_least:" + text.rsplit("@", 1)[1]
+        # The token's data source is kept: a seq counts one data source's log, so another's token must be
+        # refused by the searcher, not taken as a seq of the searched index's log.
+        source, _, seq = text.removeprefix("at_least:").rpartition("@")
+        name, slash, version = source.partition("/")
+        if not slash or not name or not version or not (seq.isascii() and seq.isdigit()):
+            raise typer.BadParameter(
+                f"{text[:120]!r} is not at_least:SEQ or at_least:NAME/VERSION@SEQ (a write token)",
+                param_hint="--consistency",
+            )
+        try:
+            return Consistency.at_least(WriteToken(int(seq), name, version))
+        except ValidationError as exc:  # a seq past the bigint range
+            raise typer.BadParameter("; ".join(map(str, exc.problems)), param_hint="--consistency") from None
     try:
         return Consistency.parse(text)
     except ValueError as exc:
@@ -63,8 +76,13 @@ def parse_sparse(text: str) -> SparseVector:
     return SparseVector(indices, values)
 
 
-def load_query_file(path: Path, sparse: bool) -> list[Any]:
-    """Query vectors from a .npy file: one vector [d] or one per row [n, d] (sparse: the non-zeros of each row)."""
+def load_query_file(path: Path, sparse: bool, dimension: int | None = None) -> list[Any]:
+    """Query vectors from a .npy file: one vector [d] or one per row [n, d] (sparse: the non-zeros of each row).
+
+    For a sparse index, `dimension` is its data source's: a row of another width is a QueryError, as the
+    searcher's for a dense query of the wrong dimension (a sparse query keeps only its non-zeros, whose
+    indices alone cannot tell a narrower row from a right one).
+    """
     try:
         array = np.load(path, allow_pickle=False)
     except (ValueError, OSError) as exc:
@@ -81,6 +99,8 @@ def load_query_file(path: Path, sparse: bool) -> list[Any]:
     # float64, which holds every number a .npy file may (float16..64, ints): the searcher casts to float32 and
     # names a coordinate past float32's range, where a cast here would have made it an infinity.
     rows = np.asarray(array, dtype=np.float64)
+    if sparse and dimension is not None and rows.shape[1] != dimension:
+        raise QueryError(f"--query-file {path.name}: wrong query dimension: expected {dimension}, got {rows.shape[1]}")
     if sparse:
         return [SparseVector(np.flatnonzero(r).tolist(), r[np.flatnonzero(r)].tolist()) for r in rows]
     return list(rows)
@@ -105,10 +125,28 @@ def split_value(kind: AttributeType, name: str, text: str) -> Any:
     return text  # string and guid (checked by the searcher)
 
 
+def split_items(values: list[str] | None, names: Collection[str]) -> list[str]:
+    """--split options as NAME=VALUE items: one option may hold several, separated by commas, but a comma
+    followed by anything other than NAME=... (NAME one of `names`) belongs to the value (`city=Paris, France`)."""
+    items: list[str] = []
+    for value in values or []:
+        first = len(items)
+        for part in value.split(","):
+            if not part.strip():
+                continue  # `lang=en,` as `lang=en`, as other comma-separated options read it
+            left, found, _ = part.partition("=")
+            if len(items) > first and not (found and left.strip() in names):
+                items[-1] += "," + part
+            else:
+                items.append(part)
+    return items
+
+
 def parse_split_filter(values: list[str] | None, source: DataSourceSpec) -> dict[str, Any]:
     """--split NAME=VALUE items as a split filter with typed values."""
     wanted: dict[str, Any] = {}
-    for name, text in split_pairs(values, "=", "NAME=VALUE", "--split"):
+    items = split_items(values, source.attribute_types)
+    for name, text in split_pairs(items, "=", "NAME=VALUE", "--split", commas=False):
         kind = source.attribute_types.get(name)
         wanted[name] = split_value(kind, name, text) if kind is not None else text
     return wanted
@@ -183,14 +221,16 @@ def search(
     k: Annotated[int, typer.Option("-k", "--k", min=1, help="How many nearest data points per query.")] = 10,
     split: Annotated[
         list[str] | None,
-        typer.Option("--split", help="Search only splits with NAME=VALUE (a split attribute); repeat for more."),
+        typer.Option("--split", help="Search only splits with NAME=VALUE (a split attribute); repeat for more, or "
+                     "separate them by commas (a comma not followed by NAME= is part of the value)."),
     ] = None,
     consistency: Annotated[
         str,
         typer.Option(
             "--consistency",
             help="eventual (what the index serves now), strong (every committed write) or at_least:SEQ "
-            "(every write up to a write token's seq; the whole token NAME/VERSION@SEQ works too).",
+            "(every write up to a write token's seq; the whole token NAME/VERSION@SEQ works too, and is refused "
+            "for an index over another data source).",
         ),
     ] = "eventual",
     vectors: Annotated[bool, typer.Option("--vectors", help="Also return each hit's vector.")] = False,
@@ -214,7 +254,7 @@ def search(
     search_params = parse_search_params(param or [])
     if not query and query_file is None:
         raise typer.BadParameter("give at least one --query or a --query-file", param_hint="--query")
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         searcher = shoal.searcher(follow=False)
         try:
             view = searcher.view(index, version)
@@ -222,7 +262,7 @@ def search(
             parse = parse_sparse if source.vectors_are_sparse else parse_dense
             queries: list[Any] = [parse(q) for q in query or []]
             if query_file is not None:
-                queries += load_query_file(query_file, source.vectors_are_sparse)
+                queries += load_query_file(query_file, source.vectors_are_sparse, source.vector_dimension)
             split_filter = parse_split_filter(split, source)
             results = searcher.search(
                 index, version, queries, k, split_filter=split_filter, retrieve_vectors=vectors, consistency=level,

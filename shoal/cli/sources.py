@@ -95,7 +95,7 @@ def source_create(
 @source_app.command("get")
 def source_get(name: Name, version: Version, as_json: AsJson = False, tenant: Tenant = None) -> None:
     """Show a data source's definition and log head."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         record = shoal.get_data_source(name, version)
     if as_json:
         echo_json(record_json(record))
@@ -122,7 +122,7 @@ def source_get(name: Name, version: Version, as_json: AsJson = False, tenant: Te
 @source_app.command("list")
 def source_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     """List the tenant's data sources."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         records = shoal.list_data_sources()
         tenant_name = shoal.tenant
     names = ("name", "version", "dim", "sparse", "attributes", "permanent")
@@ -146,7 +146,7 @@ def source_drop(
 ) -> None:
     """Delete a data source with its whole log and its indexes; their files are queued for GC (deleted after
     SHOAL_GC_GRACE_S). Cannot be undone."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         record = shoal.get_data_source(name, version)
         segments = shoal.log_segments(name, version)
         if not yes:

@@ -21,6 +21,7 @@ CAPTION = (
     "(0 until one has); lag: log head minus served; young tier: the part of that lag following searchers "
     "search exactly from the log (eventual searches show it), at most SHOAL_YOUNG_TIER_MAX_SEQS"
 )
+MAX_WATCH_S = 86_400  # a day between refreshes; time.sleep overflows on much more (inf, 1e300)
 
 
 def collect(shoal: Shoal, name: str | None, version: str | None) -> list[ShardStatus]:
@@ -93,7 +94,8 @@ def status(
     as_json: AsJson = False,
     watch: Annotated[
         float | None,
-        typer.Option("--watch", metavar="SECONDS", min=0.1, help="Refresh the table every SECONDS until Ctrl-C."),
+        typer.Option("--watch", metavar="SECONDS", min=0.1, max=MAX_WATCH_S,
+                     help=f"Refresh the table every SECONDS (0.1 to {MAX_WATCH_S}) until Ctrl-C."),
     ] = None,
     tenant: Tenant = None,
 ) -> None:
@@ -102,7 +104,7 @@ def status(
         raise typer.BadParameter("give both an index name and its version, or neither", param_hint="INDEX VERSION")
     if watch is not None and as_json:
         raise typer.BadParameter("prints a table; leave --json out", param_hint="--watch")
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         scope = f"{index}/{version}" if index else f"indexes of tenant {shoal.tenant!r}"
 
         def render() -> RenderableType:

@@ -31,6 +31,7 @@ from shoal.cli.worker import (
     LogLevel,
     Pool,
     _check_catalog,
+    check_storage,
     describe_servers,
     start_worker_process,
     stop_worker_process,
@@ -198,15 +199,19 @@ def up(
     with --no-restart the others are stopped instead and `shoal up` exits with status 1.
     """
     from shoal.api.security import check_exposure
+    from shoal.searcher.placement import Placement
     from shoal.servers.broker import broker_url
 
     settings = load_settings()
     if allow_anonymous_writes:
         settings = settings.model_copy(update={"allow_anonymous_writes": True})
     if api:
-        # The API child would refuse the exposure itself, and be restarted forever: refuse it here, before
-        # anything starts, with the same message `shoal api` gives.
+        # The API child would refuse the exposure (or a bad placement) itself, and be restarted forever: refuse
+        # it here, before anything starts, with the same message `shoal api` gives.
         check_exposure(settings, host)
+        Placement.load(settings.placement_file, settings.node)
+    # Every child opens the storage: a broken one would fail each task, message and request instead.
+    check_storage(settings)
     for what, wanted, h, p in (("the HTTP API", api, host, port), ("Flower", flower, "127.0.0.1", flower_port)):
         if wanted and _port_taken(h, p):
             fail(f"port {p} on {h} is in use: cannot start {what} (choose another port or stop what uses it)")

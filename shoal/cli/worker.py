@@ -115,6 +115,14 @@ def describe_servers(settings: Settings, broker: str) -> list[str]:
     return [f"catalog: {catalog}", f"broker:  {mask_url(broker)}", f"storage: {settings.resolved_storage_uri}"]
 
 
+def check_storage(settings: Settings) -> None:
+    """Open the configured storage once (ConfigurationError naming the setting if it cannot be used), as
+    `shoal api` does at start: a process that started with a broken storage would fail every task instead."""
+    from shoal.storage import Storage
+
+    Storage.from_settings(settings)
+
+
 def _check_catalog(settings: Settings) -> None:
     from sqlalchemy.exc import OperationalError
 
@@ -173,6 +181,7 @@ def worker(
     from shoal.workers.app import app
 
     settings = load_settings()
+    check_storage(settings)
     _check_catalog(settings)  # reachable and migrated before the worker takes tasks
     broker = broker_url(settings)
     reachable = redis_status(broker)

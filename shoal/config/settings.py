@@ -312,6 +312,12 @@ class Settings(BaseSettings):
         # Resolved here, once, so every process (and child process) of a deployment means the same directory.
         return storage_location(value) if value else value
 
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        # Checked at startup: a malformed URL failed later, inside the first catalog connection, as a traceback.
+        return check_database_url(value) if value else value
+
     @field_validator("anonymous_tenant")
     @classmethod
     def _anonymous_name(cls, value: str | None) -> str | None:
@@ -370,6 +376,36 @@ class Settings(BaseSettings):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])
         return shown
+
+
+# The URL schemes of a catalog Shoal can use: PostgreSQL through psycopg 3 (plain ones are given that driver).
+DATABASE_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg")
+
+
+def check_database_url(url: str) -> str:
+    """`url` unchanged when it is a PostgreSQL URL Shoal can connect with (scheme one of DATABASE_SCHEMES, a
+    numeric port in 1..65535); else ValueError naming SHOAL_DATABASE_URL and what is wrong (password masked)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    form = "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+    try:
+        named = f"SHOAL_DATABASE_URL {mask_url(url)!r}"
+    except ValueError:  # too malformed for urlsplit even (a broken IPv6 host): not shown, it may hold a password
+        named = "SHOAL_DATABASE_URL"
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme not in DATABASE_SCHEMES:
+        what = f"scheme {scheme!r}" if scheme else "no scheme"
+        raise ValueError(f"{named} has {what}: the catalog is PostgreSQL, {form} (or postgresql+psycopg://...)")
+    try:
+        port = make_url(url).port
+    except (ArgumentError, ValueError) as exc:
+        text = str(exc).strip()
+        reason = "its port is not a number" if "int()" in text else (text.splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{named} is not a valid URL ({reason}): use {form}") from None
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{named} has port {port}: a port is 1..65535")
+    return url
 
 
 def storage_location(uri: str) -> str:

@@ -10,6 +10,7 @@ here prints: progress goes to an optional per-batch callback.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # the client sits above ingest; only its type is needed here
 
 DEFAULT_VECTOR_COLUMN = "vector"
 DEFAULT_BATCH_SIZE = 10_000
+PREFIX_NAME_CHARS = 60  # a file name up to this long is kept whole in the default batch prefix
+PREFIX_NAME_KEPT = 40  # ... a longer one keeps this many characters, plus a hash of the whole name
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,20 @@ def is_npy(path: Path) -> bool:
 
 
 def default_batch_prefix(path: Path, attributes_path: Path | None = None) -> str:
-    """import:NAME:SIZE of the file(s): stable across re-runs, different for another or a changed file."""
-    parts = [f"{p.name[:60]}:{p.stat().st_size}" for p in (path, attributes_path) if p is not None]
+    """import:NAME:SIZE of the file(s): stable across re-runs, different for another or a changed file.
+
+    A NAME longer than PREFIX_NAME_CHARS is shortened to its first PREFIX_NAME_KEPT characters, `~` and a hash
+    of the whole name, so that two files whose long names differ only at the end still get other ids (and
+    the ids stay within the 200 characters a batch id may have)."""
+    parts = [f"{_name_in_prefix(p.name)}:{p.stat().st_size}" for p in (path, attributes_path) if p is not None]
     return "import:" + ":".join(parts)
+
+
+def _name_in_prefix(name: str) -> str:
+    if len(name) <= PREFIX_NAME_CHARS:
+        return name  # as before: a re-run of an import started by an earlier release finds its batch ids
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return f"{name[:PREFIX_NAME_KEPT]}~{digest}"
 
 
 def plan_import(
@@ -274,6 +288,11 @@ def _match_columns(
             raise ValidationError(f"attribute map {column}={attribute}: the data source has no attribute {attribute!r}")
         if column not in names:
             raise ValidationError(f"attribute map {column}={attribute}: {path.name} has no column {column!r}")
+        if attribute in columns:  # else the last column would win without a word
+            raise ValidationError(
+                f"attribute map {column}={attribute}: attribute {attribute!r} is mapped from column "
+                f"{columns[attribute]!r} already"
+            )
         columns[attribute] = column
     for attribute in spec.attribute_types:
         # A mapped-away column keeps its own name free: `key=id` does not also read a column `key` as key.
@@ -384,9 +403,14 @@ def _vectors(column: pa.ChunkedArray | pa.Array, dim: int, name: str) -> np.ndar
 
 
 def _at_file_row(exc: ValidationError, path: Path, offset: int) -> ValidationError:
-    """The same error (same class) with positions counted in file rows, naming the file and what was kept."""
+    """The same error (same class, same other attributes) with positions counted in file rows, naming the file
+    and what was kept."""
     problems = [Problem(p.rule, None if p.position is None else p.position + offset, p.attribute) for p in exc.problems]
-    shifted = type(exc)(problems)
+    # Not type(exc)(problems): a subclass's constructor may take other arguments (BatchIdReusedError's batch id
+    # and token); ValidationError's own sets the problems and the message, the rest is copied as it was.
+    shifted = type(exc).__new__(type(exc))
+    shifted.__dict__.update(exc.__dict__)
+    ValidationError.__init__(shifted, problems)
     kept = f"; {offset:,} rows before row {offset:,} were imported, a re-run skips them" if offset else ""
     shifted.args = (f"{path.name}, batch at row {offset:,}: {shifted.args[0]}{kept}",)
     return shifted
