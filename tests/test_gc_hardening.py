@@ -36,7 +36,7 @@ from shoal.catalog.indexes import ShardCatalog
 from shoal.catalog.models import GarbageFile, IndexFile, LogSegment
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
-from shoal.errors import LeaseBusyError, ReindexConflictError
+from shoal.errors import LeaseBusyError, NotFoundError, ReindexConflictError
 from shoal.index.builder import ShardBuilder
 from shoal.index.history import prune_versions
 from shoal.log.compaction import due_for_compaction
@@ -478,6 +478,8 @@ def test_a_rollback_never_swaps_the_generations_of_an_index_in_the_trash(make_sh
     with pytest.raises(ReindexConflictError, match="no reindex to roll back"):
         shoal.rollback("idx", "1")
     shoal.drop_data_source("src", "1")
+    with pytest.raises(NotFoundError, match="index 'idx' version '1' not found"):
+        shoal.rollback("idx", "1")  # no such index at all now: not "no reindex to roll back"
     trash.restore(trashed.id)
     assert shoal.get_index("idx", "1").spec.algorithm == "hnsw"
 

@@ -224,6 +224,8 @@ class Generations:
         with Session(self.engine) as s, s.begin():
             # Of this index: a swapped job of a dropped or trashed index of the same name is not its to undo.
             lineage = list(_lineage(s, tenant_id, name, version).ids)
+            if not lineage:
+                raise NotFoundError(f"index {name!r} version {version!r} not found")
             job = s.scalars(
                 select(ReindexJob)
                 .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
