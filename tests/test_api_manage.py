@@ -300,3 +300,21 @@ def test_management_bodies_take_numbers_and_flags_of_their_own_type(
         [message] = r.json()["errorMessages"]
         assert message.startswith(f"{field}: "), message
         assert shoal.list_indexes() == [] and len(shoal.list_data_sources()) == (route == "indexes")
+
+
+@pytest.mark.parametrize("value", ["²", "8²", "x8"])
+def test_an_index_parameter_that_spells_no_ascii_integer_is_a_400(served: tuple[str, Settings], value: str) -> None:
+    """`"Hnsw_M": "²"` answered 500 (str.isdigit takes superscripts, int() refuses them); it is refused 400
+    naming the parameter, as `"x8"` was, and nothing is written."""
+    url, settings = served
+    source = {"name": "Sup", "version": "1", "vectorDimension": 2, "attributeValueTypes": {"id": "int64"},
+              "permanentAttributes": ["id"]}
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/api/v1/data-sources", json=source).status_code == 201
+        r = http.post("/api/v1/indexes", json={
+            "name": "Sup.Index", "version": "1", "dataSourceName": "Sup", "dataSourceVersion": "1",
+            "algorithm": "FaissIndex.L2", "params": {"Hnsw_M": value, "Hnsw_EfConstruction": "200",
+                                                     "Hnsw_EfSearch": "64"}})
+        assert r.status_code == 400, r.text
+        assert "M" in r.json()["errorMessages"][0], r.text
+        assert shoal.list_indexes() == []

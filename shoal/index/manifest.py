@@ -28,6 +28,25 @@ ROWS_FILE = "rows.parquet"  # a segment's rows table, in its folder
 KEYS_FILE = "keys.parquet"  # its key column alone, in row order (segments written since session 12)
 
 
+# Postgres' JSON (jsonb) holds no NUL character: a split value or key holding one is stored as its UTF-8 bytes in
+# hex under this one key (attribute values are scalars, so no value is ever such an object by itself).
+NUL_TEXT = "text_hex"
+
+
+def stored_text(value: Any) -> Any:
+    """`value` as a manifest can store it: a string holding NUL as {NUL_TEXT: hex}, anything else unchanged."""
+    if isinstance(value, str) and "\x00" in value:
+        return {NUL_TEXT: value.encode("utf-8", "surrogatepass").hex()}
+    return value
+
+
+def read_text(value: Any) -> Any:
+    """The value `stored_text` stored."""
+    if isinstance(value, Mapping) and set(value) == {NUL_TEXT}:
+        return bytes.fromhex(value[NUL_TEXT]).decode("utf-8", "surrogatepass")
+    return value
+
+
 @dataclass(frozen=True)
 class SplitEntry:
     """One split of a segment: its split-attribute values, its row range and its engine file."""
@@ -43,15 +62,15 @@ class SplitEntry:
     def from_json(cls, data: Mapping[str, Any]) -> SplitEntry:
         """The split a manifest's JSON entry describes."""
         return cls(
-            str(data["key"]), dict(data["values"]), int(data["start"]), int(data["end"]), str(data["file"]),
-            str(data["checksum"]),
+            str(read_text(data["key"])), {a: read_text(v) for a, v in data["values"].items()}, int(data["start"]),
+            int(data["end"]), str(data["file"]), str(data["checksum"]),
         )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON entry, as stored."""
         return {
-            "key": self.key,
-            "values": dict(self.values),
+            "key": stored_text(self.key),
+            "values": {a: stored_text(v) for a, v in self.values.items()},
             "start": self.start,
             "end": self.end,
             "file": self.file,

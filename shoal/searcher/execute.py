@@ -18,7 +18,7 @@ from shoal.engines.metrics import Metric, from_products, worst_distance
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
-from shoal.log.records import DataSourceSpec, IndexSpec, SparseVector
+from shoal.log.records import AttributeType, DataSourceSpec, IndexSpec, SparseVector
 from shoal.log.validation import (
     MAX_SQ_NORM,
     SPARSE_INDICES,
@@ -163,7 +163,21 @@ def split_matcher(
         if err:
             raise ValidationError(Problem(err, attribute=name))
         wanted[name] = json_value(value)
-    return lambda values: all(values.get(k) == v for k, v in wanted.items())
+    floats = [k for k in wanted if source.attribute_types[k] == AttributeType.FLOAT64]
+    if not floats:
+        return lambda values: all(values.get(k) == v for k, v in wanted.items())
+
+    def matches(values: dict[str, Any]) -> bool:
+        # A float64 split value comes back from the catalog's JSON as an int when it is integral (1e300 as
+        # 10**300, unequal to 1e300): compared as the float it was stored from.
+        return all(_as_float(values.get(k)) == v if k in floats else values.get(k) == v for k, v in wanted.items())
+
+    return matches
+
+
+def _as_float(value: Any) -> Any:
+    """An integral JSON number read back for a float64 value, as that float; anything else unchanged."""
+    return float(value) if type(value) is int else value
 
 
 @dataclass

@@ -32,7 +32,9 @@ HNSW_ALIASES = {**{VEKTONN_PREFIX + name: name for name in HNSW_PARAM_NAMES},
 
 def _parse_int(value: Any) -> Any:
     # Strings of digits become ints; anything else is left for the engine's rules to reject by name.
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+    # ASCII digits only: str.isdigit() also takes superscripts ("²"), which int() refuses (a 500).
+    digits = value.strip().lstrip("+") if isinstance(value, str) else ""
+    if digits.isascii() and digits.isdigit():
         return int(value)
     return value
 
