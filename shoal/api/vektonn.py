@@ -157,13 +157,15 @@ def _decode_upload(request: Request, spec: Any, body: bytes, settings: Settings)
 
 
 def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    """The header's seq (None when absent); ValidationError unless it is plain ASCII digits (around spaces)
+    within 0..MAX_SEQ. int() alone would take `1_0` as 10, `+5`, or digits of other scripts."""
     raw = headers.get(name)
     if raw is None:
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValidationError(f"header {name}: must be an integer, got {raw!r}") from None
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValidationError(f"header {name}: must be a non-negative integer of digits 0-9, got {raw!r}")
+    value = int(digits)
     if not 0 <= value <= MAX_SEQ:
         raise ValidationError(f"header {name}: must be a seq between 0 and {MAX_SEQ}, got {raw!r}")
     return value

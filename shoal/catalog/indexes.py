@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexFile, IndexShard, IndexVersion, Tenant
 from shoal.catalog.repo import SourceRecord, _record
-from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.errors import AlreadyExistsError, ConflictError, NotFoundError
 from shoal.log.records import GENERATION_MARK, IndexSpec, check_name
 
 log = logging.getLogger(__name__)
@@ -98,12 +98,17 @@ def _index(s: Session, row: Index, tenant: str) -> IndexRecord:
 
 
 
-def insert_index_rows(s: Session, tenant_id: int, source_id: int, spec: IndexSpec, generation: int) -> int | None:
+def insert_index_rows(
+    s: Session, tenant_id: int, source_id: int, spec: IndexSpec, generation: int,
+    created_at: dt.datetime | None = None,
+) -> int | None:
     """Insert the index row of `spec` and its shards in the caller's transaction; the new index id, or None
-    (nothing written) when a live index of that name and version exists already."""
+    (nothing written) when a live index of that name and version exists already. `created_at` (default: now)
+    is when the index was made: a reindex's generation takes the one of the index it rebuilds."""
     index_id = s.execute(
         insert(Index)
         .values(
+            **({"created_at": created_at} if created_at is not None else {}),
             tenant_id=tenant_id,
             data_source_id=source_id,
             name=spec.name,
@@ -200,6 +205,9 @@ class IndexCatalog:
             return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]
 
 
+_ALIAS_ATTEMPTS = 5  # lookups of an alias's index a burst of swaps or drops may void before set() gives up
+
+
 @dataclass(frozen=True)
 class AliasRecord:
     """An alias and the index it names."""
@@ -220,30 +228,59 @@ class AliasCatalog:
         self.tenant = tenant
 
     def set(self, alias: str, index_name: str, index_version: str) -> AliasRecord:
-        """Point `alias` at the index (creating the alias, or moving it atomically)."""
+        """Point `alias` at the index (creating the alias, or moving it atomically). The alias names the
+        generation serving (name, version) when it commits, even while a reindex swaps or rolls the index back
+        (the swap moves it along if it commits later); NotFoundError when no such live index exists, also when
+        it is dropped meanwhile."""
         check_name("alias", alias)
+        for _ in range(_ALIAS_ATTEMPTS):
+            if self._set_once(alias, index_name, index_version):
+                return self.get(alias)
+        # Each attempt lost only to a swap, rollback or drop that committed meanwhile: rare, never endless.
+        raise ConflictError(f"index {index_name!r} version {index_version!r} kept changing while alias "
+                            f"{alias!r} was set; try again")
+
+    def _set_once(self, alias: str, index_name: str, index_version: str) -> bool:
+        """One attempt: False (nothing written) when the index row read first no longer held the name once
+        locked, because a swap, rollback or drop committed in between."""
         with Session(self.engine) as s, s.begin():
-            index_id = s.scalar(
-                select(Index.id).where(
+            found = s.execute(
+                select(Index.id, Index.data_source_id).where(
                     Index.tenant_id == self.tenant_id,
                     Index.name == index_name,
                     Index.version == index_version,
                     Index.deleted_at.is_(None),
                 )
-            )
-            if index_id is None:
+            ).one_or_none()
+            if found is None:
                 raise NotFoundError(
                     f"index {index_name!r} version {index_version!r} not found in tenant {self.tenant!r}"
                 )
+            # Share locks until COMMIT, the source row first, then the index row: the order swaps, soft deletes
+            # and drops take them in (FOR UPDATE), so one of those racing this waits for it (and then moves or
+            # drops the alias with the row), or commits first, and the row read again under the lock shows it
+            # (renamed to its hidden version, in the trash, or gone): then the name is looked up once more.
+            # Without the lock the alias could name a generation a swap just hid, or an index a drop just
+            # deleted (a foreign key violation).
+            key_share = {"read": True, "key_share": True}
+            s.execute(select(DataSource.id).where(DataSource.id == found.data_source_id)
+                      .with_for_update(**key_share))
+            held = s.scalar(
+                select(Index.id).where(
+                    Index.id == found.id, Index.version == index_version, Index.deleted_at.is_(None)
+                ).with_for_update(**key_share)
+            )
+            if held is None:
+                return False
             s.execute(
                 insert(IndexAlias)
-                .values(tenant_id=self.tenant_id, name=alias, index_id=index_id)
+                .values(tenant_id=self.tenant_id, name=alias, index_id=held)
                 .on_conflict_do_update(
                     index_elements=[IndexAlias.tenant_id, IndexAlias.name],
-                    set_={"index_id": index_id, "updated_at": func.now()},
+                    set_={"index_id": held, "updated_at": func.now()},
                 )
             )
-        return self.get(alias)
+        return True
 
     def _query(self) -> Any:
         return (

@@ -80,7 +80,7 @@ class JobRecord:
 
 @dataclass(frozen=True)
 class _Lineage:
-    """The live index (name, version): the ids of all its generations, and when its data source was made."""
+    """The live index (name, version): the ids of all its generations, and when the index was made."""
 
     ids: frozenset[int]
     since: dt.datetime | None
@@ -95,13 +95,19 @@ def _lineage(s: Session, tenant_id: int, name: str, version: str) -> _Lineage:
     ).one_or_none()
     if serving is None:
         return _Lineage(frozenset(), None)
-    return _Lineage(frozenset(generation_ids(s, serving.id)), serving.created_at)
+    ids = generation_ids(s, serving.id)
+    # When the index was made: a reindex's generation keeps that time (shoal.index.reindex), so the oldest row
+    # left carries it however many generations were swept since (a generation made before that rule carries
+    # its own, later, time). Never before its data source was made.
+    made = s.scalar(select(func.min(Index.created_at)).where(Index.id.in_(ids)))
+    return _Lineage(frozenset(ids), max(serving.created_at, made) if made is not None else serving.created_at)
 
 
 def _of_lineage(row: ReindexJob, lineage: _Lineage) -> bool:
     """Whether the job is one of the index's: it links one of its generations, or none any more (both rows
-    went, as a replaced generation's do once their keep time ended) and it started after the index's data
-    source was made (one of a dropped data source's index of the same name started before)."""
+    went, as a replaced generation's do once their keep time ended, and all of a dropped index's do) and it
+    started once the index was made (a job of a dropped index of the same name, over the same data source or
+    a dropped one, started before)."""
     linked = [i for i in (row.from_index_id, row.to_index_id) if i is not None]
     if linked:
         return any(i in lineage.ids for i in linked)

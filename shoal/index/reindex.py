@@ -53,6 +53,8 @@ from shoal.vektonn.algorithms import VEKTONN_TYPES
 log = logging.getLogger(__name__)
 
 EXACT_ALGORITHMS = ("flat", "flat_sparse")
+# The longest version the catalog holds (indexes.version): a generation's hidden `{version}~g{n}` must fit too.
+MAX_VERSION: int = Index.__table__.c.version.type.length  # type: ignore[attr-defined]
 
 
 def start_reindex(
@@ -110,12 +112,13 @@ def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec,
         # index row: the order swaps and soft deletes take them in, so a start racing one waits, not deadlocks.
         s.execute(select(DataSource.id).where(DataSource.id == current.source_id)
                   .with_for_update(read=True, key_share=True))
-        serving = s.scalar(select(Index.id).where(
+        row = s.execute(select(Index.id, Index.created_at).where(
             Index.tenant_id == indexes.tenant_id, Index.name == name, Index.version == version,
             Index.deleted_at.is_(None),
-        ).with_for_update())
-        if serving is None:
+        ).with_for_update()).one_or_none()
+        if row is None:
             raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {indexes.tenant!r}")
+        serving = row.id
         if serving != current.id:  # swapped or dropped and made again since it was read
             raise ReindexConflictError(f"index {name!r} version {version!r} changed meanwhile; try again")
         # A job of this index's generations (not one of a dropped index that had the name: not this one's).
@@ -130,8 +133,19 @@ def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec,
             (Index.version == version) | Index.version.startswith(version + HIDDEN, autoescape=True),
         ))
         generation = int(top or 0) + 1
-        spec = dataclasses.replace(resolved, version=hidden_version(version, generation))
-        new_id = insert_index_rows(s, indexes.tenant_id, current.source_id, spec, generation)
+        hidden = hidden_version(version, generation)
+        if len(hidden) > MAX_VERSION:  # refused before anything is written: the column cannot hold it
+            raise ValidationError(
+                f"index {name!r} version {version!r} is too long to reindex: its generation {generation} would "
+                f"be kept under the version '<version>{HIDDEN}{generation}', {len(hidden)} characters, over the "
+                f"limit of {MAX_VERSION}; a version of at most {MAX_VERSION - len(hidden) + len(version)} "
+                f"characters can be reindexed to generation {generation}"
+            )
+        spec = dataclasses.replace(resolved, version=hidden)
+        # The generation keeps the index's creation time (every generation of the index carries it): the jobs of
+        # an index dropped before it was made are told from its own by it (generations._of_lineage).
+        new_id = insert_index_rows(s, indexes.tenant_id, current.source_id, spec, generation,
+                                   created_at=row.created_at)
         if new_id is None:  # a leftover row holds the name: refuse rather than reuse it
             raise ReindexConflictError(f"index {name!r} version {version!r}: generation {generation} exists "
                                        "already; try again once the sweep removed it")
