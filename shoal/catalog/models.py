@@ -306,4 +306,7 @@ class IndexTag(Base):
     index_id: Mapped[int] = mapped_column(ForeignKey("indexes.id", ondelete="CASCADE"), primary_key=True)
     tag: Mapped[str] = mapped_column(String(100), primary_key=True)
     versions: Mapped[dict[str, Any]] = mapped_column(JSONB)  # shard id (text) -> version id, or null when empty
+    # The seq the tag stands for: the highest watermark among its versions (a search answers the log state there,
+    # the shards built less far reading the log up to it). None: taken before it was recorded (migration 0012).
+    seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

@@ -7,6 +7,11 @@ for each shard the newest version made before that window (so every seq since th
 at or below it). The rest are deleted, their files queued for the garbage collector, which deletes a file only
 when no remaining version or log segment names it.
 
+A tag stands for one seq, the highest watermark among the versions it pinned: shards built to different seqs
+answer the log state there, the ones built less far from their pinned version plus the log up to that seq (as an
+as_of search does), never half of a batch. Tags taken before the seq was recorded (migration 0012) answer each
+shard at its pinned version's watermark.
+
 A tag belongs to the generation it was taken on (shoal.index.generations): after a reindex it still names that
 generation's versions, which answer as they were, and the generation is kept while a tag names it. Tag names
 are one namespace across an index's generations.
@@ -34,27 +39,37 @@ PRUNED = "index-version-pruned"  # garbage reason of files whose versions were p
 
 @dataclass(frozen=True)
 class Tagged:
-    """What a tag pinned: the generation (index row) it was taken on, and shard id -> version (None: empty)."""
+    """What a tag pinned: the generation (index row) it was taken on, shard id -> version (None: empty), and the
+    seq it stands for (None: a tag taken before seqs were recorded, answered at each version's watermark)."""
 
     index_id: int
     versions: dict[int, VersionRecord | None]
+    seq: int | None = None
 
 
 def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
     """Pin the version every shard of the index serves now under `name` (replacing a tag of that name, on this
-    generation or an older one); returns shard id -> version id (None for a shard with nothing built yet)."""
+    generation or an older one), standing for the highest of their watermarks; returns shard id -> version id
+    (None for a shard with nothing built yet)."""
     check_name("tag", name)
     with Session(engine) as s, s.begin():
-        shards = s.execute(select(IndexShard.id, IndexShard.active_version_id).where(IndexShard.index_id == index_id))
-        versions = {int(sid): (int(v) if v is not None else None) for sid, v in shards}
+        shards = s.execute(
+            select(IndexShard.id, IndexShard.active_version_id, IndexVersion.watermark)
+            .outerjoin(IndexVersion, IndexVersion.id == IndexShard.active_version_id)
+            .where(IndexShard.index_id == index_id)
+        ).all()
+        versions = {int(sid): (int(v) if v is not None else None) for sid, v, _ in shards}
+        # One statement: the versions and their watermarks are of one moment. The shards built less far answer
+        # at this seq through the log (a search naming the tag reads it), so none shows half of a batch.
+        seq = max((int(w) for _, _, w in shards if w is not None), default=0)
         others = [g for g in generation_ids(s, index_id) if g != index_id]
         if others:
             s.execute(delete(IndexTag).where(IndexTag.index_id.in_(others), IndexTag.tag == name))
         s.execute(
             insert(IndexTag)
-            .values(index_id=index_id, tag=name, versions={str(k): v for k, v in versions.items()})
+            .values(index_id=index_id, tag=name, versions={str(k): v for k, v in versions.items()}, seq=seq)
             .on_conflict_do_update(index_elements=[IndexTag.index_id, IndexTag.tag],
-                                   set_={"versions": {str(k): v for k, v in versions.items()}})
+                                   set_={"versions": {str(k): v for k, v in versions.items()}, "seq": seq})
         )
     return versions
 
@@ -80,14 +95,15 @@ def untag(engine: Engine, index_id: int, name: str) -> None:
 def tagged_versions(engine: Engine, index_id: int, name: str) -> Tagged:
     """The generation the tag was taken on and the versions it pinned; NotFoundError if there is no such tag."""
     with Session(engine) as s:
-        row = s.execute(select(IndexTag.index_id, IndexTag.versions).where(
+        row = s.execute(select(IndexTag.index_id, IndexTag.versions, IndexTag.seq).where(
             IndexTag.index_id.in_(generation_ids(s, index_id)), IndexTag.tag == name)).first()
         if row is None:
             raise NotFoundError(f"tag {name!r} not found")
         pinned = {int(k): v for k, v in row.versions.items()}
         ids = [v for v in pinned.values() if v is not None]
         found = {r.id: _version(r) for r in s.scalars(select(IndexVersion).where(IndexVersion.id.in_(ids)))}
-    return Tagged(int(row.index_id), {sid: (found[v] if v is not None else None) for sid, v in pinned.items()})
+    return Tagged(int(row.index_id), {sid: (found[v] if v is not None else None) for sid, v in pinned.items()},
+                  None if row.seq is None else int(row.seq))
 
 
 def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, VersionRecord | None]:
@@ -109,19 +125,36 @@ def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, Version
             if at is None and rows and rows[-1].parent_id is not None:
                 raise NotFoundError(f"index versions as of seq {seq} were pruned (SHOAL_VERSION_KEEP_S)")
             out[sid] = _version(at) if at is not None else None
-        # How far compactions dropped entries (not how far they reached: a run that only merged segments
-        # leaves every entry, with its seq, in the log).
-        compacted = s.scalar(
-            select(LogCompaction.dropped_through).where(LogCompaction.data_source_id == _source_of(s, index_id))
-        )
-    if compacted:
-        lowest = min((v.watermark if v else 0) for v in out.values()) if out else seq
-        if lowest < seq and lowest < compacted:
-            raise NotFoundError(
-                f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
-                f"above {compacted}, or a tag"
-            )
+        source_id = _source_of(s, index_id)
+    lowest = min((v.watermark if v else 0) for v in out.values()) if out else seq
+    check_log_kept(engine, source_id, lowest, seq)
     return out
+
+
+def check_log_kept(engine: Engine, source_id: int, lowest: int, seq: int, tag: str | None = None) -> None:
+    """Refuse (NotFoundError) a time travel to `seq` from versions whose lowest watermark is `lowest` when a
+    compaction dropped entries of the log between them: read from there, the log shows keys missing or old
+    values, a state that never existed. A search checks again after it read the log (compaction may commit
+    between the check and the read; the read sees the log wholly before or wholly after it, and how far
+    compactions dropped never goes back), so it answers from a whole log or refuses. `tag`: the tag searched."""
+    if lowest >= seq:
+        return
+    # How far compactions dropped entries (not how far they reached: a run that only merged segments leaves
+    # every entry, with its seq, in the log).
+    with engine.connect() as conn:
+        compacted = int(conn.execute(
+            select(LogCompaction.dropped_through).where(LogCompaction.data_source_id == source_id)
+        ).scalar_one_or_none() or 0)
+    if lowest < compacted:
+        if tag is not None:
+            raise NotFoundError(
+                f"the log below seq {compacted} was compacted: tag {tag!r} stands for seq {seq}, and a shard it "
+                f"pinned was built only to seq {lowest}; take the tag again"
+            )
+        raise NotFoundError(
+            f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
+            f"above {compacted}, or a tag"
+        )
 
 
 def _source_of(s: Session, index_id: int) -> int:

@@ -536,6 +536,9 @@ class SearchService:
         if tag is not None:
             tagged = history.tagged_versions(self.engine, index.id, tag)
             versions = tagged.versions
+            # The seq the tag stands for: shards pinned at lower watermarks read the log up to it, as for as_of
+            # (None: a tag taken before it was recorded answers each shard at its own version's watermark).
+            seq = tagged.seq
             if tagged.index_id != index.id:  # taken before a reindex: its own generation answers, as it was
                 found = self.shards.index_by_id(tagged.index_id)
                 if found is None:
@@ -547,6 +550,7 @@ class SearchService:
             if as_of > head:
                 raise ValidationError(f"as_of seq {as_of} is past the log head {head}")
             versions = history.versions_as_of(self.engine, index.id, as_of)
+            seq = as_of
         source = scope.catalog.get_data_source(index.spec.source_name, index.spec.source_version)
         local = self.placement.local_shards(scope.tenant, name, version)
         # The same rules as a search of the active versions: only shards this process serves, all unless asked.
@@ -565,8 +569,13 @@ class SearchService:
         matches = split_matcher(index.spec, source.spec, split_filter)
         flt = _checked_filter(view, filters) if filters is not None else None
         tails = {}
-        if as_of is not None and as_of > view.min_watermark:
-            batches = list(read_log(self.engine, self.storage, source.id, view.min_watermark, as_of))
+        if seq is not None and seq > view.min_watermark:
+            batches = list(read_log(self.engine, self.storage, source.id, view.min_watermark, seq))
+            # Checked again now that the log was read: a compaction that committed since the versions were
+            # picked (as_of checks before too) may have dropped entries of that range, and the read would show
+            # a state that never existed. What compactions dropped never comes back, so passing now means the
+            # read saw the log whole.
+            history.check_log_kept(self.engine, source.id, view.min_watermark, seq, tag)
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
         if max_hits is not None:
@@ -704,47 +713,63 @@ class SearchService:
                 record = versions[shard.active_version_id] if shard.active_version_id else None
                 shards.append(load_shard(self.storage, self.cache, index, shard.id, shard.shard_no, record))
             view = IndexView(index, source, tuple(shards))
+            # A young tier reaches at least the highest shard watermark: below it, shards built further than the
+            # others would show writes of a batch the others do not (a state the log never had).
+            top = max((s.watermark for s in view.shards), default=0)
+            bound = view.min_watermark + self.young_max_seqs
+            # Another generation (a reindex swap, a rollback, the index made again): the young tiers kept under
+            # the generations' ids are of other versions and times. The old one's pinned its whole generation
+            # outside the budget; the new one's, kept since it last served (a rollback), showed points deleted
+            # since. The view is loaded as anew.
+            anew = old is None or old.index.id != index.id
+            fresh: TailCache | None = None
+            if anew and self.follows and self.young_max_seqs > 0 and view.shards:
+                # A view loaded anew answers its first eventual search with the log up to the head read with it,
+                # as a followed view does: writes acknowledged before the load (maybe long before, with no
+                # worker building) are shown at once, not from the follower's next wake, up to a poll later.
+                # Read before the view is served: a search finding the view served (a concurrent first search,
+                # which does not wait for this loader) then finds its young tier with it, never a view without
+                # one (writes missing) or with the one kept from when its generation last served (a rollback).
+                target = max(min(source.head_seq, bound), top)
+                if target > view.min_watermark:
+                    try:
+                        fresh = self._young_at_load(view, target, max(bound, top))
+                    except Exception as exc:  # noqa: BLE001 - the follower extends it then
+                        log.debug("young tier of index %s not read at load: %s", name, exc)
             with self._lock:
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
+                if anew:  # swapped with the view, so no search pairs the new view with another tier
+                    if old is not None:
+                        self._tails.pop(old.index.id, None)
+                    self._tails.pop(index.id, None)
+                    if fresh is not None:
+                        self._tails[index.id] = fresh
             # Only once the view is served: the follower this may wake extends served views alone.
             self._saw_head(source.id, source.head_seq)
             self._fit_budget(key)
         # The young tier for the new versions, derived now in the loader (only the shards whose version changed
         # are, cut from what is held: no I/O). Until it is served, searches answer from the young tier's own view.
-        if old is not None and old.index.id != index.id:
-            # Another generation (a reindex swap, a rollback, the index made again): the young tiers kept under
-            # the generations' ids are of other versions and times. The old one's pinned its whole generation
-            # outside the budget; the new one's, kept since it last served (a rollback), showed points deleted
-            # since. The view is loaded as anew.
-            with self._lock:
-                self._tails.pop(old.index.id, None)
-                self._tails.pop(index.id, None)
-            old = None
         young = self._tails.get(index.id)
-        # A young tier reaches at least the highest shard watermark: below it, shards built further than the
-        # others would show writes of a batch the others do not (a state the log never had).
-        top = max((s.watermark for s in view.shards), default=0)
-        bound = view.min_watermark + self.young_max_seqs
-        if old is not None and young is not None and young.versions != view.versions:
+        if not anew and young is not None and young.versions != view.versions:
             try:
                 self._extend_within(view, max(young.end, top), max(young.end, top, bound))
             except Exception as exc:  # noqa: BLE001 - the follower derives it then
                 log.debug("young tier of index %s not derived at load: %s", name, exc)
-        elif old is None and self.follows and self.young_max_seqs > 0 and view.shards:
-            # A view loaded now answers its first eventual search with the log up to the head read with it, as a
-            # followed view does: writes acknowledged before the load (maybe long before, with no worker
-            # building) are shown at once, not from the follower's next wake, up to a poll later.
-            target = max(min(source.head_seq, bound), top)
-            if target > view.min_watermark:
-                try:
-                    self._extend_within(view, target, max(bound, top))
-                except Exception as exc:  # noqa: BLE001 - the follower extends it then
-                    log.debug("young tier of index %s not read at load: %s", name, exc)
         self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
                                       if s.version_id is not None and s.version_id not in held})
         return view
+
+    def _young_at_load(self, view: IndexView, target: int, limit: int) -> TailCache | None:
+        """The young tier of `view`, a view loaded anew and not served yet, read from its lowest watermark up to
+        `target` (further past a compacted range: `_past_compaction`); None when that would take it past
+        `limit`. Not kept here: the loader serves it together with the view."""
+        required = self._past_compaction(view, None, target, False)
+        if required > limit:
+            return None
+        return extend(None, view, required, lambda after, up_to: self._read_log(view, after, up_to),
+                      time.monotonic())
 
     def _retain(self) -> None:
         """Tell the cache which segments this service's views hold (the rest can go)."""
@@ -928,8 +953,10 @@ class Searcher:
         `shoal.searcher.filters`: only matching points are searched, at any consistency), `retrieve_vectors`,
         `consistency` (eventual by default, `Consistency.at_least(token)`, `Consistency.strong()`; the level names
         "eventual" and "strong" are taken too). Time travel:
-        `tag` searches the versions a tag pinned (as they were); `as_of` answers exactly as of that seq (a write
-        token's), from the newest kept version at or below it plus the log up to it. `search_params` overrides
+        `tag` searches the versions a tag pinned (as they were; shards pinned below the highest of their
+        watermarks, the seq the tag stands for, with the log up to it, so all answer at that seq); `as_of`
+        answers exactly as of that seq (a write token's), from the newest kept version at or below it plus the
+        log up to it. `search_params` overrides
         the index's query-time parameters for this search only, without a rebuild: `ef_search` for HNSW,
         `nprobe` for IVF (unknown names and bad values raise ValidationError). A search writes nothing, and its
         errors say "invalid query" (a QueryError), never "nothing written".
