@@ -238,3 +238,19 @@ def test_bad_search_params_and_gate_are_validation_errors_naming_them(local_shoa
         with pytest.raises(ValidationError, match="gate"):
             local_shoal.reindex("ix", "1", params={"M": 24}, gate=gate)  # type: ignore[arg-type]
     assert local_shoal.reindex_jobs("ix", "1") == []
+
+
+def test_the_recall_gate_judges_small_norm_data_by_its_own_scale(local_shoal: Shoal) -> None:
+    """The gate counted a hit within 1e-5 of the k-th exact distance, absolutely: on dot products of about 1e-11
+    every hit passed, and an HNSW generation of real recall 0 was swapped in with recall 1.0. The tolerance now
+    follows the vectors' magnitudes, so that reindex fails its gate; the same data at unit scale still passes."""
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2000, 16))
+    for scale, expected in ((1e-6, "failed"), (1.0, "swapped")):
+        name = f"G{int(scale == 1.0)}"
+        local_shoal.create_data_source(DataSourceSpec(name, "1", 16, {"id": "int64"}, ["id"]))
+        vectors = (base * scale).astype(np.float32)
+        local_shoal.producer(name, "1").upload_columns(vectors, {"id": np.arange(2000)})
+        local_shoal.create_index(IndexSpec(f"{name}I", "1", name, "1", algorithm="flat", metric="dot_product"))
+        job = local_shoal.reindex(f"{name}I", "1", algorithm="hnsw", wait=True)
+        assert job.state == expected, job

@@ -360,11 +360,29 @@ def measure_recall(
     exact, _ = exact_top_k(index.spec.metric, queries, vectors, kk)
     hits = execute(view, queries, kk, lambda values: True, {}, False)
     higher = higher_is_nearer(index.spec.metric)
+    scales = _distance_scales(index.spec.metric, np.asarray(queries, dtype=np.float64), vectors)
     found = 0
-    for bound, qhits in zip(exact[:, -1], hits, strict=True):
-        tol = 1e-5 * max(1.0, abs(float(bound)))
+    for bound, scale, qhits in zip(exact[:, -1], scales, hits, strict=True):
+        # A hit counts when within float32 rounding of the k-th exact distance. Rounding scales with the vectors'
+        # magnitudes, not with 1: an absolute floor counted every hit on data of small norms (dot products of
+        # 1e-11, where an HNSW graph of recall 0 passed the gate).
+        tol = 1e-5 * max(float(scale), abs(float(bound)))
         found += sum(1 for h in qhits if (h.distance >= bound - tol if higher else h.distance <= bound + tol))
     return found / (len(rows) * kk)
+
+
+def _distance_scales(metric: str, queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """Per query, the magnitude a distance's float32 rounding error is relative to under `metric`: 1 for cosine,
+    the product of the norms for a dot product, their squares' sum for l2_squared, and so on."""
+    q = np.linalg.norm(queries, axis=1)
+    v = float(np.linalg.norm(vectors.astype(np.float64), axis=1).max(initial=0.0))
+    if metric == "cosine":
+        return np.ones_like(q)
+    if metric == "dot_product":
+        return q * v
+    if metric == "l2_squared":
+        return q * q + v * v
+    return (q + v) * (np.sqrt(queries.shape[1]) if metric == "manhattan" else 1.0)
 
 
 def _at_shard_watermarks(
