@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, case, delete, func, select
+from sqlalchemy import BigInteger, Connection, Engine, case, cast, delete, func, select, true
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -23,6 +23,8 @@ from shoal.catalog.models import (
     GarbageFile,
     Index,
     IndexShard,
+    IndexTag,
+    IndexVersion,
     LogCompaction,
     LogSegment,
     ProducerBatch,
@@ -105,19 +107,35 @@ def _lowest_watermark_expr(source_id_column: object) -> object:
     # A shard nobody has served yet (served_at NULL) is bounded by its built watermark only: no searcher
     # scans a tail for it. A served shard by the lower of the two.
     served = case((IndexShard.served_at.is_(None), IndexShard.built_watermark), else_=IndexShard.served_watermark)
-    return (
+    shards = (
         select(func.min(func.least(IndexShard.built_watermark, served)))
         .join(Index, Index.id == IndexShard.index_id)
         .where(Index.data_source_id == source_id_column)
         .scalar_subquery()
     )
+    # A tag stands for one seq (index_tags.seq); a shard it pinned below that seq is answered with the log from
+    # the pinned version's watermark up to it, so that stretch of the log is kept as long as the tag is (a shard
+    # pinned with no version at all reads it from the start).
+    pinned = func.jsonb_each_text(IndexTag.versions).table_valued("key", "value").alias("pinned")
+    watermark = func.coalesce(IndexVersion.watermark, 0)
+    tags = (
+        select(func.min(watermark))
+        .select_from(IndexTag)
+        .join(Index, Index.id == IndexTag.index_id)
+        .join(pinned, true())
+        .outerjoin(IndexVersion, IndexVersion.id == cast(pinned.c.value, BigInteger))
+        .where(Index.data_source_id == source_id_column, IndexTag.seq.is_not(None), watermark < IndexTag.seq)
+        .scalar_subquery()
+    )
+    return func.least(shards, tags)  # Postgres' LEAST skips NULLs: no tag holding back, the shards' bound
 
 
 def lowest_watermark(engine: Engine, source_id: int) -> int | None:
     """The lowest watermark any index over the source still needs the log above, None when no index reads it.
 
     Every index shard counts (of every index and generation over the source, live or in the trash), with
-    the lower of its built and (once served) served watermarks. This is the one place that decides how far
+    the lower of its built and (once served) served watermarks, and so does every tag's lowest pinned watermark
+    below the seq it stands for. This is the one place that decides how far
     compaction may reach: anything that will read the log from an older seq must be counted here.
     """
     with Session(engine) as s:
