@@ -1,7 +1,9 @@
 """Message bodies: Vektonn's upload JSON, or a compact columnar Arrow IPC stream, chosen by content type.
 
 Both decode to the same validated Arrow batch the log writer appends, so a message is checked by exactly the
-rules an HTTP upload or the Python producer is checked by.
+rules an HTTP upload or the Python producer is checked by. One allowance in the JSON form, for what
+`encode_json` writes without knowing the data source: an integer given for a float64 attribute (sent in the int64
+slot) and a guid given as text (sent in the string slot) are taken, as the Python producer takes them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 
 from shoal.errors import Problem, ValidationError
-from shoal.log.records import DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
+from shoal.log.validation import number_array, numbers_to_float32, vector_problem
 from shoal.vektonn.arrow_upload import ARROW, DELETED_COLUMN, VECTOR_COLUMN, decode_arrow_upload
 from shoal.vektonn.json_fields import JSON
 from shoal.vektonn.upload_json import EmptyUploadError, UploadBodyError, decode_upload
@@ -37,6 +40,18 @@ def decode(spec: DataSourceSpec, content_type: str | None, body: bytes, max_poin
 
 
 def _decode_json(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
+    try:
+        return _decode_upload(spec, body, max_points)
+    except ValidationError:
+        # Only a refused body pays for another parse: the slots a publisher picked by the Python type of a value
+        # the producer takes for the declared type, moved to the declared slot, and the body judged again.
+        retyped = _producer_slots(spec, body)
+        if retyped is None:
+            raise
+    return _decode_upload(spec, retyped, max_points)
+
+
+def _decode_upload(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table:
     # The HTTP route's decoder (orjson straight to columns), with this codec's wording for a body that is no
     # upload at all, which dead letters carry as their reason.
     try:
@@ -47,27 +62,58 @@ def _decode_json(spec: DataSourceSpec, body: bytes, max_points: int) -> pa.Table
         raise ValidationError("the message holds no data point") from None
 
 
+def _producer_slots(spec: DataSourceSpec, body: bytes) -> bytes | None:
+    """The body with each attribute value `encode_json` put in another slot than the declared type's, where the
+    Python producer takes that value for the type, moved to the declared slot: an integer for a float64 attribute
+    (`{"int64": 2}` -> `{"float64": 2}`) and a guid's text for a guid attribute (`{"string": s}` -> `{"guid": s}`,
+    when `uuid.UUID(s)` reads it). None when nothing moved (or the body is no JSON array)."""
+    try:
+        items = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(items, list):
+        return None
+    moved = False
+    for item in items:
+        attributes = item.get("attributes") if isinstance(item, dict) else None
+        for attribute in attributes if isinstance(attributes, list) else ():
+            if not isinstance(attribute, dict) or not isinstance(attribute.get("key"), str):
+                continue
+            kind, value = spec.attribute_types.get(attribute["key"]), attribute.get("value")
+            if not isinstance(value, dict) or len(value) != 1:
+                continue
+            ((slot, raw),) = value.items()
+            if kind is AttributeType.FLOAT64 and slot == "int64" and type(raw) is int:
+                attribute["value"], moved = {"float64": raw}, True
+            elif kind is AttributeType.GUID and slot == "string" and isinstance(raw, str):
+                try:
+                    attribute["value"], moved = {"guid": str(uuid.UUID(raw))}, True
+                except ValueError:  # no guid: refused as a string where a guid belongs
+                    continue
+    return json.dumps(items).encode() if moved else None
+
+
 # -- encoding, for publishers ------------------------------------------------------------------------------
 
 
 def encode_json(items: Sequence[DataPoint | Tombstone]) -> bytes:
     """Data points and tombstones as Vektonn's upload JSON (the attribute slot follows each value's type)."""
     out = []
-    for item in items:
+    for pos, item in enumerate(items):
         if isinstance(item, Tombstone):
-            out.append({"attributes": _attributes(item.key), "isDeleted": True})
+            out.append({"attributes": _attributes(item.key, pos), "isDeleted": True})
         elif isinstance(item, DataPoint):
-            out.append({"attributes": _attributes(item.attributes), "vector": _vector(item.vector)})
+            out.append({"attributes": _attributes(item.attributes, pos), "vector": _vector(item.vector, pos)})
         else:
-            raise ValidationError(f"expected DataPoint or Tombstone, got {type(item).__name__}")
+            raise ValidationError(Problem(f"expected DataPoint or Tombstone, got {type(item).__name__}", pos))
     return json.dumps(out, separators=(",", ":")).encode()
 
 
-def _attributes(values: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [{"key": k, "value": _slot(k, v)} for k, v in values.items()]
+def _attributes(values: Mapping[str, Any], pos: int) -> list[dict[str, Any]]:
+    return [{"key": k, "value": _slot(k, v, pos)} for k, v in values.items()]
 
 
-def _slot(key: str, value: Any) -> dict[str, Any]:
+def _slot(key: str, value: Any, pos: int) -> dict[str, Any]:
     if isinstance(value, bool | np.bool_):
         return {"bool": bool(value)}
     if isinstance(value, int | np.integer):
@@ -80,14 +126,48 @@ def _slot(key: str, value: Any) -> dict[str, Any]:
         return {"guid": str(value)}
     if isinstance(value, dt.datetime):
         return {"dateTime": value.isoformat()}
-    raise ValidationError(Problem(f"unsupported attribute value type {type(value).__name__}", attribute=key))
+    raise ValidationError(Problem(f"unsupported attribute value type {type(value).__name__}", pos, key))
 
 
-def _vector(vector: Any) -> dict[str, Any]:
+def _vector(vector: Any, pos: int) -> dict[str, Any]:
+    """The vector as Vektonn's JSON, refused (ValidationError) by the rules the Python producer checks without the
+    data source's definition: numbers only (no text, complex or dates), integer sparse indices, as many values as
+    indices, none repeated, finite coordinates within the norm bound. Nothing is converted into another value (a
+    float index truncated, a text parsed): the coordinates sent are the float32 values the producer would store,
+    and the consumer checks the rest (dimension, index range) against the data source."""
     if isinstance(vector, SparseVector):
-        return {"isSparse": True, "coordinates": [float(x) for x in vector.values],
-                "coordinateIndices": [int(i) for i in vector.indices]}
-    return {"isSparse": False, "coordinates": np.asarray(vector, dtype=np.float64).tolist()}
+        indices, wrong = number_array(vector.indices, "sparse indices")
+        given, wrong_values = number_array(vector.values, "sparse values")
+        if indices is None or given is None:
+            raise ValidationError(Problem(str(wrong or wrong_values), pos, VECTOR_COLUMN))
+        if indices.size and (indices.dtype.kind not in "iuO" or (
+                indices.dtype.kind == "O" and not all(_is_integer(i) for i in indices.reshape(-1)))):
+            # Even 3.0 (and True): never truncated into another dimension than the one given.
+            raise ValidationError(Problem("sparse indices must be integers", pos, VECTOR_COLUMN))
+        values = numbers_to_float32(given)
+        if indices.ndim != 1 or indices.shape != values.shape:
+            raise ValidationError(Problem("sparse vector needs as many values as indices", pos, VECTOR_COLUMN))
+        if len(set(indices.tolist())) != indices.size:
+            raise ValidationError(Problem("sparse vector repeats an index", pos, VECTOR_COLUMN))
+        wrong = vector_problem(given, values)
+        if wrong is not None:
+            raise ValidationError(Problem(wrong, pos, VECTOR_COLUMN))
+        return {"isSparse": True, "coordinates": values.tolist(), "coordinateIndices": indices.tolist()}
+    given, wrong = number_array(vector, "vector coordinates")
+    if given is None:
+        raise ValidationError(Problem(str(wrong), pos, VECTOR_COLUMN))
+    row = numbers_to_float32(given)
+    if row.ndim != 1:
+        raise ValidationError(Problem(f"a vector must be one row of coordinates, got shape {row.shape}", pos,
+                                      VECTOR_COLUMN))
+    wrong = vector_problem(given, row)
+    if wrong is not None:
+        raise ValidationError(Problem(wrong, pos, VECTOR_COLUMN))
+    return {"isSparse": False, "coordinates": row.tolist()}
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
 def encode_arrow(

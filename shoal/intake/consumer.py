@@ -27,11 +27,13 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import pyarrow as pa
+import pydantic
 import redis
 from kombu import Connection, Producer
+from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
@@ -49,6 +51,22 @@ log = logging.getLogger(__name__)
 
 # Failures worth a retry of the same message later: the catalog or storage was briefly away.
 TRANSIENT = (OperationalError, OSError, CommitError, ConfigurationError)
+
+# A consumer group name: SHOAL_INTAKE_GROUP's own rule (a group named otherwise, `shoal consume --group 'a*'`,
+# made glob patterns of the queue's name).
+_GROUP = Settings.model_fields["intake_group"]
+_GROUP_NAME: pydantic.TypeAdapter[str] = pydantic.TypeAdapter(Annotated[_GROUP.annotation, *_GROUP.metadata])
+
+
+def check_group(group: str) -> str:
+    """`group` if SHOAL_INTAKE_GROUP would take it as a consumer group name; ConfigurationError naming it and the
+    rule otherwise."""
+    try:
+        return _GROUP_NAME.validate_python(group)
+    except pydantic.ValidationError as exc:
+        raise ConfigurationError(
+            f"invalid consumer group {group!r}: {exc.errors()[0]['msg']} (as SHOAL_INTAKE_GROUP)"
+        ) from None
 
 
 @dataclass
@@ -79,7 +97,7 @@ class IntakeConsumer:
 
     def __init__(self, settings: Settings | None = None, *, group: str | None = None) -> None:
         self.settings = settings or Settings()
-        self.group = group or self.settings.intake_group
+        self.group = self.settings.intake_group if group is None else check_group(group)
         self.exchange_name = self.settings.intake_exchange
         self.queue = topology.group_queue(self.exchange_name, self.group, self.settings.intake_binding)
         self.dead_queue = topology.dead_queue(self.exchange_name, self.group)
@@ -109,10 +127,12 @@ class IntakeConsumer:
                 conn.connect()
                 delay = 0.5
                 self._serve(conn, client)
-            except (OSError, redis.RedisError, *conn.recoverable_connection_errors,
+            except (OSError, redis.RedisError, KombuOperationalError, *conn.recoverable_connection_errors,
                     *conn.recoverable_channel_errors, *conn.connection_errors) as exc:
                 # What we held stays in our processing list; a consumer puts it back once our liveness key
-                # expires (this one too, after reconnecting); message ids make redelivery harmless.
+                # expires (this one too, after reconnecting); message ids make redelivery harmless. (kombu raises
+                # OperationalError once its retries of a publish, a dead letter, gave up: a broker that is away,
+                # or full and refusing writes, which draining the queue frees.)
                 log.warning("broker connection lost (%s); reconnecting in %.1fs", exc, delay)
                 self._drop_held()
                 self.stop.wait(delay)
@@ -128,10 +148,15 @@ class IntakeConsumer:
 
     def _serve(self, conn: Connection, client: redis.Redis) -> None:
         channel = conn.channel()
-        # Declared (with its binding) so the exchange routes into the queue's list, and dead letters are kept.
-        self.queue(channel).declare()
         self._dead_producer = Producer(conn.channel())
-        self.dead_queue(self._dead_producer.channel).declare()
+        # Declared (with its binding) so the exchange routes into the queue's list, and dead letters are kept.
+        try:
+            self.queue(channel).declare()
+            self.dead_queue(self._dead_producer.channel).declare()
+        except redis.exceptions.OutOfMemoryError:
+            # Redis is full (maxmemory, noeviction) and refuses to record the bindings again: messages waiting
+            # were routed by them, so they exist; draining the queue is what frees the memory.
+            log.warning("the broker is out of memory: consuming without declaring %s again", self.queue.name)
         self._delivery = delivery = ReliableQueue(
             client, channel, self.queue.name, self.settings.intake_visibility_timeout_s
         )
@@ -184,14 +209,25 @@ class IntakeConsumer:
     # -- receiving ----------------------------------------------------------------------------------------
 
     def _receive(self, message: Message) -> None:
+        if message.shoal_problem:  # no kombu envelope at all: kept as it was, with the reason
+            self._dead_letter(message, message.shoal_problem)
+            return
         headers = message.headers or {}
+        # A message published without an id (by a plain kombu client) is known by its delivery tag: kombu stamps
+        # each envelope with a new one when it is published, and the envelope moves unchanged between the queue
+        # and processing lists, so a redelivery (after a crash between commit and acknowledgement) carries the same
+        # tag and its second commit writes nothing, as an id's would.
         message_id = headers.get(topology.MESSAGE_ID) or message.properties.get("message_id")
+        tagged = message_id is None
+        if tagged:
+            message_id = message.delivery_tag
         try:
             # Before the id meets the catalog: a NUL or a lone surrogate there fails every commit of the batch
             # (and killed the consumer), so the message would never leave the queue.
-            problem = None if message_id is None else message_id_problem(message_id)
+            problem = message_id_problem(message_id)
             if problem:
-                raise ValidationError(problem)
+                raise ValidationError(f"the message has no id, and its delivery tag cannot stand for one: {problem}"
+                                      if tagged else problem)
             target = topology.target_of(headers)
             producer, table = self._decode(target, message)
         except (ValidationError, NotFoundError) as exc:
@@ -224,8 +260,16 @@ class IntakeConsumer:
             return current, self._decode_for(current, message)
 
     def _decode_for(self, producer: LogProducer, message: Message) -> pa.Table:
-        return codec.decode(producer.spec, message.content_type, message.body, self.settings.max_batch_points,
-                            self.settings.body_limit_bytes)
+        try:
+            return codec.decode(producer.spec, message.content_type, message.body, self.settings.max_batch_points,
+                                self.settings.body_limit_bytes)
+        except (ValidationError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the body alone is at fault: a decoder that fails on it otherwise
+            # than by refusing it would fail every redelivery too (and crashed the consumer each time, so the queue
+            # behind it never moved): it is refused as the decoder's failure names it.
+            log.exception("decoding a message failed")
+            raise ValidationError(f"the message body cannot be decoded: {type(exc).__name__}: {exc}") from None
 
     def _producer(self, target: Target, *, fresh: bool = False) -> LogProducer:
         """The data source's producer, its definition read from the catalog at most every SOURCE_TTL_S (one
@@ -349,10 +393,10 @@ class IntakeConsumer:
         self._delivery.ack(message)
 
     def _requeue(self, messages: list[Message]) -> None:
+        """Put messages back on the queue's head in the order they were taken (one atomic step), so they are
+        committed in their publish order after all."""
         assert self._delivery is not None
-        for m in messages:
-            self._delivery.requeue(m)
-            self.stats.requeued += 1
+        self.stats.requeued += self._delivery.requeue(messages)
 
     def _drop_held(self) -> None:
         self._held, self._held_points = [], 0
@@ -405,7 +449,7 @@ class IntakeConsumer:
 
 def dead_letters(settings: Settings, group: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
     """Read (and remove) up to `limit` messages from a group's dead-letter queue: headers, content type, body."""
-    group = group or settings.intake_group
+    group = settings.intake_group if group is None else check_group(group)
     queue = topology.dead_queue(settings.intake_exchange, group)
     out: list[dict[str, Any]] = []
     with Connection(broker_url(settings)) as conn:

@@ -7,14 +7,28 @@ list into a processing list of this consumer, and removed from there only when a
 refreshes a liveness key while it runs; any consumer puts the processing list of one whose key expired back
 on the queue. Publishing, exchanges, bindings and the message format stay kombu's: the list is the one kombu's
 Redis transport keeps for the queue, and its envelopes decode with kombu's own channel.
+
+Order: kombu publishes with LPUSH and takes from the right, so the right end of the queue's list is its head.
+A message taken is pushed on the left of the processing list (the oldest held is rightmost); whatever goes back
+(requeued after a failed commit, a stopped consumer's list recovered or released) goes back on the queue's head
+with the oldest rightmost, in one atomic step, so it is taken again in the order it was published: a tombstone
+is never committed before the upsert it deletes, nor an older update after a newer one.
+
+A full Redis (maxmemory with the noeviction policy) refuses every command that may grow memory, BLMOVE and SET
+among them, though moving a message between lists and refreshing a key grow nothing: those steps run as scripts
+flagged `allow-oom` (Redis and Valkey 7 or later; on Redis 6.2 they run unflagged, as plain commands would), so
+consumers keep draining a full broker, which frees it.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
+import re
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -22,6 +36,84 @@ import redis
 from kombu.message import Message
 
 log = logging.getLogger(__name__)
+
+# Scripts (`#!lua` with flags: run even when the server is out of memory; they move entries between lists or
+# refresh one small key, nothing that grows).
+# Every one names the keys it touches in KEYS, as Redis Cluster and ACLs want.
+
+# KEYS[1]: queue, KEYS[2]: processing list. Take the queue's head into the processing list (no wait).
+_TAKE = """#!lua flags=allow-oom
+return redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+"""
+# KEYS[1]: the liveness key; ARGV[1]: its lease in ms.
+_BEAT = """#!lua flags=allow-oom
+return redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+"""
+# KEYS[1]: processing list, KEYS[2]: queue, KEYS[3]: the list's liveness key; ARGV[1]: '1' to leave the list
+# alone while that key exists. The whole list onto the queue's head, oldest rightmost (taken first).
+_MOVE_BACK = """#!lua flags=allow-oom
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local moved = 0
+while redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT') do moved = moved + 1 end
+return moved
+"""
+# KEYS[1]: processing list, KEYS[2]: queue; ARGV: entries in the order they were taken. Each one this consumer
+# still holds goes back on the queue's head, the first taken rightmost (taken first again); one it no longer
+# holds (recovered by another consumer after this one's lease ran out) is not pushed twice.
+_REQUEUE = """#!lua flags=allow-oom
+local moved = 0
+for i = #ARGV, 1, -1 do
+  if redis.call('LREM', KEYS[1], 1, ARGV[i]) == 1 then
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
+# What follows `{queue}.processing.` in a processing list's name: host (no dot: group names may hold dots, so
+# a dotted host could make another group's list look like one of ours), pid, random suffix.
+_CONSUMER_ID = re.compile(r"[A-Za-z0-9_-]+:[0-9]+:[0-9a-f]{8}")
+_GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
+
+
+def _glob_escape(text: str) -> str:
+    """`text` matched literally by Redis's glob-style MATCH patterns."""
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def _script_flags(client: redis.Redis) -> bool:
+    """Whether the server reads script flags (a `#!lua` first line): Redis 7 and later, every Valkey (which
+    reports Redis 7.2 compatibility). Redis 6.2 (which has BLMOVE) refuses such a script."""
+    try:
+        version = str(client.info("server").get("redis_version", "7"))
+    except redis.exceptions.ResponseError:  # INFO not allowed to this user: assume a current server
+        return True
+    major = re.match(r"\d+", version)
+    return major is None or int(major.group()) >= 7
+
+
+def envelope_problem(envelope: Any) -> str | None:
+    """What makes a queue entry (parsed JSON) no kombu envelope this consumer can read, None when nothing: kombu
+    raises on some of these and hands on others that would fail later (headers that are no mapping)."""
+    if not isinstance(envelope, dict):
+        return f"the entry is a JSON {type(envelope).__name__}, not a kombu message envelope (an object)"
+    properties = envelope.get("properties")
+    if not isinstance(properties, dict):
+        return "the envelope has no properties object"
+    tag = properties.get("delivery_tag")
+    if not isinstance(tag, str) or not tag:
+        return "the envelope's properties carry no delivery tag"
+    if not isinstance(properties.get("delivery_info", {}), dict):
+        return "the envelope's delivery_info is not an object"
+    if not isinstance(envelope.get("headers") or {}, dict):
+        return "the envelope's headers are not an object"
+    for field in ("content-type", "content-encoding"):
+        if not isinstance(envelope.get(field) or "", str):
+            return f"the envelope's {field} is not a string"
+    if not isinstance(envelope.get("body") or "", str):
+        return "the envelope's body is not a string"
+    return None
 
 
 class ReliableQueue:
@@ -32,51 +124,88 @@ class ReliableQueue:
         self.channel = channel  # a kombu Redis channel: decodes kombu's envelopes into Messages
         self.queue = queue
         self.lease_s = max(1.0, lease_s)
-        self.consumer_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+        self.consumer_id = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.processing = f"{queue}.processing.{self.consumer_id}"
+        flags = _script_flags(client)
+        self._take, self._beat, self._move_back, self._requeue = (
+            client.register_script(text if flags else text.split("\n", 1)[1])
+            for text in (_TAKE, _BEAT, _MOVE_BACK, _REQUEUE)
+        )
 
     def _alive_key(self, processing: str) -> str:
         return f"{processing}.alive"
 
     def heartbeat(self) -> None:
         """Say this consumer runs (for `lease_s`); call more often than that."""
-        self.client.set(self._alive_key(self.processing), "1", px=int(self.lease_s * 1000))
+        self._beat(keys=[self._alive_key(self.processing)], args=[int(self.lease_s * 1000)])
 
     def get(self, timeout: float) -> Message | None:
-        """The next message, now held in this consumer's processing list; None after `timeout` seconds."""
-        raw = self.client.blmove(self.queue, self.processing, max(timeout, 0.01), "RIGHT", "LEFT")
+        """The next message, now held in this consumer's processing list; None after `timeout` seconds. An entry
+        that is no kombu envelope comes back as a message whose `shoal_problem` says why (its body: the entry as
+        it was), for the caller to dead-letter; it is never left to fail every consumer that takes it."""
+        try:
+            raw = self.client.blmove(self.queue, self.processing, max(timeout, 0.01), "RIGHT", "LEFT")
+        except redis.exceptions.OutOfMemoryError:
+            # Redis is full: BLMOVE is refused even when it would free memory. Take without waiting instead,
+            # and wait here when nothing is there (nothing can be published while it is full anyway).
+            raw = self._take(keys=[self.queue, self.processing])
+            if raw is None:
+                time.sleep(min(max(timeout, 0.01), 0.5))
+                return None
         if raw is None:
             return None
-        message = self.channel.message_to_python(json.loads(raw))
+        try:
+            envelope = json.loads(raw)
+            problem = envelope_problem(envelope)
+            message = None if problem else self.channel.message_to_python(envelope)
+        except Exception as exc:  # noqa: BLE001 - a foreign entry may fail kombu in any way; it is dead-lettered
+            problem, message = f"not a kombu message envelope ({type(exc).__name__}: {str(exc)[:200]})", None
+        if message is None:
+            message = self._unreadable(raw, str(problem))
         message.shoal_raw = raw  # what ack and requeue remove from the processing list
+        message.shoal_problem = problem
         return message
+
+    def _unreadable(self, raw: bytes, problem: str) -> Message:
+        """A kombu message whose body is the unreadable entry `raw` as it was, to be dead-lettered with `problem`."""
+        log.warning("unreadable entry on %s: %s", self.queue, problem)
+        return self.channel.message_to_python({
+            "body": base64.b64encode(raw).decode(),
+            "content-encoding": "binary",
+            "content-type": "application/octet-stream",
+            "headers": {},
+            "properties": {"body_encoding": "base64", "delivery_tag": uuid.uuid4().hex,
+                           "delivery_info": {"exchange": "", "routing_key": ""}},
+        })
 
     def ack(self, message: Message) -> None:
         """Forget a message for good (it is committed, or dead-lettered)."""
         self.client.lrem(self.processing, 1, message.shoal_raw)
 
-    def requeue(self, message: Message) -> None:
-        """Put a message back on the queue, to be taken next, in one atomic step."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.lrem(self.processing, 1, message.shoal_raw)
-        pipe.rpush(self.queue, message.shoal_raw)
-        pipe.execute()
+    def requeue(self, messages: list[Message]) -> int:
+        """Put messages (in the order they were taken) back on the queue's head, to be taken next in that order,
+        in one atomic step; how many went back (one no longer held is not put back twice)."""
+        if not messages:
+            return 0
+        return int(self._requeue(keys=[self.processing, self.queue], args=[m.shoal_raw for m in messages]))
 
     def recover(self) -> int:
         """Put back on the queue what consumers whose liveness expired were holding; how many messages."""
         moved = 0
-        for key in self.client.scan_iter(match=f"{self.queue}.processing.*", count=100):
+        prefix = f"{self.queue}.processing."
+        for key in self.client.scan_iter(match=_glob_escape(prefix) + "*", count=100):
             name = key.decode() if isinstance(key, bytes) else str(key)
-            if name.endswith(".alive") or name == self.processing or self.client.exists(self._alive_key(name)):
+            # Exactly a consumer id after the prefix: not a liveness key, nor a list of another group whose name
+            # begins with this one's (group "a" and group "a.processing.x").
+            if name == self.processing or not _CONSUMER_ID.fullmatch(name[len(prefix):]):
                 continue
-            while self.client.lmove(name, self.queue, "RIGHT", "RIGHT") is not None:
-                moved += 1
+            moved += max(0, int(self._move_back(keys=[name, self.queue, self._alive_key(name)], args=["1"])))
         if moved:
             log.warning("put %d messages of stopped consumers back on %s", moved, self.queue)
         return moved
 
     def release(self) -> None:
         """On a clean stop: hand back what this consumer still holds and drop its liveness key."""
-        while self.client.lmove(self.processing, self.queue, "RIGHT", "RIGHT") is not None:
-            pass
+        self._move_back(keys=[self.processing, self.queue, self._alive_key(self.processing)], args=["0"])
         self.client.delete(self._alive_key(self.processing))

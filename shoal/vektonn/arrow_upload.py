@@ -33,13 +33,28 @@ def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int, max_
     `is_deleted`) as the validated batch table, order kept; ValidationError naming what is wrong. `max_bytes`
     (default: the body's own size) bounds what a dictionary-encoded text column may decode to: the most a
     request could send plain (SHOAL_MAX_BODY_BYTES)."""
+    try:
+        return _decode(spec, body, max_points, max_bytes)
+    except pa.ArrowException as exc:
+        # A stream that read but whose buffers do not hold what its headers declare, met while its columns are
+        # taken apart: a malformed body (400), never a server error or a consumer crash.
+        raise ValidationError(f"not an Arrow IPC stream: {exc}") from None
+
+
+def _decode(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int | None) -> pa.Table:
     buffer = pa.py_buffer(body)
     try:
         _check_messages(buffer, max_points)  # before any buffer is decoded: nothing past the limits is made
         table = pa.ipc.open_stream(buffer).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise ValidationError(f"not an Arrow IPC stream: {exc}") from None
-    repeated = [name for name, count in Counter(table.column_names).items() if count > 1]
+        table.validate()  # buffer sizes and offsets against the declared lengths (cheap: no pass over values)
+        names = table.column_names  # decoded from the schema's bytes: a name need not be UTF-8
+    except (pa.ArrowException, OSError, UnicodeDecodeError, IndexError) as exc:
+        # Any malformed stream (an integer of 5 bits, a buffer sliced past its end, a column name that is no
+        # UTF-8 ...): pyarrow raises many kinds, and any other than ValidationError is a 500 over HTTP and
+        # crashed `shoal consume` for every redelivery of the message.
+        what = "a column name is not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)
+        raise ValidationError(f"not an Arrow IPC stream: {what}") from None
+    repeated = [name for name, count in Counter(names).items() if count > 1]
     if repeated:
         # Looked up by name below (pyarrow raises KeyError for a repeated one, which kombu takes for a lost
         # connection: the message would come back for ever instead of going to the dead letters).
