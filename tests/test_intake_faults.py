@@ -536,3 +536,32 @@ def test_consume_refuses_a_group_name_the_setting_refuses(
     assert result.exit_code == 1, result.output
     assert "invalid consumer group" in result.output and "Traceback" not in result.output
     assert settings.intake_exchange not in result.output  # stopped before anything was consumed
+
+
+# -- a message id reused for other content --------------------------------------------------------------------
+
+
+def test_a_message_id_reused_for_other_content_is_dead_lettered_and_the_rest_commits(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer],
+) -> None:
+    """A publisher that reuses a message id (a document id) for changed content: the log refuses the second
+    batch under the id (BatchIdReusedError), which is dead-lettered naming the id, where it would have stopped
+    the consumer; messages around it commit, and a true repeat of the first still counts as a duplicate."""
+    settings = intake_settings()
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(1, "first")], message_id="doc-7")
+        consumer = consumer_thread(settings)
+        wait_for(lambda: head(shoal) == 1, 60, "the first message committed")
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(1, "changed")], message_id="doc-7")
+            p.publish("events", "1", [point(2)], message_id="doc-8")
+            p.publish("events", "1", [point(1, "first")], message_id="doc-7")
+        wait_for(lambda: consumer.stats.messages + consumer.stats.duplicates + consumer.stats.dead == 4, 60,
+                 "every message handled")
+        assert dead_count(settings) == 1 and "'msg:doc-7' was already used" in consumer.stats.reasons[-1]
+        assert consumer.stats.duplicates == 1 and head(shoal) == 2
+        fold = shoal.fold("events", "1")
+        assert sorted(zip(fold["id"].to_pylist(), fold["tag"].to_pylist(), strict=True)) == [(1, "first"), (2, "t")]
+        assert consumer.thread.is_alive()  # type: ignore[attr-defined]

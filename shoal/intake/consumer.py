@@ -38,12 +38,13 @@ from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
 from shoal.config.settings import Settings
-from shoal.errors import CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
+from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
 from shoal.intake.delivery import ReliableQueue
 from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
+from shoal.log.writer import batch_fingerprint
 from shoal.runtime import SOURCE_TTL_S, Runtime
 from shoal.servers.broker import broker_url
 
@@ -316,15 +317,18 @@ class IntakeConsumer:
         for target, items in by_target.items():
             self._commit(target, items)
 
-    def _commit(self, target: Target, items: list[_Held], *, again: bool = True) -> None:
-        """Commit one data source's messages (one batch each, one group commit), then acknowledge them."""
+    def _commit(
+        self, target: Target, items: list[_Held], *, again: bool = True, known: set[str] | None = None
+    ) -> None:
+        """Commit one data source's messages (one batch each, one group commit), then acknowledge them.
+        `known`: the batch ids committed before an earlier attempt at these messages (to count duplicates)."""
         try:
             producer = self._producer(target)
             items = self._judged(producer, items)
             if not items:
                 return
             ids = [BATCH_ID_PREFIX + h.message_id if h.message_id else None for h in items]
-            before = self._committed_ids(producer, ids)
+            before = self._committed_ids(producer, ids) if known is None else known
             producer.append_tables([(h.table, bid) for h, bid in zip(items, ids, strict=True)])
         except NotFoundError as exc:  # dropped (or trashed) between receipt and commit
             if again:
@@ -335,6 +339,19 @@ class IntakeConsumer:
                 return
             for h in items:
                 self._dead_letter(h.message, str(exc))
+            return
+        except BatchIdReusedError as exc:
+            # A message id that committed other content before (a publisher reusing ids): dead-letter the
+            # message under it; the rest of the group committed, or commits now as repeats of what landed.
+            kept = self._fingerprint(producer, exc.batch_id)
+            rest = []
+            for h, bid in zip(items, ids, strict=True):
+                if bid == exc.batch_id and batch_fingerprint(h.table) != kept:
+                    self._dead_letter(h.message, str(exc))
+                else:  # another message, or a true repeat under the id (counted as a duplicate)
+                    rest.append(h)
+            if rest:  # what the refused group committed is no duplicate of an earlier delivery
+                self._commit(target, rest, again=again, known=before)
             return
         except TRANSIENT as exc:
             log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
@@ -368,6 +385,17 @@ class IntakeConsumer:
                     continue
             kept.append(h)
         return kept
+
+    def _fingerprint(self, producer: LogProducer, batch_id: str) -> str | None:
+        """The fingerprint the batch id committed with (None: none recorded)."""
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session
+
+        from shoal.catalog.models import ProducerBatch
+
+        with Session(self.runtime().engine) as s:
+            return s.scalar(select(ProducerBatch.fingerprint).where(
+                ProducerBatch.data_source_id == producer.source.id, ProducerBatch.batch_id == batch_id))
 
     def _committed_ids(self, producer: LogProducer, ids: list[str | None]) -> set[str]:
         """Which of these batch ids committed before (only to count redeliveries; the commit dedupes)."""
