@@ -19,12 +19,13 @@ from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
-from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.catalog.repo import Catalog, SourceRecord, tenant_exists
 from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError
+from shoal.errors import ConfigurationError, NotFoundError
 from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.heads import HeadAnnouncer
+from shoal.log.records import check_tenant_name
 from shoal.log.writer import LogWriter
 from shoal.servers.broker import broker_url
 from shoal.storage import Storage
@@ -88,12 +89,16 @@ class Runtime:
 
     # -- tenants ------------------------------------------------------------------------------------------
 
-    def scope(self, tenant: str) -> Scope:
-        """The tenant's scope (its catalog row is created on first use, then remembered)."""
+    def scope(self, tenant: str, *, create: bool = True) -> Scope:
+        """The tenant's scope (its catalog row is created on first use, then remembered). With `create` False a
+        tenant the catalog does not hold is NotFoundError, and nothing is created or remembered (a message or
+        command naming a tenant that does not exist must not make one)."""
         with self._lock:
             found = self._scopes.get(tenant)
         if found is not None:
             return found
+        if not create and not tenant_exists(self.engine, check_tenant_name(tenant)):
+            raise NotFoundError(f"tenant {tenant!r} not found")
         catalog = Catalog(self.engine, tenant)  # validates the name, creates the tenant row if needed
         made = Scope(
             self,

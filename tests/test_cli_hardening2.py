@@ -270,6 +270,8 @@ def test_worker_and_up_check_the_storage_before_starting(cli_env: Path, monkeypa
     expected = f"error: SHOAL_STORAGE_URI: cannot use {not_a_dir} as the storage directory: it is not a directory"
     assert one_error_line(shoal_cli("worker", "--pool", "solo", code=1)) == expected
     assert one_error_line(shoal_cli("up", "--no-api", "--no-consumer", code=1)) == expected
+    # The consumer requeued every message about once a second, for ever.
+    assert one_error_line(shoal_cli("consume", code=1)) == expected
 
 
 def test_up_checks_the_placement_when_it_serves_the_api(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

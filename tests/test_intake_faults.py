@@ -565,3 +565,33 @@ def test_a_message_id_reused_for_other_content_is_dead_lettered_and_the_rest_com
         fold = shoal.fold("events", "1")
         assert sorted(zip(fold["id"].to_pylist(), fold["tag"].to_pylist(), strict=True)) == [(1, "first"), (2, "t")]
         assert consumer.thread.is_alive()  # type: ignore[attr-defined]
+
+
+def test_a_message_for_a_tenant_that_does_not_exist_makes_none(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer],
+) -> None:
+    """Each message naming an unknown tenant created that tenant's catalog row (and a scope the consumer kept)
+    before it was dead-lettered: any publisher could grow the tenants table without bound. It is dead-lettered
+    as not found and creates nothing; the known tenant's messages commit as before."""
+    from sqlalchemy import func, select
+
+    from shoal.catalog.models import Tenant
+
+    settings = intake_settings()
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+
+        def tenants() -> int:
+            with shoal.engine.connect() as conn:
+                return int(conn.execute(select(func.count()).select_from(Tenant)).scalar_one())
+
+        before = tenants()
+        for i in range(3):
+            with Publisher(settings, tenant=f"nobody{i}") as p:
+                p.publish("events", "1", [point(i)])
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(9)])
+        consumer = consumer_thread(settings)
+        wait_for(lambda: consumer.stats.dead == 3 and head(shoal) == 1, 60, "the messages handled")
+        assert "tenant 'nobody" in consumer.stats.reasons[-1] and "not found" in consumer.stats.reasons[-1]
+        assert tenants() == before

@@ -66,6 +66,13 @@ def _segment(row: LogSegment) -> SegmentRecord:
     )
 
 
+
+def tenant_exists(engine: Engine, name: str) -> bool:
+    """Whether the catalog holds the tenant `name` (a lookup that creates nothing)."""
+    with Session(engine) as s:
+        return s.scalar(select(Tenant.id).where(Tenant.name == name)) is not None
+
+
 class Catalog:
     """Repository over the catalog tables for one tenant."""
 

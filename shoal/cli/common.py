@@ -18,10 +18,8 @@ import redis
 import typer
 from rich.console import Console
 from rich.text import Text
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session
 
-from shoal.catalog.models import Tenant as TenantRow
+from shoal.catalog.repo import tenant_exists
 from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.errors import ConfigurationError, NotFoundError, ShoalError
@@ -137,12 +135,6 @@ def open_shoal(tenant: str | None, settings: Settings | None = None, *, existing
             yield shoal
     finally:
         runtime.close()
-
-
-def tenant_exists(engine: Engine, name: str) -> bool:
-    """Whether the catalog holds tenant `name` (a lookup that creates nothing)."""
-    with Session(engine) as s:
-        return s.scalar(select(TenantRow.id).where(TenantRow.name == name)) is not None
 
 
 def split_all(values: list[str] | None) -> list[str]:

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import load_settings, out
+from shoal.cli.worker import check_storage
 
 
 def consume(
@@ -39,6 +40,9 @@ def consume(
                                                          "shoal-message-id", "shoal-dead-reason")))
         out.print(table)
         return
+    # As `shoal api` and `shoal worker` do: a consumer started on a storage it cannot use requeued every message
+    # about once a second, for ever.
+    check_storage(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = IntakeConsumer(settings, group=group)
 

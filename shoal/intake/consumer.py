@@ -283,7 +283,8 @@ class IntakeConsumer:
         runtime = self.runtime()
         read_at = time.monotonic()
         try:
-            record = runtime.scope(target.tenant).catalog.get_data_source(target.source, target.version)
+            # create=False: a message naming a tenant that does not exist is dead-lettered, and makes none.
+            record = runtime.scope(target.tenant, create=False).catalog.get_data_source(target.source, target.version)
         except NotFoundError:
             self._forget(target)
             raise
