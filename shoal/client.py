@@ -378,18 +378,60 @@ class Shoal:
         self, name: str, version: str, after_seq: int = 0, up_to_seq: int | None = None
     ) -> Iterator[pa.RecordBatch]:
         """Log entries with seq in (after_seq, up_to_seq], in order, as Arrow record batches. Seqs are integers
-        in 0..2**63-1 (ValidationError otherwise)."""
+        in 0..2**63-1 (ValidationError otherwise).
+
+        Once a compaction dropped entries below seq N (superseded ones, expired tombstones), the log there no
+        longer holds every state it went through: a read ending below N (the state there is gone), or starting
+        above 0 and below N (its entries would not take a reader's state at `after_seq` to a later one: the
+        deletes among them may be gone), is refused with NotFoundError naming N. From 0, or from N or above,
+        it reads as ever; checked again once the read's snapshot of the log is taken, so a compaction
+        committing meanwhile never slips a thinned range in."""
+        from shoal.log.compaction_swap import dropped_through
+
         after_seq = check_seq(after_seq, "after_seq")
         up_to_seq = None if up_to_seq is None else check_seq(up_to_seq, "up_to_seq")
-        return read_log(self.engine, self.storage, self.get_data_source(name, version).id, after_seq, up_to_seq)
+        source_id = self.get_data_source(name, version).id
+
+        def refuse_if_compacted() -> None:
+            if up_to_seq is not None and up_to_seq <= after_seq:
+                return  # an empty range reads nothing
+            bound = dropped_through(self.engine, source_id)
+            if after_seq >= bound:
+                return
+            if up_to_seq is not None and up_to_seq < bound:
+                raise NotFoundError(
+                    f"the log below seq {bound} was compacted: entries superseded up to there are gone, so the "
+                    f"state at seq {up_to_seq} can no longer be read (read up to seq {bound} or above)"
+                )
+            if after_seq > 0:
+                raise NotFoundError(
+                    f"the log below seq {bound} was compacted: its entries between seq {after_seq} and {bound} "
+                    f"were thinned (superseded ones and expired tombstones dropped), so they no longer take the "
+                    f"state at seq {after_seq} to a later one; read from seq 0, or from seq {bound} or above"
+                )
+
+        refuse_if_compacted()
+
+        def entries() -> Iterator[pa.RecordBatch]:
+            batches = read_log(self.engine, self.storage, source_id, after_seq, up_to_seq)
+            # The first batch comes after the reader took its one snapshot of the segments: a compaction that
+            # committed before it shows in its bound now (bounds never go back).
+            first = next(batches, None)
+            refuse_if_compacted()
+            if first is not None:
+                yield first
+                yield from batches
+
+        return entries()
 
     def fold(self, name: str, version: str, up_to_seq: int | None = None) -> pa.Table:
         """The data source's state at `up_to_seq` (default: head; else an integer in 0..2**63-1): the live data
-        point per key."""
+        point per key. A seq below what a compaction dropped is refused (NotFoundError naming the bound): the
+        log there no longer shows the state it had (see `read_log`)."""
         up_to_seq = None if up_to_seq is None else check_seq(up_to_seq, "up_to_seq")
         record = self.get_data_source(name, version)
         schema = segment_schema(record.spec).append(pa.field(SEQ, pa.int64()))
-        return fold(read_log(self.engine, self.storage, record.id, 0, up_to_seq), schema)
+        return fold(self.read_log(name, version, 0, up_to_seq), schema)
 
     def log_dir(self, name: str, version: str) -> str:
         """The data source's log folder, relative to the storage root."""

@@ -45,7 +45,9 @@ class MetricsView:
 
 class _LagCollector(Collector):
     """Lag per shard read from the catalog when collected: the largest over every shard (no names), and the
-    per-shard series of the tenants the view shows."""
+    per-shard series of the tenants the view shows. Shards of every index's serving generation only: those kept
+    for rollback or a tag serve no search, and a reindex's generation being built reports its progress in its
+    job (`shoal reindex --status`), not here (its lag from 0 would look like an index falling behind)."""
 
     def __init__(self, engine: Engine, view: MetricsView) -> None:
         self.engine = engine
@@ -56,7 +58,9 @@ class _LagCollector(Collector):
         built = GaugeMetricFamily("shoal_index_built_lag_seqs", "Log entries not indexed yet", labels=labels)
         served = GaugeMetricFamily("shoal_index_served_lag_seqs", "Log entries searchers do not serve", labels=labels)
         max_built = max_served = 0
-        for tenant, index, version, shard, head, built_w, served_w in freshness_rows(self.engine):
+        for tenant, index, version, shard, head, built_w, served_w, building in freshness_rows(self.engine):
+            if building:
+                continue
             max_built, max_served = max(max_built, head - built_w), max(max_served, head - served_w)
             if self.view.shows(tenant):
                 values = [tenant, index, version, str(shard)]

@@ -536,17 +536,36 @@ class ShardCatalog:
             s.execute(stmt, rows)
 
 
-def freshness_rows(engine: Engine) -> list[tuple[str, str, str, int, int, int, int]]:
-    """(tenant, index, version, shard, head, built, served) of every shard: for the metrics endpoint."""
+def freshness_rows(engine: Engine) -> list[tuple[str, str, str, int, int, int, int, bool]]:
+    """(tenant, index, version, shard, head, built, served, building) of the shards of every live index's
+    serving generation (`building` False) and of every generation a running reindex builds (`building` True,
+    under its hidden version `{version}~g{n}`): for the metrics endpoint and the health report.
+
+    Generations kept for rollback or for a tag are left out, and so are indexes in the trash: no searcher
+    serves them, so their served watermark stays where it was and head minus it says nothing of what searches
+    answer. A building generation is not served either (its served lag means nothing); its built lag is work
+    the workers owe, which the caller may count."""
+    from shoal.catalog.models import ReindexJob  # here: only this query needs the jobs
+
+    building = (
+        select(ReindexJob.id)
+        .where(ReindexJob.to_index_id == Index.id, ReindexJob.state == "building")
+        .exists()
+    )
     with Session(engine) as s:
         rows = s.execute(
             select(
                 Tenant.name, Index.name, Index.version, IndexShard.shard_no, DataSource.head_seq,
-                IndexShard.built_watermark, IndexShard.served_watermark,
+                IndexShard.built_watermark, IndexShard.served_watermark, building,
             )
             .join(Index, Index.id == IndexShard.index_id)
             .join(Tenant, Tenant.id == Index.tenant_id)
             .join(DataSource, DataSource.id == Index.data_source_id)
-            .where(DataSource.deleted_at.is_(None))
+            .where(
+                DataSource.deleted_at.is_(None),
+                Index.deleted_at.is_(None),
+                # Hidden generations (see list_indexes) only while a reindex builds them.
+                or_(Index.version.not_like(f"%{GENERATION_MARK}%"), building),
+            )
         )
-        return [tuple(r) for r in rows]  # type: ignore[misc]
+        return [(*r[:7], bool(r[7])) for r in rows]  # type: ignore[misc]

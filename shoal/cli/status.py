@@ -14,6 +14,8 @@ from rich.text import Text
 from shoal.cli.common import AsJson, Tenant, open_shoal, out
 from shoal.cli.formatting import count, echo_json, status_json
 from shoal.client import ShardStatus, Shoal
+from shoal.errors import NotFoundError
+from shoal.index.generations import JobRecord
 from shoal.workers.liveness import DEGRADED, health_report, lag_summary
 
 CAPTION = (
@@ -25,19 +27,36 @@ MAX_WATCH_S = 86_400  # a day between refreshes; time.sleep overflows on much mo
 
 
 def collect(shoal: Shoal, name: str | None, version: str | None) -> list[ShardStatus]:
-    """Freshness of every shard of one index, or of all the tenant's indexes when `name` is None."""
+    """Freshness of every shard of one index (NotFoundError when it is gone), or of all the tenant's indexes
+    when `name` is None (an index dropped between the listing and its read is left out)."""
     if name is not None and version is not None:
         return shoal.index_status(name, version)
     rows: list[ShardStatus] = []
     for record in shoal.list_indexes():
-        rows.extend(shoal.index_status(record.spec.name, record.spec.version))
+        try:
+            rows.extend(shoal.index_status(record.spec.name, record.spec.version))
+        except NotFoundError:
+            continue  # dropped since the listing: it is no index of the tenant's any more
     return rows
 
 
-def _indexes(shoal: Shoal, name: str | None, version: str | None) -> list[tuple[str, str]]:
+def running_jobs(shoal: Shoal, name: str | None, version: str | None) -> list[JobRecord]:
+    """The reindex building, if any, of one index (NotFoundError when it is gone) or of each of the tenant's
+    indexes when `name` is None (an index dropped meanwhile is left out)."""
     if name is not None and version is not None:
-        return [(name, version)]
-    return [(r.spec.name, r.spec.version) for r in shoal.list_indexes()]
+        indexes = [(name, version)]
+    else:
+        indexes = [(r.spec.name, r.spec.version) for r in shoal.list_indexes()]
+    running: list[JobRecord] = []
+    for index in indexes:
+        try:
+            jobs = shoal.reindex_jobs(*index)[:1]
+        except NotFoundError:
+            if name is not None:
+                raise
+            continue
+        running.extend(j for j in jobs if j.state == "building")
+    return running
 
 
 def indexing_warnings(shoal: Shoal) -> list[str]:
@@ -114,8 +133,7 @@ def status(
             table = freshness_table(rows, f"Freshness of {scope} at {time.strftime('%H:%M:%S')}")
             # Under the table: why its lag will not shrink, if so (workers serve every tenant: counts are global).
             warnings = indexing_warnings(shoal) if any(s.head > s.built_watermark for s in rows) else []
-            running = [j for r in _indexes(shoal, index, version) for j in shoal.reindex_jobs(*r)[:1]
-                       if j.state == "building"]
+            running = running_jobs(shoal, index, version)
             if not running:
                 return with_warnings(table, warnings)
             from shoal.cli.reindex import jobs_table

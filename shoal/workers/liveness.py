@@ -110,8 +110,10 @@ def building_shards(engine: Engine) -> int:
 
 
 def lag_summary(engine: Engine) -> LagSummary:
-    """The lag of every index shard over all tenants, from the catalog (raises if it is unreachable)."""
-    rows = freshness_rows(engine)  # (tenant, index, version, shard, head, built, served)
+    """The lag of every index shard over all tenants, from the catalog (raises if it is unreachable): the
+    shards of every index's serving generation and of a generation a running reindex builds (work the workers
+    owe: with none alive the reindex never ends), not those of generations kept for rollback or a tag."""
+    rows = freshness_rows(engine)  # (tenant, index, version, shard, head, built, served, building)
     return summarize(((row[4], row[5]) for row in rows), building_shards(engine))
 
 
