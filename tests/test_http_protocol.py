@@ -1,21 +1,28 @@
 """Shoal's HTTP protocol (shoal.api.http_protocol) over real sockets: a plain search answered on the spot gives the
 same bytes as the routes, answers keep their order behind a request still in progress, connections close when the
-client asks, and the access log still names every request."""
+client asks, a client that does not read its answers is not read from either, refusals the headers tell come before
+the body, a graceful shutdown answers a search still arriving, and the access log still names every request."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from conftest import serve_api, wait_for
 
 from shoal import DataSourceSpec, Shoal
+from shoal.api.app import create_app
 from shoal.api.fastpath import FastSearchAPI
+from shoal.api.http_protocol import NoDelayHttpProtocol
+from shoal.api.serve import server_options
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
@@ -44,6 +51,20 @@ def answered_on_the_spot(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     monkeypatch.setattr(FastSearchAPI, "answer_search", counting)
     return seen
+
+
+@pytest.fixture
+def connections(monkeypatch: pytest.MonkeyPatch) -> list[NoDelayHttpProtocol]:
+    """The server's side of every connection made from now on, to see what the server holds for a client."""
+    made: list[NoDelayHttpProtocol] = []
+    original = NoDelayHttpProtocol.connection_made
+
+    def recording(self: NoDelayHttpProtocol, transport: Any) -> None:
+        original(self, transport)
+        made.append(self)
+
+    monkeypatch.setattr(NoDelayHttpProtocol, "connection_made", recording)
+    return made
 
 
 def _flat_index(url: str, settings: Settings) -> None:
@@ -93,6 +114,14 @@ def _connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
+def _server_side(url: str, connections: list[NoDelayHttpProtocol]) -> tuple[socket.socket, NoDelayHttpProtocol]:
+    """A new connection to the API at `url`, and the server's side of it."""
+    before = len(connections)
+    sock = _connect(url)
+    wait_for(lambda: len(connections) > before, 10, "the server to accept the connection")
+    return sock, connections[before]
+
+
 def test_a_search_answered_on_the_spot_is_the_routes_answer(index: str, answered_on_the_spot: list[bool]) -> None:
     spot = httpx.post(index + INDEX, content=_query(2))
     proxied = httpx.post(index + INDEX, content=_query(2), headers={"X-Forwarded-For": "10.1.2.3"})
@@ -121,7 +150,8 @@ def test_pipelined_answers_keep_their_order(index: str, answered_on_the_spot: li
 
 
 def test_the_connection_closes_when_the_client_asks(index: str, answered_on_the_spot: list[bool]) -> None:
-    for extra, version in ((("Connection: close",), "1.1"), ((), "1.0")):
+    # An HTTP/1.0 connection is never kept, whatever it asks (as uvicorn's cycle decides for the routes).
+    for extra, version in ((("Connection: close",), "1.1"), ((), "1.0"), (("Connection: keep-alive",), "1.0")):
         with _connect(index) as sock:
             sock.sendall(_request(_query(2), *extra, version=version))
             [(status, headers, body)] = _responses(sock, 1)
@@ -129,7 +159,33 @@ def test_the_connection_closes_when_the_client_asks(index: str, answered_on_the_
             assert len(json.loads(body)[0]["nearestDataPoints"]) == 2
             sock.settimeout(2)  # well before uvicorn's keep-alive timeout (5 s) would close it
             assert sock.recv(1) == b""  # closed by the server
-    assert answered_on_the_spot == [True, True]
+    assert answered_on_the_spot == [True, True, True]
+
+
+def test_a_client_that_does_not_read_its_answers_is_not_read_from(
+    index: str, answered_on_the_spot: list[bool], connections: list[NoDelayHttpProtocol]
+) -> None:
+    """Searches pipelined by a client that never reads: the server stops answering (and reading) once its writes
+    are held back, as the routes do, instead of buffering every answer; read later, every answer is there."""
+    body = json.dumps({"k": 3, "queryVectors": [{"isSparse": False, "coordinates": [0.0, 2.0]}] * 200}).encode()
+    count = 200  # about 2 MB of searches, 10 MB of answers
+    sock, server_side = _server_side(index, connections)
+    with sock:
+        # In a thread: once the server stops reading, the kernel's buffers may not take all of it.
+        sender = threading.Thread(target=sock.sendall, args=(_request(body) * count,), daemon=True)
+        sender.start()
+
+        def held() -> bool:  # writes held back, and a search waiting for them to drain before it answers
+            cycle = server_side.cycle
+            return server_side.flow.write_paused and cycle is not None and not cycle.response_complete
+
+        wait_for(lambda: len(answered_on_the_spot) == count or held(), 60,
+                 "the server to answer every search, or to wait for the client to read")
+        assert server_side.transport.get_write_buffer_size() < 1 << 20, "the server buffers answers unread"
+        answers = _responses(sock, count)  # now read: the server goes on
+        sender.join(30)
+    assert [status for status, _, _ in answers] == [200] * count
+    assert all(len(json.loads(answer)) == 200 for _, _, answer in answers)
 
 
 def test_a_large_or_chunked_body_goes_through_the_routes(index: str, answered_on_the_spot: list[bool]) -> None:
@@ -187,6 +243,89 @@ def _access_log_lines(url: str, lines: list[str], answered_on_the_spot: list[boo
     clients = [line.split(" ", 1)[0] for line in searches()]
     assert all(c.startswith("127.0.0.1:") for c in clients[:3])
     assert clients[3] == clients[4] == "10.1.2.3:0"
+
+
+def test_refusals_the_headers_tell_come_before_the_body(make_settings: Callable[..., Settings]) -> None:
+    """401 for a search without a key (no anonymous tenant), 413 for a declared body over SHOAL_MAX_BODY_BYTES:
+    answered from the headers, before a byte of the body is sent, as for every other route."""
+    settings = make_settings("local", max_body_bytes=1000)
+    assert settings.resolved_anonymous_tenant is None
+    with serve_api(settings) as url:
+        for length, status in ((5000, 413), (900, 401)):
+            with _connect(url) as sock:
+                sock.settimeout(10)  # no body follows: an answer that waits for it never comes
+                sock.sendall(_request(b"x" * length)[:-length])
+                [(got, _, body)] = _responses(sock, 1)
+                assert got == status, body
+                assert "errorMessages" in json.loads(body)
+
+
+def test_a_body_in_parts_from_a_known_caller_is_answered_on_the_spot(
+    index: str, answered_on_the_spot: list[bool], connections: list[NoDelayHttpProtocol]
+) -> None:
+    """The check a body still arriving earns (is its caller known without I/O?) keeps a known caller's search
+    on the spot."""
+    request = _request(_query(2))
+    sock, server_side = _server_side(index, connections)
+    with sock:
+        sock.sendall(request[:-5])
+        wait_for(lambda: server_side._fast_body is not None, 10, "the server to read the request's head")
+        sock.sendall(request[-5:])
+        [(status, _, body)] = _responses(sock, 1)
+    assert status == 200 and len(json.loads(body)[0]["nearestDataPoints"]) == 2
+    assert answered_on_the_spot == [True]
+
+
+@contextlib.contextmanager
+def _server(settings: Settings) -> Iterator[tuple[str, uvicorn.Server]]:
+    """The HTTP API on a free loopback port, in a thread of this process, and its server (to shut it down)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    options = server_options() | {"log_level": "warning"}
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "the API server to start")
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_graceful_shutdown_answers_a_search_still_arriving(
+    make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch,
+    answered_on_the_spot: list[bool], connections: list[NoDelayHttpProtocol]
+) -> None:
+    """SIGTERM (a rolling restart) while a search's body is arriving: it is answered, with Connection: close, and
+    then the connection closes, as the routes do."""
+    settings = make_settings("local")
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    shut: list[NoDelayHttpProtocol] = []
+    original = NoDelayHttpProtocol.shutdown
+
+    def recording(self: NoDelayHttpProtocol) -> None:
+        shut.append(self)
+        original(self)
+
+    monkeypatch.setattr(NoDelayHttpProtocol, "shutdown", recording)
+    with _server(settings) as (url, server):
+        _flat_index(url, settings)
+        assert httpx.post(url + INDEX, content=_query(2)).status_code == 200  # loads the index
+        request = _request(_query(2))
+        sock, server_side = _server_side(url, connections)
+        with sock:
+            sock.sendall(request[:-5])
+            wait_for(lambda: server_side._fast_body is not None, 10, "the server to read the request's head")
+            server.should_exit = True
+            wait_for(lambda: server_side in shut, 10, "the server to shut the connection down")
+            sock.sendall(request[-5:])
+            [(status, headers, body)] = _responses(sock, 1)
+            assert status == 200 and headers["connection"] == "close"
+            assert len(json.loads(body)[0]["nearestDataPoints"]) == 2
+            assert sock.recv(1) == b""  # closed by the server
+    assert answered_on_the_spot[-1] is True
 
 
 @pytest.mark.parametrize("first, second", [("bogus", "eventual"), ("eventual", "bogus")])

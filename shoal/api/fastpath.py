@@ -100,6 +100,24 @@ class FastSearchAPI(FastAPI):
             return None
         return self._answer(name, version, body, _wanted(raw_headers)[0])
 
+    def may_answer_search(self, raw_headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a search whose body is still arriving may wait for it to be answered on the spot: False when
+        its caller is not known without I/O (no cached key verdict, no anonymous tenant, a role too low), so the
+        routes must see it before its body is read and answer what its headers alone tell (401, 429, as
+        `__call__` does). Costs what `answer_search` costs for the caller, no I/O."""
+        tenants = getattr(self.state, "tenants", None)
+        if tenants is None:
+            return False
+        authorization = None
+        for name, value in raw_headers:
+            if name == b"authorization":  # the first one counts, as the routes read it (_wanted)
+                authorization = value.decode("latin-1")
+                break
+        try:
+            return context_from_cache(tenants, authorization, Role.READ) is not None
+        except Exception:  # noqa: BLE001 - the routes answer it, errors in their proper shape
+            return False
+
     def _answer(self, name: str, version: str, body: bytes, headers: dict[str, str]) -> bytes | None:
         """The answer, or None to let the route answer (I/O needed, or anything went wrong)."""
         tenants = getattr(self.state, "tenants", None)

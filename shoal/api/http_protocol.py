@@ -10,11 +10,13 @@ Why the search route is answered here: an eventual search of a loaded index take
 way to an ASGI app (a scope, a task, receive and send awaited, headers checked) cost a further 15-25 us a request
 (bench/api.py; a bare ASGI app against a bare protocol answering the same bytes). The protocol asks the app
 (FastSearchAPI.answer_search) once the request is complete, and writes the answer itself; whenever the app
-declines, or the request is anything but a plain one (another route, a query string, chunked or large bodies,
-an expectation, a request pipelined behind one in progress), uvicorn handles it as always, with the body read
-so far handed on. Behind a trusted proxy the access log names the client its X-Forwarded-For names, as uvicorn's
-proxy middleware would (with a uvicorn whose middleware offers no such lookup, proxied requests take the usual
-way).
+declines, or the request is anything but a plain one (another route, a query string, chunked or large bodies, a
+body over the app's limit, an expectation, a request pipelined behind one in progress, a client not reading its
+answers), uvicorn handles it as always, with the body read so far handed on. A body that does not come with its
+headers is handed on at once when the app says its caller is not known without I/O (may_answer_search), so the
+routes answer what the headers alone tell (401, 429) before the body is read. Behind a trusted proxy the access
+log names the client its X-Forwarded-For names, as uvicorn's proxy middleware would (with a uvicorn whose
+middleware offers no such lookup, proxied requests take the usual way).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
@@ -50,7 +53,7 @@ class CoalescingTransport:
     nothing waits for more than that; everything else is the real transport's.
     """
 
-    __slots__ = ("_after", "_loop", "_pending", "_scheduled", "_transport")
+    __slots__ = ("_after", "_loop", "_pending", "_scheduled", "_transport", "queued")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
@@ -58,6 +61,7 @@ class CoalescingTransport:
         self._pending: list[bytes] = []
         self._after: list[Callable[[], object]] = []
         self._scheduled = False
+        self.queued = 0  # bytes queued and not yet handed to the real transport
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -67,6 +71,7 @@ class CoalescingTransport:
     def write(self, data: bytes) -> None:
         """Queue `data`; it is sent, with whatever else this iteration writes, once the iteration ends."""
         self._pending.append(data)
+        self.queued += len(data)
         self._schedule()
 
     def writelines(self, lines: Any) -> None:
@@ -83,6 +88,7 @@ class CoalescingTransport:
         """Send what is queued now, then run the work that waited for it."""
         self._scheduled = False
         pending, self._pending = self._pending, []
+        self.queued = 0
         if pending and not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
         if self._after:
@@ -92,7 +98,7 @@ class CoalescingTransport:
 
     def get_write_buffer_size(self) -> int:
         """Bytes not yet sent: queued here and buffered by the real transport."""
-        return sum(map(len, self._pending)) + self._transport.get_write_buffer_size()
+        return self.queued + self._transport.get_write_buffer_size()
 
     def close(self) -> None:
         """Send what is queued, then close."""
@@ -102,6 +108,7 @@ class CoalescingTransport:
     def abort(self) -> None:
         """Drop what is queued and close at once (work waiting for a send still runs)."""
         self._pending.clear()
+        self.queued = 0
         self._transport.abort()
         self.flush()
 
@@ -140,7 +147,13 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fast_body: list[bytes] | None = None  # the body of a request that may be answered on the spot
-        self._answer, self._trusted = _search_answerer(self.app)
+        self._fast_screened = False  # its caller was screened (its body did not come with its headers)
+        self._closing = False  # a graceful shutdown waits for that request's answer, then closes
+        search_app, self._trusted = _search_app(self.app)
+        self._answer: Answerer | None = getattr(search_app, "answer_search", None)
+        self._screen: Screen | None = getattr(search_app, "may_answer_search", None)
+        # A larger body is answered 413 by the app before it is read: it never waits here to be buffered.
+        self._fast_limit = min(FAST_BODY_BYTES, getattr(search_app, "max_body_bytes", None) or FAST_BODY_BYTES)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -153,6 +166,10 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         # Responses write through the wrapper; flow control and the connection's own calls reach the real
         # transport through it unchanged.
         self.transport = CoalescingTransport(transport, self.loop)
+        try:
+            self._write_high = transport.get_write_buffer_limits()[1]
+        except (AttributeError, NotImplementedError):  # a transport without limits: uvicorn's own mark
+            self._write_high = HIGH_WATER_LIMIT
         if self.access_log:  # each request's cycle takes the protocol's logger
             self.access_logger = AfterSendAccessLog(self.access_logger, self.transport)
 
@@ -164,9 +181,19 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
 
     # -- requests answered on the spot ----------------------------------------------------------------------
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._fast_body is not None and not self._fast_screened and not self.transport.is_closing():
+            # The body is still to come: the routes answer a caller the headers alone refuse (401, 429) before
+            # it is read. Asked once a request, and only then: a body that came with its headers costs nothing.
+            self._fast_screened = True
+            if self._screen is not None and not self._screen(self.headers):
+                self._pass_on(b"".join(self._fast_body))
+
     def on_headers_complete(self) -> None:
         if self._may_answer():
             self._fast_body = []  # uvicorn's cycle is made only if the app declines (on_message_complete)
+            self._fast_screened = False
             return
         super().on_headers_complete()
 
@@ -181,18 +208,20 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         if chunks is None:
             super().on_message_complete()
             return
-        self._fast_body = None
         body = b"".join(chunks)
         content = None
-        if self._answer is not None:
+        # Writes made here leave at the end of the iteration (CoalescingTransport): writing is never paused when
+        # on_response_complete resumes reading below, as nothing is answered here while it is (_writes_held).
+        if self._answer is not None and not self._writes_held():
             content = self._answer(self.url.decode("latin-1"), body, self.headers)
         if content is None:  # the app's routes answer it, as if it had come the usual way
-            super().on_headers_complete()
-            if body:
-                super().on_body(body)
+            self._pass_on(body)
             super().on_message_complete()
             return
-        keep_alive = self.parser.should_keep_alive()
+        self._fast_body = None
+        # As uvicorn's cycle decides: an HTTP/1.0 connection is never kept, whatever its Connection header says.
+        keep_alive = (not self._closing and self.parser.get_http_version() != "1.0"
+                      and self.parser.should_keep_alive())
         head = [_OK]
         for name, value in self.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
@@ -209,13 +238,32 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             self.transport.close()
         self.on_response_complete()
 
+    def _pass_on(self, body: bytes) -> None:
+        """Hand the request taken on the spot to uvicorn's cycle with the body read so far, as if it had come the
+        usual way (what is still to come of it follows there)."""
+        self._fast_body = None
+        super().on_headers_complete()
+        if self._closing:  # shutdown() came while the body was arriving: close after the answer
+            self.cycle.keep_alive = False
+        if body:
+            super().on_body(body)
+
+    def shutdown(self) -> None:
+        """Start a graceful shutdown: a request taken on the spot whose body is still arriving is answered once
+        it has come (with Connection: close), then the connection closes; otherwise as uvicorn does."""
+        if self._fast_body is not None:
+            self._closing = True
+            return
+        super().shutdown()
+
     def _may_answer(self) -> bool:
         """True for a request the app may answer on the spot: a GET or POST of the search route on HTTP/1.x, no
-        query string or escapes, a declared body of at most FAST_BODY_BYTES, no upgrade, expectation or proxy
-        header, and no earlier request of this connection still being answered (answers keep their order)."""
+        query string or escapes, a declared body within FAST_BODY_BYTES and the app's limit, no upgrade,
+        expectation or proxy header, no earlier request of this connection still being answered (answers keep
+        their order), and a client reading its answers (writing not paused)."""
         if self._answer is None or not self.url.startswith(SEARCH_PREFIX) or b"?" in self.url or b"%" in self.url:
             return False
-        if self.parser.get_method() not in (b"POST", b"GET") or self.expect_100_continue:
+        if self.parser.get_method() not in (b"POST", b"GET") or self.expect_100_continue or self._writes_held():
             return False
         if self.parser.should_upgrade() or self.pipeline or self.limit_concurrency is not None:
             return False
@@ -229,7 +277,14 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
                 length = int(value)
             elif name == b"transfer-encoding" or (name == b"x-forwarded-for" and self._trusted is None):
                 return False
-        return length is not None and length <= FAST_BODY_BYTES
+        return length is not None and length <= self._fast_limit
+
+    def _writes_held(self) -> bool:
+        """True while the client is not taking its answers as fast as they come: the transport paused writing,
+        or the answers queued this iteration already pass its high-water mark (one iteration may read
+        megabytes of pipelined searches). Answered here, they would pile up in memory without bound; uvicorn's
+        cycle awaits the drain before it writes, and reading pauses behind it."""
+        return self.flow.write_paused or self.transport.queued > self._write_high
 
     def _client_addr(self) -> str:
         """The client the access log names: behind a trusted proxy, the one its X-Forwarded-For names."""
@@ -244,19 +299,20 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
 
 
 Answerer = Callable[[str, bytes, list[tuple[bytes, bytes]]], bytes | None]
+Screen = Callable[[list[tuple[bytes, bytes]]], bool]
 
 
-def _search_answerer(app: Any) -> tuple[Answerer | None, Any]:
-    """The app's `answer_search` (None when it has none), found through the middleware uvicorn wraps it in, and
-    the trusted proxies of uvicorn's proxy middleware among them (None without one, or without the lookup)."""
+def _search_app(app: Any) -> tuple[Any, Any]:
+    """The app that answers searches on the spot (one with `answer_search`; None when there is none), found
+    through the middleware uvicorn wraps it in, and the trusted proxies of uvicorn's proxy middleware among them
+    (None without one, or without the lookup)."""
     trusted = None
     for _ in range(8):
         if isinstance(app, ProxyHeadersMiddleware):
             hosts = getattr(app, "trusted_hosts", None)
             trusted = hosts if hasattr(hosts, "get_trusted_client_address") else None
-        answer = getattr(app, "answer_search", None)
-        if answer is not None:
-            return answer, trusted
+        if getattr(app, "answer_search", None) is not None:
+            return app, trusted
         app = getattr(app, "app", None)
         if app is None:
             break
