@@ -81,6 +81,8 @@ def test_tags_and_as_of_answer_as_the_index_did_then(local_shoal: Shoal) -> None
         assert prune_versions(local_shoal.engine, keep_s=0, grace_s=0, now=later, index_id=index_id) == 1
         with pytest.raises(NotFoundError, match="pruned"):
             searcher.search("tt", "1", queries, 5, as_of=first)
+        # Seq 0 is the empty log before any write: no version is needed to answer it (it was refused as pruned).
+        assert ids_of(searcher.search("tt", "1", queries, 5, as_of=0)) == [[]] * len(queries)
         last = max(snapshots)
         assert ids_of(searcher.search("tt", "1", queries, 5, as_of=last)) == _exact_ids(snapshots[last], queries, 5)
     finally:

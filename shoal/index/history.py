@@ -122,7 +122,8 @@ def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, Version
                                                                                    IndexVersion.id.desc())
             ))
             at = next((r for r in rows if r.watermark <= seq), None)
-            if at is None and rows and rows[-1].parent_id is not None:
+            # Seq 0 is the empty log before any write: every shard answers it with no version (none pruned).
+            if at is None and seq > 0 and rows and rows[-1].parent_id is not None:
                 raise NotFoundError(f"index versions as of seq {seq} were pruned (SHOAL_VERSION_KEEP_S)")
             out[sid] = _version(at) if at is not None else None
         source_id = _source_of(s, index_id)
