@@ -150,10 +150,10 @@ class IntakeConsumer:
     def _serve(self, conn: Connection, client: redis.Redis) -> None:
         channel = conn.channel()
         self._dead_producer = Producer(conn.channel())
-        # Declared (with its binding) so the exchange routes into the queue's list, and dead letters are kept.
+        # Declared (with its binding) so the exchange routes into the queue's list. (Dead letters need no binding:
+        # they go straight to their queue's list.)
         try:
             self.queue(channel).declare()
-            self.dead_queue(self._dead_producer.channel).declare()
         except redis.exceptions.OutOfMemoryError:
             # Redis is full (maxmemory, noeviction) and refuses to record the bindings again: messages waiting
             # were routed by them, so they exist; draining the queue is what frees the memory.
@@ -438,15 +438,17 @@ class IntakeConsumer:
         headers[topology.ORIGINAL_ROUTING_KEY] = message.delivery_info.get("routing_key", "")
         # Published before the original is acknowledged: a crash between the two leaves the message in both
         # queues (it is redelivered and refused again), never in neither.
+        # Straight to the dead-letter queue's list (kombu's default exchange routes by queue name), not through
+        # a binding: kombu records a binding as made before the broker has taken it, so after a declare a full
+        # broker refused, a routed dead letter went nowhere and the message was lost.
         self._dead_producer.publish(
             message.body,
-            exchange=topology.dead_exchange(self.exchange_name),
-            routing_key=self.group,
+            exchange="",
+            routing_key=self.dead_queue.name,
             headers=headers,
             content_type=message.content_type,
             content_encoding=message.content_encoding or "binary",
             message_id=message.properties.get("message_id"),
-            declare=[self.dead_queue],
             retry=True,
         )
         self._ack(message)

@@ -8,6 +8,7 @@ connection, up to `max_retries` times; retrying with the same message id can nev
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -57,7 +58,8 @@ class Publisher:
         self.queue = topology.group_queue(
             self.settings.intake_exchange, self.settings.intake_group, self.settings.intake_binding
         )
-        self._conn = Connection(url or broker_url(self.settings), transport_options={"confirm_publish": True})
+        self._url = url or broker_url(self.settings)
+        self._conn = self._connect()
         self._producer: Producer | None = None
         self.retry_policy = {
             "max_retries": max_retries,
@@ -65,6 +67,9 @@ class Publisher:
             "interval_step": 0.5,
             "interval_max": max_backoff_s,
         }
+
+    def _connect(self) -> Connection:
+        return Connection(self._url, transport_options={"confirm_publish": True})
 
     def _ensure_producer(self) -> Producer:
         if self._producer is None:
@@ -84,22 +89,32 @@ class Publisher:
             raise ValidationError(problem)
         producer = self._ensure_producer()
         publish = self._conn.ensure(producer, producer.publish, **self.retry_policy)
-        publish(
-            body,
-            exchange=self.exchange,
-            routing_key=target.routing_key,
-            content_type=content_type,
-            content_encoding="binary",
-            delivery_mode=2,
-            message_id=message_id,
-            headers={
-                topology.TENANT: target.tenant,
-                topology.SOURCE: target.source,
-                topology.VERSION: target.version,
-                topology.MESSAGE_ID: message_id,
-            },
-            declare=[self.queue],
-        )
+        try:
+            publish(
+                body,
+                exchange=self.exchange,
+                routing_key=target.routing_key,
+                content_type=content_type,
+                content_encoding="binary",
+                delivery_mode=2,
+                message_id=message_id,
+                headers={
+                    topology.TENANT: target.tenant,
+                    topology.SOURCE: target.source,
+                    topology.VERSION: target.version,
+                    topology.MESSAGE_ID: message_id,
+                },
+                declare=[self.queue],
+            )
+        except BaseException:
+            # kombu records a binding as made before the broker has taken it: after a refused declare (a full
+            # broker), this connection would skip the binding for good and route every later message nowhere while
+            # answering success. A new connection declares it again.
+            self._producer = None
+            with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped anyway
+                self._conn.release()
+            self._conn = self._connect()
+            raise
         return message_id
 
     def publish(
