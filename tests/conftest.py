@@ -187,6 +187,42 @@ def local_shoal(make_settings: Callable[..., Settings]) -> Iterator[Shoal]:
     client.close()
 
 
+@pytest.fixture
+def make_shoal(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Shoal]]:
+    """Shoals on fresh tenants that queue no Celery work (the tests build indexes themselves), closed after the
+    test: `make_shoal(kind="local", **settings_overrides)`."""
+    made: list[Shoal] = []
+
+    def make(kind: str = "local", **overrides: object) -> Shoal:
+        client = Shoal(make_settings(kind, **overrides), notify=False)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+@contextlib.contextmanager
+def module_cli_env(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """SHOAL_* variables for a CLI test module: only a fresh data dir, its storage and the test catalog (every
+    other SHOAL_ variable removed, no stray ./shoal.toml read); its embedded servers stopped at the end."""
+    data_dir = tmp_path_factory.mktemp(name)
+    given = os.environ.get("SHOAL_TEST_DATABASE_URL") or os.environ.get("SHOAL_DATABASE_URL")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(data_dir)
+        for key in [k for k in os.environ if k.startswith("SHOAL_") and k != "SHOAL_TEST_DATABASE_URL"]:
+            mp.delenv(key)
+        mp.setenv("SHOAL_DATA_DIR", str(data_dir))
+        mp.setenv("SHOAL_STORAGE_URI", str(data_dir / "storage"))
+        if given:
+            mp.setenv("SHOAL_DATABASE_URL", given)
+        try:
+            yield data_dir
+        finally:
+            stop_embedded(data_dir)
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes a child process build the same Settings."""
     return settings.child_env()

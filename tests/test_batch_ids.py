@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -28,20 +28,6 @@ from shoal.log.writer import batch_fingerprint
 
 SPEC = DataSourceSpec("Batches", "1", 3, {"id": "int64", "title": "string"}, ["id"])
 VECTORS = np.array([[1.0, 0.5, -1.0], [2.0, 0.5, -1.0], [3.0, 0.5, -1.0]], dtype=np.float32)
-
-
-@pytest.fixture
-def make_shoal(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Shoal]]:
-    made: list[Shoal] = []
-
-    def make(**overrides: object) -> Shoal:
-        client = Shoal(make_settings("local", **overrides), notify=False)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close()
 
 
 def points(ids: list[int]) -> list[DataPoint]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import module_cli_env
 from typer.testing import CliRunner, Result
 
 import shoal.api.serve
@@ -30,7 +30,6 @@ from shoal.cli import app
 from shoal.config.settings import mask_url
 from shoal.demo import load_demo
 from shoal.errors import ConfigurationError
-from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 DIM = 384
@@ -40,19 +39,8 @@ up_module = importlib.import_module("shoal.cli.up")  # `shoal.cli.up` is also th
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """SHOAL_* variables for this module: a fresh data dir and storage; servers stopped at teardown."""
-    data_dir = tmp_path_factory.mktemp("cli")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(data_dir)  # no stray ./shoal.toml is read
-        mp.delenv("SHOAL_CONFIG", raising=False)
-        mp.setenv("SHOAL_DATA_DIR", str(data_dir))
-        mp.setenv("SHOAL_STORAGE_URI", str(data_dir / "storage"))
-        given = os.environ.get("SHOAL_DATABASE_URL") or os.environ.get("SHOAL_TEST_DATABASE_URL")
-        if given:
-            mp.setenv("SHOAL_DATABASE_URL", given)
-        try:
-            yield data_dir
-        finally:
-            stop_embedded(data_dir)
+    with module_cli_env(tmp_path_factory, "cli") as data_dir:
+        yield data_dir
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
+from conftest import module_cli_env
 from typer.testing import CliRunner, Result
 
 from shoal import DataPoint, Shoal, SparseVector
@@ -32,7 +32,6 @@ from shoal.cli.common import load_settings, reporting_errors
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, ConfigurationError, ValidationError
 from shoal.intake.bulk import plan_import, run_import
-from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 up_module = importlib.import_module("shoal.cli.up")  # `shoal.cli.up` is also the name of the command function
@@ -42,20 +41,8 @@ worker_module = importlib.import_module("shoal.cli.worker")
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """SHOAL_* variables for this module: a fresh data dir and storage; servers stopped at teardown."""
-    data_dir = tmp_path_factory.mktemp("cli-hardening2")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(data_dir)  # no stray ./shoal.toml is read
-        for name in [n for n in os.environ if n.startswith("SHOAL_") and n != "SHOAL_TEST_DATABASE_URL"]:
-            mp.delenv(name)
-        mp.setenv("SHOAL_DATA_DIR", str(data_dir))
-        mp.setenv("SHOAL_STORAGE_URI", str(data_dir / "storage"))
-        given = os.environ.get("SHOAL_TEST_DATABASE_URL")
-        if given:
-            mp.setenv("SHOAL_DATABASE_URL", given)
-        try:
-            yield data_dir
-        finally:
-            stop_embedded(data_dir)
+    with module_cli_env(tmp_path_factory, "cli-hardening2") as data_dir:
+        yield data_dir
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import module_cli_env, wait_for
 from typer.testing import CliRunner, Result
 
 from shoal import DataPoint, Shoal, SparseVector
@@ -46,20 +46,8 @@ DIM = 8
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """SHOAL_* variables for this module: a fresh data dir and storage; servers stopped at teardown."""
-    data_dir = tmp_path_factory.mktemp("cli-index")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(data_dir)  # no stray ./shoal.toml is read
-        for name in [n for n in os.environ if n.startswith("SHOAL_") and n != "SHOAL_TEST_DATABASE_URL"]:
-            mp.delenv(name)
-        mp.setenv("SHOAL_DATA_DIR", str(data_dir))
-        mp.setenv("SHOAL_STORAGE_URI", str(data_dir / "storage"))
-        given = os.environ.get("SHOAL_TEST_DATABASE_URL")
-        if given:
-            mp.setenv("SHOAL_DATABASE_URL", given)
-        try:
-            yield data_dir
-        finally:
-            stop_embedded(data_dir)
+    with module_cli_env(tmp_path_factory, "cli-index") as data_dir:
+        yield data_dir
 
 
 @pytest.fixture

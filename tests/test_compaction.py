@@ -14,7 +14,7 @@ import random
 import select
 import signal
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,21 +47,6 @@ from shoal.searcher.consistency import Consistency
 from shoal.upkeep import gc_queue as garbage
 
 NAME, VERSION = COMPACT_SPEC.name, COMPACT_SPEC.version
-
-
-@pytest.fixture
-def make_shoal(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Shoal]]:
-    """Shoals that queue no Celery work (the tests build indexes themselves), closed after the test."""
-    made: list[Shoal] = []
-
-    def make(kind: str = "local", **overrides: object) -> Shoal:
-        client = Shoal(make_settings(kind, **overrides), notify=False)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close()
 
 
 def flat_index(shoal: Shoal, name: str, shard_count: int = 1) -> IndexSpec:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,6 @@ import shoal.upkeep.gc as gc
 from shoal import DataSourceSpec, Shoal
 from shoal.catalog.indexes import ShardCatalog
 from shoal.catalog.models import GarbageFile, IndexFile, LogSegment
-from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.errors import LeaseBusyError, NotFoundError, ReindexConflictError
 from shoal.index.builder import ShardBuilder
@@ -48,21 +47,6 @@ from shoal.upkeep.trash import Trash
 
 DIM = 4
 HOUR = dt.timedelta(hours=1)
-
-
-@pytest.fixture
-def make_shoal(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., Shoal]]:
-    """Shoals that queue no Celery work (the tests build indexes themselves), closed after the test."""
-    made: list[Shoal] = []
-
-    def make(kind: str = "local", **overrides: object) -> Shoal:
-        client = Shoal(make_settings(kind, **overrides), notify=False)
-        made.append(client)
-        return client
-
-    yield make
-    for client in made:
-        client.close()
 
 
 def make_source(shoal: Shoal, name: str = "src", index: str | None = "idx", **metadata: Any) -> None:
