@@ -76,9 +76,9 @@ def _version(row: IndexVersion) -> VersionRecord:
     )
 
 
-def _index(s: Session, row: Index, tenant: str) -> IndexRecord:
-    source = s.get(DataSource, row.data_source_id)
-    assert source is not None
+def _index(s: Session, row: Index, source: DataSource, tenant: str) -> IndexRecord:
+    """The record of an index row and its data source's row, read together (see `_with_source`): a drop of the
+    source may commit between two statements, so the source is never looked up on its own."""
     spec = IndexSpec(
         name=row.name,
         version=row.version,
@@ -133,6 +133,12 @@ def insert_index_rows(
     return index_id
 
 
+def _with_source() -> Any:
+    """Index rows joined with their data source's row: one statement sees both or neither (READ COMMITTED gives
+    each statement its own snapshot, so a source dropped between two reads would leave an index without one)."""
+    return select(Index, DataSource).join(DataSource, DataSource.id == Index.data_source_id)
+
+
 class IndexCatalog:
     """Index definitions of one tenant, plus the by-id operations the workers use."""
 
@@ -149,6 +155,17 @@ class IndexCatalog:
         """Create the index and its shards; `spec` must already be resolved against `source`. A reindex
         creates later generations (shoal.index.generations)."""
         with Session(self.engine) as s, s.begin():
+            # The source row's key share lock until COMMIT (what the index row's foreign key takes anyway, but
+            # taken first and checked): a drop or soft delete of the source committed since `source` was read is
+            # seen here (NotFoundError), and one starting now waits for this insert (then drops the index too).
+            live = s.scalar(
+                select(DataSource.id)
+                .where(DataSource.id == source.id, DataSource.deleted_at.is_(None))
+                .with_for_update(read=True, key_share=True)
+            )
+            if live is None:
+                raise NotFoundError(f"data source {source.spec.name!r} version {source.spec.version!r} not found "
+                                    f"in tenant {self.tenant!r}: it was dropped or moved to the trash meanwhile")
             index_id = insert_index_rows(s, self.tenant_id, source.id, spec, generation)
         record = self.get_index(spec.name, spec.version)
         if index_id is None:
@@ -158,9 +175,10 @@ class IndexCatalog:
                 raise AlreadyExistsError(f"index {spec.name!r} version {spec.version!r} exists with another definition")
         return record
 
-    def _row(self, s: Session, name: str, version: str) -> Index:
-        row = s.scalars(
-            select(Index).where(
+    def _row(self, s: Session, name: str, version: str) -> tuple[Index, DataSource]:
+        """The live index's row with its data source's row, read in one statement; NotFoundError if absent."""
+        row = s.execute(
+            _with_source().where(
                 Index.tenant_id == self.tenant_id,
                 Index.name == name,
                 Index.version == version,
@@ -169,12 +187,12 @@ class IndexCatalog:
         ).one_or_none()
         if row is None:
             raise NotFoundError(f"index {name!r} version {version!r} not found in tenant {self.tenant!r}")
-        return row
+        return row[0], row[1]
 
     def get_index(self, name: str, version: str) -> IndexRecord:
-        """The index, or NotFoundError."""
+        """The index, or NotFoundError (also when its data source is dropped meanwhile)."""
         with Session(self.engine) as s:
-            return _index(s, self._row(s, name, version), self.tenant)
+            return _index(s, *self._row(s, name, version), self.tenant)
 
     def serving(
         self, name: str, version: str, held: Collection[int] = ()
@@ -183,9 +201,9 @@ class IndexCatalog:
         data source, and the active versions of its shards but those in `held` (version ids it has loaded) by
         id. NotFoundError when the index or its data source is gone or in the trash."""
         with Session(self.engine) as s:
-            index = _index(s, self._row(s, name, version), self.tenant)
-            source = s.get(DataSource, index.source_id)  # _index read it: no round trip
-            if source is None or source.deleted_at is not None:
+            row, source = self._row(s, name, version)
+            index = _index(s, row, source, self.tenant)
+            if source.deleted_at is not None:
                 raise NotFoundError(f"the data source of index {name!r} version {version!r} is gone")
             wanted = {sh.active_version_id for sh in index.shards if sh.active_version_id is not None} - set(held)
             rows = s.scalars(select(IndexVersion).where(IndexVersion.id.in_(wanted))) if wanted else ()
@@ -194,7 +212,7 @@ class IndexCatalog:
     def list_indexes(self, source_id: int | None = None) -> list[IndexRecord]:
         """The tenant's live indexes (of one data source when `source_id` is given), by name and version."""
         with Session(self.engine) as s:
-            q = select(Index).where(
+            q = _with_source().where(
                 Index.tenant_id == self.tenant_id,
                 Index.deleted_at.is_(None),
                 # Generations built aside or kept for rollback are not indexes of their own.
@@ -202,7 +220,8 @@ class IndexCatalog:
             )
             if source_id is not None:
                 q = q.where(Index.data_source_id == source_id)
-            return [_index(s, r, self.tenant) for r in s.scalars(q.order_by(Index.name, Index.version))]
+            rows = s.execute(q.order_by(Index.name, Index.version)).all()
+            return [_index(s, index, source, self.tenant) for index, source in rows]
 
 
 _ALIAS_ATTEMPTS = 5  # lookups of an alias's index a burst of swaps or drops may void before set() gives up
@@ -320,30 +339,35 @@ class ShardCatalog:
         self.engine = engine
 
     def shard_context(self, shard_id: int) -> tuple[ShardRecord, IndexRecord, SourceRecord]:
-        """The shard, its index and its data source; NotFoundError when the shard is gone."""
+        """The shard, its index and its data source; NotFoundError when the shard is gone (also when its index or
+        data source is dropped meanwhile)."""
         with Session(self.engine) as s:
-            shard = s.get(IndexShard, shard_id)
-            if shard is None:
+            # One statement: a drop committing between reads would leave a shard without its index or source.
+            found = s.execute(
+                select(IndexShard, Index, DataSource, Tenant.name)
+                .join(Index, Index.id == IndexShard.index_id)
+                .join(DataSource, DataSource.id == Index.data_source_id)
+                .join(Tenant, Tenant.id == Index.tenant_id)
+                .where(IndexShard.id == shard_id)
+            ).one_or_none()
+            if found is None:
                 raise NotFoundError(f"index shard {shard_id} not found")
-            index = s.get(Index, shard.index_id)
-            assert index is not None
-            tenant = s.scalars(select(Tenant.name).where(Tenant.id == index.tenant_id)).one()
-            source = s.get(DataSource, index.data_source_id)
-            assert source is not None
+            shard, index, source, tenant = found
             if source.deleted_at is not None:  # in the trash: no builds until it is restored
                 raise NotFoundError(f"index shard {shard_id} belongs to a data source in the trash")
-            return _shard(shard), _index(s, index, tenant), _record(source, tenant)
+            return _shard(shard), _index(s, index, source, tenant), _record(source, tenant)
 
     def index_by_id(self, index_id: int) -> tuple[int, IndexRecord, SourceRecord] | None:
         """(tenant id, index, data source) of an index row (any generation), or None when it is gone."""
         with Session(self.engine) as s:
-            index = s.get(Index, index_id)
-            if index is None:
+            found = s.execute(
+                _with_source().add_columns(Tenant.name).join(Tenant, Tenant.id == Index.tenant_id)
+                .where(Index.id == index_id)
+            ).one_or_none()
+            if found is None:
                 return None
-            tenant = s.scalars(select(Tenant.name).where(Tenant.id == index.tenant_id)).one()
-            source = s.get(DataSource, index.data_source_id)
-            assert source is not None
-            return index.tenant_id, _index(s, index, tenant), _record(source, tenant)
+            index, source, tenant = found
+            return index.tenant_id, _index(s, index, source, tenant), _record(source, tenant)
 
     def shards_of_source(self, source_id: int) -> list[int]:
         """Ids of every shard of every index over the data source."""

@@ -17,6 +17,17 @@ from shoal.log.records import DataSourceSpec, IndexSpec
 MUTABLE_FIELDS = ("description", "metadata")
 
 
+def _replaced_meanwhile(name: str) -> DatasetError:
+    """A create lost its data source to another request (an overwrite create or a delete of the name) before it
+    was done: nothing of it is left."""
+    return DatasetError(
+        ErrorCode.DATASET_ALREADY_EXISTS,
+        f"dataset {name!r} was replaced or deleted by another request while this one created it",
+        {"dataset_id": name, "conflict": "dataset",
+         "action": "send the request again (GET /api/v1/datasets/{dataset_id} shows what the name holds now)"},
+    )
+
+
 class Lifecycle(DatasetScope):
     """Create, list, read, update and reindex datasets."""
 
@@ -73,17 +84,26 @@ class Lifecycle(DatasetScope):
         self._refuse_foreign(name)
         self._forget(name)
         try:
-            self.shoal.catalog.create_data_source(spec)  # the catalog's own: the facade refuses our key
+            created = self.shoal.catalog.create_data_source(spec)  # the catalog's own: the facade refuses our key
         except AlreadyExistsError:
             raise already_exists(name) from None
+        except NotFoundError:  # dropped right after its insert committed (and before it was read back)
+            raise _replaced_meanwhile(name) from None
         try:
             self.shoal.create_index(index_spec)
             record = self.catalog.get(name)
+            if record.source_id != created.id:  # ours was dropped, and another request made the dataset anew
+                raise _replaced_meanwhile(name)
             self._write_mirror(record)
         except BaseException as exc:
-            self._drop_quietly(name)
+            self._drop_quietly(name, created.id)
             if isinstance(exc, AlreadyExistsError):
                 raise already_exists(name, "index") from None
+            # The data source was dropped meanwhile: another request (an overwrite create, a delete) took the
+            # name over. Not "not found", which a create never answers.
+            if isinstance(exc, NotFoundError) or (isinstance(exc, DatasetError)
+                                                  and exc.code is ErrorCode.DATASET_NOT_FOUND):
+                raise _replaced_meanwhile(name) from None
             raise
         finally:
             self._forget(name)
@@ -96,6 +116,10 @@ class Lifecycle(DatasetScope):
                 lookup(name, rules.VERSION)
             except NotFoundError:
                 continue
+            if self.catalog.find(name) is not None:  # a dataset after all, which another request is creating
+                raise DatasetError(ErrorCode.DATASET_ALREADY_EXISTS,
+                                   f"dataset {name!r} was created by another request meanwhile",
+                                   {"dataset_id": name, "conflict": "dataset"})
             raise DatasetError(
                 ErrorCode.DATASET_ALREADY_EXISTS,
                 f"a {kind.replace('_', ' ')} named {name!r} version {rules.VERSION!r} exists and is not a dataset",

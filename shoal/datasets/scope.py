@@ -4,6 +4,7 @@ dataset's objects. The operations themselves live by idea in `lifecycle`, `delet
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -136,11 +137,19 @@ class DatasetScope:
         self._refresh_searcher()
         return files + 1
 
-    def _drop_quietly(self, name: str) -> None:
-        """Undo a failed create as far as possible, logging (not raising) what could not be undone."""
-        for drop in (self.shoal.drop_index, self.shoal.drop_data_source):
-            try:
-                drop(name, rules.VERSION)
-            except Exception as exc:  # noqa: BLE001 - cleanup after a failed create; report the first error
-                log.warning("could not undo a failed create of dataset %s: %s", name, exc)
+    def _drop_quietly(self, name: str, source_id: int) -> None:
+        """Undo a failed create of dataset `name` as far as possible: drop the data source `source_id` it made,
+        with its index, logging (not raising) what could not be undone. By id, never by name: another request
+        may have replaced the dataset meanwhile, and what it made stays."""
+        from shoal.upkeep.drops import drop_data_source
+
+        grace_end = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.shoal.settings.gc_grace_s)
+        try:
+            drop_data_source(self.shoal.engine, source_id, delete_after=grace_end)  # its index goes with it
+        except NotFoundError:
+            pass  # dropped already, by the request that replaced or deleted the dataset
+        except Exception as exc:  # noqa: BLE001 - cleanup after a failed create
+            log.warning("could not undo a failed create of dataset %s: %s", name, exc)
+        self.shoal.runtime.forget_source(source_id)
+        # GC's checked deletion keeps a mirror a live dataset of the name wrote again meanwhile.
         forget_files(self.shoal.engine, self.shoal.storage, files=[dataset_metadata_path(self.tenant, name)])

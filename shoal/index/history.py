@@ -50,9 +50,17 @@ class Tagged:
 def tag(engine: Engine, index_id: int, name: str) -> dict[int, int | None]:
     """Pin the version every shard of the index serves now under `name` (replacing a tag of that name, on this
     generation or an older one), standing for the highest of their watermarks; returns shard id -> version id
-    (None for a shard with nothing built yet)."""
+    (None for a shard with nothing built yet). NotFoundError when the index is dropped or moved to the trash
+    before the tag is written."""
     check_name("tag", name)
     with Session(engine) as s, s.begin():
+        # The index row's key share lock until COMMIT (what the tag row's foreign key takes anyway, but taken
+        # first and checked): a drop committed since the caller looked the index up is seen here, and one starting
+        # now waits for the tag (then deletes it with the index), instead of a foreign key violation.
+        live = s.scalar(select(Index.id).where(Index.id == index_id, Index.deleted_at.is_(None))
+                        .with_for_update(read=True, key_share=True))
+        if live is None:
+            raise NotFoundError(f"index {index_id} was dropped or moved to the trash while tag {name!r} was taken")
         shards = s.execute(
             select(IndexShard.id, IndexShard.active_version_id, IndexVersion.watermark)
             .outerjoin(IndexVersion, IndexVersion.id == IndexShard.active_version_id)

@@ -58,6 +58,12 @@ def drop_index(
     cancelled, so a new index under the name starts clean. NotFoundError if the index is gone, in the trash or
     renamed."""
     with engine.begin() as conn:
+        # Locks in the order every writer of these rows takes them: the data source's row, then the index row,
+        # then the shards. A drop of the data source (source, shards, then the index rows its DELETE cascades to)
+        # racing this one waits for it, or commits first and this finds no index; never a deadlock.
+        source_id = conn.scalar(select(Index.data_source_id).where(Index.id == index_id))
+        if source_id is None or lock_source(conn, source_id, missing_ok=True) is None:
+            raise NotFoundError(f"index {index_id} not found")
         query = select(Index.id).where(Index.id == index_id, Index.deleted_at.is_(None))
         if version is not None:
             query = query.where(Index.version == version)
