@@ -55,6 +55,20 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def own_postgres() -> Iterator[tuple[Path, str]]:
+    """A Postgres of one test alone (the test may stop and start it), migrated: (its home, its URL). Outside
+    pytest's temp root, as `pg_url`'s is."""
+    home = Path(tempfile.mkdtemp(prefix="shoal-test-own-pg-"))
+    url = ensure_postgres(home)
+    try:
+        migrate(url)
+        yield home, url
+    finally:
+        stop_embedded(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
 def fresh_db(pg_url: str) -> Iterator[str]:
     """A new, empty database on the test server, dropped afterwards."""
     name = "m" + uuid.uuid4().hex[:10]

@@ -26,11 +26,10 @@ import yaml
 from conftest import api_process, free_port, serve_api, wait_for
 
 from shoal import DataSourceSpec, Shoal
-from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
-from shoal.servers.embedded import ensure_postgres, stop_embedded
+from shoal.servers.embedded import stop_embedded
 
 API = "/api/v1"
 
@@ -157,18 +156,6 @@ def test_a_fanned_out_search_is_observed_once_for_the_whole_of_it(
 
 
 # -- 3. /metrics while the catalog is down -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A Postgres of this test alone (the test stops it), migrated: (its home, its URL)."""
-    home = tmp_path / "own-pg"
-    url = ensure_postgres(home)
-    migrate(url)
-    try:
-        yield home, url
-    finally:
-        stop_embedded(home)
 
 
 def _pg_down(url: str) -> bool:

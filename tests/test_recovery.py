@@ -31,13 +31,12 @@ from helpers.kill_points import freeze_inside
 from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
-from shoal.catalog.db import migrate
 from shoal.catalog.indexes import ShardCatalog
 from shoal.catalog.models import IndexShard
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
-from shoal.servers.embedded import ensure_postgres, ensure_valkey, stop_embedded
+from shoal.servers.embedded import ensure_valkey, stop_embedded
 
 DIM = 16
 
@@ -397,18 +396,6 @@ def _unavailable(response: httpx.Response, socket_dir: str, shape: str) -> None:
         assert body["success"] is False and body["error_code"] == "SERVICE_UNAVAILABLE", body
     for word in (*INTERNALS, socket_dir):
         assert word not in response.text, (word, response.text)
-
-
-@pytest.fixture
-def own_postgres(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A Postgres of this test alone (the test stops and starts it), migrated: (its home, its URL)."""
-    home = tmp_path / "own-pg"
-    url = ensure_postgres(home)
-    migrate(url)
-    try:
-        yield home, url
-    finally:
-        stop_embedded(home)
 
 
 def _start_postgres(home: Path) -> None:

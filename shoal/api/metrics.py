@@ -12,6 +12,7 @@ answers.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from shoal.catalog.indexes import freshness_rows
 from shoal.index.segment_cache import SegmentCache
+
+log = logging.getLogger(__name__)
 
 TENANT = "tenant"
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -54,11 +58,23 @@ class _LagCollector(Collector):
         self.view = view
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The lag families; none at all while the catalog cannot be reached (logged, one line a scrape), so the
+        rest of the scrape is still served: a lag of 0 would claim every shard is up to date."""
+        try:
+            rows = freshness_rows(self.engine)
+        except DBAPIError as exc:
+            if not _catalog_outage(exc):
+                raise  # a bug, not an outage: the scrape fails loudly
+            # The driver's message spans lines (and may name hosts): its first line, to the log only.
+            reason = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
+            log.warning("the lag gauges are left out of this scrape: the catalog is unavailable (%s: %s)",
+                        type(exc).__name__, reason)
+            return
         labels = ["tenant", "index", "version", "shard"]
         built = GaugeMetricFamily("shoal_index_built_lag_seqs", "Log entries not indexed yet", labels=labels)
         served = GaugeMetricFamily("shoal_index_served_lag_seqs", "Log entries searchers do not serve", labels=labels)
         max_built = max_served = 0
-        for tenant, index, version, shard, head, built_w, served_w, building in freshness_rows(self.engine):
+        for tenant, index, version, shard, head, built_w, served_w, building in rows:
             if building:
                 continue
             max_built, max_served = max(max_built, head - built_w), max(max_served, head - served_w)
@@ -73,6 +89,11 @@ class _LagCollector(Collector):
                                 value=max_built)
         yield GaugeMetricFamily("shoal_index_served_lag_seqs_max", "Largest served lag of any shard of any tenant",
                                 value=max_served)
+
+
+def _catalog_outage(exc: DBAPIError) -> bool:
+    """True when the driver failed to reach or keep the catalog (as shoal.api.errors tells an outage)."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated
 
 
 class _CacheCollector(Collector):
@@ -168,11 +189,20 @@ class Metrics:
         self.multiprocess_dir = os.environ.get(MULTIPROC_DIR) if shared else None
 
     def search_timer(self, tenant: str) -> Any:
-        """A context manager timing one search of `tenant` (the labelled child is looked up once per tenant)."""
+        """A context manager timing one search of `tenant`: one observation, whether the search answers or
+        raises."""
+        return self._search_child(tenant).time()
+
+    def observe_search(self, tenant: str, seconds: float) -> None:
+        """Record one search of `tenant` that took `seconds` (for a caller that times it itself)."""
+        self._search_child(tenant).observe(seconds)
+
+    def _search_child(self, tenant: str) -> Any:
+        # The labelled child is looked up once per tenant: labels() costs more than the observation.
         child = self._search_by_tenant.get(tenant)
         if child is None:
             child = self._search_by_tenant.setdefault(tenant, self.search_seconds.labels(tenant))
-        return child.time()
+        return child
 
     def exposition(
         self, engine: Engine, view: MetricsView, cache: SegmentCache,

@@ -15,7 +15,9 @@ older versions with `X-Shoal-Tag` or `X-Shoal-As-Of`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -200,69 +202,89 @@ def search_content(
     ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str],
     shards: list[int] | None = None,
 ) -> bytes:
-    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), wherever it runs,
-    from the shards an `X-Shoal-Shards` header or `shards` names (else every shard: this process must serve them
-    all). A search that breaks a rule raises a QueryError (400), whose message does not claim that nothing was
-    written: a search writes nothing."""
-    return _search_answer(ctx, metrics, name, version, body, headers, shards)[0]
+    """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), as the fast path
+    answers it (shoal.api.fastpath), from the shards an `X-Shoal-Shards` header or `shards` names (else every
+    shard: this process must serve them all). A search that breaks a rule raises a QueryError (400), whose
+    message does not claim that nothing was written: a search writes nothing.
+
+    The search is observed in `shoal_search_seconds` only when it answers: the fast path declines whatever
+    raises, and the route that then answers the error observes it (`_search_blocking`), so each request counts
+    once. A part asked by another node is not observed (`_timed`)."""
+    started = time.perf_counter()
+    content = _search_answer(ctx, name, version, body, headers, shards)[0]
+    if shards is None and SHARDS_HEADER not in headers:
+        metrics.observe_search(ctx.tenant, time.perf_counter() - started)
+    return content
+
+
+def _timed(metrics: Any, tenant: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
+    """The timer of one search in `shoal_search_seconds`; none for a part another node asked for (X-Shoal-Shards):
+    the node that fanned the search out times it whole, so one search counts once however many nodes answer it."""
+    if SHARDS_HEADER in headers:
+        return nullcontext()
+    timer: AbstractContextManager[Any] = metrics.search_timer(tenant)
+    return timer
 
 
 def _search_answer(
-    ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str],
+    ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
     shards: list[int] | None,
 ) -> tuple[bytes, int]:
-    """`search_content`, and the search's k."""
+    """`search_content` (not timed: its callers time it), and the search's k."""
     settings = ctx.handle.shoal.settings
-    with metrics.search_timer(ctx.tenant):
-        try:
-            query = wire.decode_search(body, settings.max_query_vectors)
-            consistency = _consistency(headers)
-            if shards is None and (raw := headers.get(SHARDS_HEADER)) is not None:
-                try:
-                    shards = parse_shards(raw)
-                except ValueError:
-                    raise ValidationError(f"header X-Shoal-Shards: must list shard numbers as 0,2,3; got {raw!r}")\
-                        from None
-            searcher = ctx.handle.searcher
-            # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
-            source = searcher.view(name, version).source.spec
-            vectors = wire.query_vectors(source, query, empty_sparse=False)  # Vektonn's rule, as on upload
-            results = searcher.search(
-                name, version, vectors, query.k,
-                split_filter=wire.split_filter(source, query),
-                retrieve_vectors=query.retrieve_vectors,
-                consistency=consistency,
-                tag=headers.get("x-shoal-tag"),
-                as_of=_int_header(headers, "x-shoal-as-of"),
-                filters=query.filter,
-                shards=shards,
-                max_hits=settings.max_search_hits,
-            )
-        except ValidationError as exc:
-            raise QueryError.of(exc) from None
-        # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
-        return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
+    try:
+        query = wire.decode_search(body, settings.max_query_vectors)
+        consistency = _consistency(headers)
+        if shards is None and (raw := headers.get(SHARDS_HEADER)) is not None:
+            try:
+                shards = parse_shards(raw)
+            except ValueError:
+                raise ValidationError(f"header X-Shoal-Shards: must list shard numbers as 0,2,3; got {raw!r}")\
+                    from None
+        searcher = ctx.handle.searcher
+        # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
+        source = searcher.view(name, version).source.spec
+        vectors = wire.query_vectors(source, query, empty_sparse=False)  # Vektonn's rule, as on upload
+        results = searcher.search(
+            name, version, vectors, query.k,
+            split_filter=wire.split_filter(source, query),
+            retrieve_vectors=query.retrieve_vectors,
+            consistency=consistency,
+            tag=headers.get("x-shoal-tag"),
+            as_of=_int_header(headers, "x-shoal-as-of"),
+            filters=query.filter,
+            shards=shards,
+            max_hits=settings.max_search_hits,
+        )
+    except ValidationError as exc:
+        raise QueryError.of(exc) from None
+    # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
+    return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
 
 
-def _local_part(ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
-                headers: Mapping[str, str], shards: list[int]) -> LocalPart:
-    """This process's part of a fanned-out search (shoal.api.fanout)."""
-    content, k = _search_answer(ctx, metrics, name, version, body, headers, shards)
+def _local_part(ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
+                shards: list[int]) -> LocalPart:
+    """This process's part of a fanned-out search (shoal.api.fanout); not timed: `fanned_out` times the whole."""
+    content, k = _search_answer(ctx, name, version, body, headers, shards)
     view = ctx.handle.searcher.view(name, version)
     return LocalPart(orjson.loads(content), k, view.higher_is_nearer, len(view.index.shards))
 
 
 async def fanned_out(fanout: FanOut, ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
                      headers: Mapping[str, str], *, inline: bool = False) -> Response:
-    """The answer to a Vektonn search of an index placed across nodes, this process's part included."""
-    local = partial(_local_part, ctx, metrics, name, version, body, headers)
-    return await fanout.search(ctx, name, version, body, headers, local, inline=inline)
+    """The answer to a Vektonn search of an index placed across nodes, this process's part included, observed
+    once in `shoal_search_seconds` from the first part asked to the merged answer (what the caller waits for)."""
+    local = partial(_local_part, ctx, name, version, body, headers)
+    with metrics.search_timer(ctx.tenant):
+        return await fanout.search(ctx, name, version, body, headers, local, inline=inline)
 
 
 def _search_blocking(request: Request, name: str, version: str, body: bytes,
                      ctx: TenantContext | None = None) -> Response:
     ctx = ctx or reader_tenant(request)
-    content = search_content(ctx, request.app.state.metrics, name, version, body, request.headers)
+    # Timed here, whether it answers or raises: the fast path observed nothing of a search it passed on.
+    with _timed(request.app.state.metrics, ctx.tenant, request.headers):
+        content = _search_answer(ctx, name, version, body, request.headers, None)[0]
     return Response(content, media_type=JSON)
 
 
