@@ -6,11 +6,11 @@ import datetime as dt
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, exists, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from shoal.catalog.models import DataSource, LogSegment, Tenant
+from shoal.catalog.models import DataSource, Index, LogSegment, Tenant
 from shoal.errors import AlreadyExistsError, NotFoundError
 from shoal.log.records import DataSourceSpec, check_tenant_name
 
@@ -176,12 +176,17 @@ def seqs_committed_within(engine: Engine, source_id: int, seconds: float) -> int
         return int(total)
 
 
-def head_of(engine: Engine, source_id: int) -> tuple[int, dt.datetime | None]:
-    """The data source's head seq and when it last moved; NotFoundError if the source is gone."""
+def head_of(engine: Engine, source_id: int, index_id: int | None = None) -> tuple[int, dt.datetime | None]:
+    """The data source's head seq and when it last moved; NotFoundError if the source is gone, or (`index_id`
+    given) if that index row is: a searcher's strong read learns of a drop of the index it serves in the same
+    query (the source outlives an index dropped, or dropped and made again under its name)."""
+    query = select(DataSource.head_seq, DataSource.head_committed_at)
+    if index_id is not None:
+        query = query.add_columns(exists().where(Index.id == index_id))
     with Session(engine) as s:
-        row = s.execute(
-            select(DataSource.head_seq, DataSource.head_committed_at).where(DataSource.id == source_id)
-        ).one_or_none()
+        row = s.execute(query.where(DataSource.id == source_id)).one_or_none()
         if row is None:
             raise NotFoundError(f"data source {source_id} not found")
+        if index_id is not None and not row[2]:
+            raise NotFoundError(f"index {index_id} not found")
         return int(row[0]), row[1]

@@ -1,18 +1,34 @@
-"""Announcements to searchers on a Redis channel: a shard has a new active version, an index changed whole or
-is gone. Best effort: searchers also poll the catalog, so a lost message costs at most a poll interval."""
+"""Announcements to searchers on Redis: a shard has a new active version, an index changed whole or is gone.
+Best effort: searchers also poll the catalog, so a lost message costs at most a poll interval.
+
+An index changed whole (dropped, swapped by a reindex, rolled back) also gets its data source's index token,
+the key `shoal:indexes:<source id>`, set to a fresh value before the change returns. A strong search of a
+following searcher reads it with the announced head (one MGET, no catalog round trip) and asks the catalog
+whether the index it serves still exists only when the token differs from the one it last checked it under, so
+it learns of a drop at once, not when the announcement reaches its poll thread."""
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
+from typing import Any
 
 import redis
 
 from shoal.catalog.indexes import IndexRecord
+from shoal.log.heads import head_key
 
 log = logging.getLogger(__name__)
 
 VERSIONS_CHANNEL = "shoal:index-versions"
+
+
+def index_token_key(source_id: int) -> str:
+    """The Redis key whose value changes whenever an index over the data source is dropped, swapped or rolled
+    back (a random token, never a counter: a Redis flushed or restarted meanwhile cannot bring an old value
+    back as the current one)."""
+    return f"shoal:indexes:{source_id}"
 
 
 def announce_version(redis_url: str, shard_id: int, version_id: int) -> None:
@@ -20,13 +36,18 @@ def announce_version(redis_url: str, shard_id: int, version_id: int) -> None:
     announce_versions(redis_url, [(shard_id, version_id)])
 
 
-def announce_versions(redis_url: str, changes: list[tuple[int, int]]) -> None:
-    """Tell searchers several shards changed, on one connection."""
+def announce_versions(redis_url: str, changes: list[tuple[int, int]], token_of: int | None = None) -> None:
+    """Tell searchers several shards changed, on one connection (one round trip); `token_of`: a data source
+    whose index token is set anew first (`index_token_key`)."""
     try:
         client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         try:
+            pipe = client.pipeline(transaction=False)
+            if token_of is not None:
+                pipe.set(index_token_key(token_of), uuid.uuid4().hex)
             for shard_id, version_id in changes:
-                client.publish(VERSIONS_CHANNEL, json.dumps({"shard": shard_id, "version": version_id}))
+                pipe.publish(VERSIONS_CHANNEL, json.dumps({"shard": shard_id, "version": version_id}))
+            pipe.execute()
         finally:
             client.close()
     except redis.RedisError as exc:
@@ -34,6 +55,46 @@ def announce_versions(redis_url: str, changes: list[tuple[int, int]]) -> None:
 
 
 def announce_index(redis_url: str, index: IndexRecord) -> None:
-    """Tell searchers an index changed whole (a reindex swap, a rollback) or was dropped: they reload what
-    they serve of it, and stop serving it if it is gone."""
-    announce_versions(redis_url, [(shard.id, 0) for shard in index.shards])
+    """Tell searchers an index changed whole (a reindex swap, a rollback) or was dropped: its data source's index
+    token changes (strong searches check the index they serve in the catalog), and they reload what they serve
+    of it, and stop serving it if it is gone."""
+    announce_versions(redis_url, [(shard.id, 0) for shard in index.shards], token_of=index.source_id)
+
+
+class HeadAndTokenRead:
+    """A read of a data source's announced head and index token (one MGET), sent at once and answered later, so
+    that a strong search runs over what it already holds while the round trip is under way (as
+    shoal.log.heads.HeadRead, which reads the head alone). `result()` takes the answer (once); `close()` gives
+    the connection back unread (dropping it). Raises redis.RedisError (or OSError) when Redis does not answer."""
+
+    def __init__(self, client: redis.Redis, source_id: int) -> None:
+        self._pool = client.connection_pool
+        self._conn: Any = self._pool.get_connection()
+        try:
+            self._conn.send_command("MGET", head_key(source_id), index_token_key(source_id))
+        except BaseException:
+            self._give_back(drop=True)
+            raise
+
+    def result(self) -> tuple[int | None, bytes | str | None]:
+        """(announced head, index token); each None when Redis holds none. Waits for the answer if need be."""
+        if self._conn is None:
+            raise RuntimeError("the head read was already answered or closed")
+        try:
+            head, token = self._conn.read_response()
+        except BaseException:
+            self._give_back(drop=True)
+            raise
+        self._give_back(drop=False)
+        return (None if head is None else int(head)), token
+
+    def close(self) -> None:
+        """Give the connection back if its answer was never read: dropped, since a reply is still due on it."""
+        if self._conn is not None:
+            self._give_back(drop=True)
+
+    def _give_back(self, drop: bool) -> None:
+        conn, self._conn = self._conn, None
+        if drop:
+            conn.disconnect()
+        self._pool.release(conn)

@@ -36,11 +36,11 @@ from shoal.errors import (
 )
 from shoal.index.segment_cache import SegmentCache
 from shoal.log.compaction_swap import dropped_through
-from shoal.log.heads import HEADS_CHANNEL, HeadRead, parse_announcement
+from shoal.log.heads import HEADS_CHANNEL, parse_announcement
 from shoal.log.reader import read_log
 from shoal.log.records import SparseVector, check_name
 from shoal.runtime import Runtime, Scope
-from shoal.searcher.announce import VERSIONS_CHANNEL
+from shoal.searcher.announce import VERSIONS_CHANNEL, HeadAndTokenRead
 from shoal.searcher.consistency import Consistency, check_seq
 from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
 from shoal.searcher.filters import Filter, parse_filter
@@ -122,7 +122,11 @@ def _consistency(value: Any) -> Consistency:
 
 
 class _SourceGone(Exception):
-    """A head read found the served view's data source gone from the catalog (SearchService.search reloads)."""
+    """A head read found the served view's data source, or its index, gone from the catalog (SearchService.search
+    reloads)."""
+
+
+_UNREAD = object()  # no index token was read (the catalog head read confirms none)
 
 
 class _Stale(Exception):
@@ -217,6 +221,11 @@ class SearchService:
         self._subscription = 0  # which subscription is current (0: none)
         self._subscriptions = 0  # how many there were
         self._floors: dict[int, tuple[int, int]] = {}  # source id -> (subscription, catalog head read in it)
+        # Likewise for the served indexes: a strong search takes the index as still there (not dropped) without
+        # asking the catalog only while its data source's index token on Redis (shoal.searcher.announce) is the
+        # one read just before the catalog last found the index, in the current subscription. A drop sets a new
+        # token before it returns, so a strong search that begins after it asks the catalog.
+        self._checked: dict[int, tuple[int, Any]] = {}  # index id -> (subscription, token read before the check)
         self._young_wake = threading.Event()
         self._stale: set[tuple[int, str, str]] = set()  # views whose last refresh failed (an outage, logged once)
         self._lock = threading.Lock()
@@ -295,9 +304,10 @@ class SearchService:
         try:
             return self._search_current(scope, key, view, *args)
         except _SourceGone:
-            # The view's data source is gone from the catalog: the index was dropped, perhaps made again under its
-            # name, and this searcher has not heard yet (an announcement lost, or not polled since). Serve what
-            # the name holds now (NotFoundError when nothing does), rather than a 404 or the dropped data.
+            # The view's index (or its whole data source) is gone from the catalog: the index was dropped, perhaps
+            # made again under its name, and this searcher has not heard yet (an announcement lost, or not polled
+            # since). Serve what the name holds now (NotFoundError when nothing does), rather than a 404 or the
+            # dropped index's answers (its metric, splits and versions).
             self._unload(key)
             view = self._load(scope, index_name, index_version)
             try:
@@ -322,7 +332,7 @@ class SearchService:
         search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None,
         shards: Collection[int] | None, max_hits: int | None,
     ) -> list[Hits]:
-        """`search` over one served view; _SourceGone when a head read finds its data source gone."""
+        """`search` over one served view; _SourceGone when a head read finds its data source or its index gone."""
         self._used[key] = time.monotonic()
         if consistency is not None and consistency.data_source:
             _check_token_source(view, consistency)
@@ -339,7 +349,7 @@ class SearchService:
             young = self._tails.get(view.index.id)
             if required > max(young.end if young is not None else 0, served.min_watermark):
                 try:
-                    self._check_token(view.source.id, required)
+                    self._check_token(view.source.id, required, view.index.id)
                 except NotFoundError:
                     raise _SourceGone from None
             # At least the highest shard watermark, as the young tier reaches (see _load): below it, shards built
@@ -350,7 +360,7 @@ class SearchService:
             read = self._head_read(view.source.id)
             if read is None:
                 try:
-                    required = self._catalog_head(view.source.id)
+                    required = self._catalog_head(view.source.id, view.index.id)
                 except NotFoundError:
                     raise _SourceGone from None
             else:
@@ -361,7 +371,7 @@ class SearchService:
                 try:
                     answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
                                           search_params, filters, max_hits)
-                    head = self._read_head(read, view.source.id)
+                    head = self._read_head(read, view.source.id, view.index.id)
                 except NotFoundError:
                     raise _SourceGone from None
                 finally:
@@ -465,10 +475,11 @@ class SearchService:
                 f"index {spec.name}/{spec.version}{where}", missing)
         return wanted
 
-    def _head_read(self, source_id: int) -> HeadRead | None:
-        """The read of the head announced on Redis, sent now, when announcements are trusted for the data
-        source (the searcher follows them, and the catalog confirmed a head once since it (re)subscribed);
-        None when they are not, or Redis does not take the read: the catalog answers then."""
+    def _head_read(self, source_id: int) -> HeadAndTokenRead | None:
+        """The read of the head announced on Redis (and of the data source's index token), sent now, when
+        announcements are trusted for the data source (the searcher follows them, and the catalog confirmed a
+        head once since it (re)subscribed); None when they are not, or Redis does not take the read: the catalog
+        answers then."""
         subscription = self._subscription
         if not subscription:
             return None
@@ -476,23 +487,26 @@ class SearchService:
         if floor is None or floor[0] != subscription:
             return None
         try:
-            return HeadRead(self.runtime.redis(), source_id)
+            return HeadAndTokenRead(self.runtime.redis(), source_id)
         except (redis.RedisError, OSError, ShoalError):
             return None
 
-    def _read_head(self, read: HeadRead, source_id: int) -> int:
-        """The head `read` answers when it can be trusted (at least the head the catalog confirmed; no catalog
-        round trip), else the catalog's."""
+    def _read_head(self, read: HeadAndTokenRead, source_id: int, index_id: int | None = None) -> int:
+        """The head `read` answers when it can be trusted (at least the head the catalog confirmed, and, with
+        `index_id`, the data source's index token unchanged since the catalog last found that index: no catalog
+        round trip), else the catalog's (NotFoundError when the data source or that index is gone)."""
+        token: Any = _UNREAD
         try:
-            head = read.result()
+            head, token = read.result()
         except (redis.RedisError, OSError, ShoalError):
             head = None
         floor = self._floors.get(source_id)
-        if head is not None and floor is not None and head >= floor[1]:
+        if (head is not None and floor is not None and head >= floor[1]
+                and (index_id is None or self._checked.get(index_id) == (self._subscription, token))):
             return head
-        return self._catalog_head(source_id)
+        return self._catalog_head(source_id, index_id, token)
 
-    def _check_token(self, source_id: int, token: int) -> None:
+    def _check_token(self, source_id: int, token: int, index_id: int | None = None) -> None:
         """Refuse a write token past the log's head: tokens come from commits, which reach the catalog before
         they are acknowledged, so such a token was never issued for this data source. (Read up to it, the young
         tier would claim to cover seqs no commit has taken yet, and miss the writes that later take them.)"""
@@ -500,22 +514,28 @@ class SearchService:
         head = -1
         if read is not None:
             try:
-                head = self._read_head(read, source_id)
+                head = self._read_head(read, source_id, index_id)
             finally:
                 read.close()
         if head < token:  # an announcement may trail its commit: the catalog decides
-            head = self._catalog_head(source_id)
+            head = self._catalog_head(source_id, index_id)
         if token > head:
             raise QueryError(f"write token {token} is past the log head {head}: a write token comes from an "
                              f"upload to this data source")
 
-    def _catalog_head(self, source_id: int) -> int:
-        """The data source's head as the catalog has it now; while following announcements, it is also the
-        floor a head read from Redis must reach to be trusted (Redis may come back from a restart older)."""
+    def _catalog_head(self, source_id: int, index_id: int | None = None, token: Any = _UNREAD) -> int:
+        """The data source's head as the catalog has it now; NotFoundError when the data source is gone, or
+        (`index_id`) that index is: read in the same query, so a strong search learns of a drop of the index it
+        serves at once even while the data source stays. While following announcements, the head is also the
+        floor a head read from Redis must reach to be trusted (Redis may come back from a restart older), and
+        `token` (the data source's index token, read before this) the one under which the index is taken as
+        there without asking again."""
         subscription = self._subscription
-        head = head_of(self.engine, source_id)[0]
+        head = head_of(self.engine, source_id, index_id)[0]
         if subscription:
             self._floors[source_id] = (subscription, head)
+            if index_id is not None and token is not _UNREAD:
+                self._checked[index_id] = (subscription, token)
         return head
 
     def _search_history(
@@ -743,6 +763,7 @@ class SearchService:
                 if anew:  # swapped with the view, so no search pairs the new view with another tier
                     if old is not None:
                         self._tails.pop(old.index.id, None)
+                        self._checked.pop(old.index.id, None)
                     self._tails.pop(index.id, None)
                     if fresh is not None:
                         self._tails[index.id] = fresh
@@ -783,6 +804,7 @@ class SearchService:
             self._used.pop(key, None)
             if view is not None:
                 self._tails.pop(view.index.id, None)
+                self._checked.pop(view.index.id, None)
         self._retain()
 
     def _lru(self, loaded: tuple[int, str, str]) -> list[tuple[float, tuple[int, str, str]]]:
