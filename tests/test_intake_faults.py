@@ -267,6 +267,78 @@ def test_messages_of_a_killed_consumer_are_committed_in_publish_order(
         assert list(zip(folded["id"].to_pylist(), folded["tag"].to_pylist(), strict=True)) == [(2, "new")]
 
 
+def test_two_consumers_of_a_group_commit_a_source_in_publish_order(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer]
+) -> None:
+    """Two consumers of one group each took some of a source's messages and committed them in whichever order
+    their group commits finished: tombstones landed before the upserts they delete, and deleted keys came back.
+    One consumer leads the group and takes messages; the other stands by."""
+    settings = intake_settings(intake_max_wait_ms=100)
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+        first, second = consumer_thread(settings), consumer_thread(settings)
+        with Publisher(settings) as p:
+            for key in range(40):
+                p.publish("events", "1", [point(key)])
+                p.publish("events", "1", [Tombstone({"id": key})])
+                if key % 4 == 3:  # spread over several group commits
+                    wait_for(lambda k=key: head(shoal) == 2 * (k + 1), 60, "the messages so far committed")
+        wait_for(lambda: head(shoal) == 80, 60, "every message committed")
+        assert log_rows(shoal) == [(k, tombstone) for k in range(40) for tombstone in (False, True)]
+        assert shoal.fold("events", "1").num_rows == 0
+        assert sorted([first.leading, second.leading]) == [False, True]
+
+
+def test_a_consumer_standing_by_leads_once_the_leader_stops(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer]
+) -> None:
+    """A clean stop hands the lead over at once (not after the lease): messages published after the leader
+    stopped are committed by the consumer that stood by."""
+    settings = intake_settings(intake_visibility_timeout_s=600)  # a lease that would outlast the test
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+        first = consumer_thread(settings)
+        wait_for(lambda: first.leading, 30, "the first consumer to lead")
+        second = consumer_thread(settings)
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(1)])
+            wait_for(lambda: head(shoal) == 1, 30, "the leader's commit")
+            first.stop.set()
+            first.thread.join(30)  # type: ignore[attr-defined]
+            p.publish("events", "1", [point(2)])
+            wait_for(lambda: head(shoal) == 2 and second.stats.messages == 1, 30,
+                     "the commit of the consumer that stood by")
+        assert second.leading
+
+
+def test_a_consumer_that_lost_the_lead_commits_nothing_it_holds_and_hands_it_back(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer],
+    broker: redis.Redis,
+) -> None:
+    """A leader that stalled past its lease while another consumer took the lead must not commit what it held
+    after what the new leader takes: it hands its messages back to the queue's head, and stands by."""
+    settings = intake_settings(intake_max_wait_ms=600_000, intake_max_points=100_000)
+    name = queue_name(settings)
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+        consumer = consumer_thread(settings)
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(1)], message_id="upsert")
+            p.publish("events", "1", [Tombstone({"id": 1})], message_id="tombstone")
+        wait_for(lambda: broker.llen(name) == 0 and len(consumer._held) == 2, 30, "the consumer to hold both")
+        broker.set(f"{name}.leader", "another-consumer")  # as if its lease had run out and another took it
+        wait_for(lambda: not consumer.leading and broker.llen(name) == 2, 30, "the messages handed back")
+        assert head(shoal) == 0
+        # Back in publish order (the right end is taken first).
+        assert [json.loads(e)["headers"]["shoal-message-id"] for e in broker.lrange(name, 0, -1)] == [
+            "tombstone", "upsert"]
+        broker.delete(f"{name}.leader")  # the other leader gone: this one leads again, and commits on stopping
+        wait_for(lambda: consumer.leading and len(consumer._held) == 2, 30, "the consumer to lead and hold both")
+        consumer.stop.set()
+        consumer.thread.join(30)  # type: ignore[attr-defined]
+        assert log_rows(shoal) == [(1, False), (1, True)]
+
+
 def test_a_commit_that_failed_is_retried_in_publish_order(
     intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer]
 ) -> None:

@@ -40,7 +40,7 @@ from sqlalchemy.exc import OperationalError
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
-from shoal.intake.delivery import ReliableQueue
+from shoal.intake.delivery import ReliableQueue, new_consumer_id
 from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
@@ -110,8 +110,12 @@ class IntakeConsumer:
         self._held: list[_Held] = []
         self._held_points = 0
         self._first_held_at = 0.0
+        self._parked: list[tuple[Message, str]] = []  # refused, waiting for room in a full broker's dead letters
+        self._parked_at = 0.0
         self._dead_producer: Producer | None = None
         self._delivery: ReliableQueue | None = None
+        self.leading = False  # whether this consumer leads its group (only the leader takes messages)
+        self.consumer_id = new_consumer_id()
         self._backoff = 0.0
         self._written_sources: set[tuple[str, int]] = set()  # (tenant, source id) this consumer wrote to
 
@@ -130,10 +134,10 @@ class IntakeConsumer:
                 self._serve(conn, client)
             except (OSError, redis.RedisError, KombuOperationalError, *conn.recoverable_connection_errors,
                     *conn.recoverable_channel_errors, *conn.connection_errors) as exc:
-                # What we held stays in our processing list; a consumer puts it back once our liveness key
-                # expires (this one too, after reconnecting); message ids make redelivery harmless. (kombu raises
-                # OperationalError once its retries of a publish, a dead letter, gave up: a broker that is away,
-                # or full and refusing writes, which draining the queue frees.)
+                # What we held stays in our processing list: this consumer hands it back when it leads again
+                # after reconnecting (its lease names it), or another puts it back once our lease expires; message
+                # ids make redelivery harmless. (kombu raises OperationalError once its retries of a publish, a
+                # dead letter, gave up: a broker that is away.)
                 log.warning("broker connection lost (%s); reconnecting in %.1fs", exc, delay)
                 self._drop_held()
                 self.stop.wait(delay)
@@ -158,20 +162,28 @@ class IntakeConsumer:
             # Redis is full (maxmemory, noeviction) and refuses to record the bindings again: messages waiting
             # were routed by them, so they exist; draining the queue is what frees the memory.
             log.warning("the broker is out of memory: consuming without declaring %s again", self.queue.name)
+        # The same id on every connection: after a broker outage this consumer leads again at once (its lease
+        # names it) and hands back first what its list still holds from before.
         self._delivery = delivery = ReliableQueue(
-            client, channel, self.queue.name, self.settings.intake_visibility_timeout_s
+            client, channel, self.queue.name, self.settings.intake_visibility_timeout_s, self.consumer_id
         )
-        delivery.heartbeat()
-        delivery.recover()
+        self.leading = False
+        self._beat()
         beat_at = time.monotonic()
-        log.info("consuming %s (group %s) on %s", self.queue.name, self.group, self.exchange_name)
+        log.info("consuming %s (group %s) on %s%s", self.queue.name, self.group, self.exchange_name,
+                 "" if self.leading else ": standing by while another consumer of the group leads")
         paused_at = 0.0
         try:
             while not self.stop.is_set():
-                if time.monotonic() - beat_at > delivery.lease_s / 3:
-                    delivery.heartbeat()
-                    delivery.recover()
+                # A consumer standing by asks for the lead often (it is free at once after a clean stop).
+                if time.monotonic() - beat_at > (delivery.lease_s / 3 if self.leading else 0.5):
+                    self._beat()
                     beat_at = time.monotonic()
+                if not self.leading:
+                    self.stop.wait(0.5)
+                    continue
+                if self._parked and time.monotonic() - self._parked_at > 1.0:
+                    self._retry_parked()
                 if self._backoff:
                     self.stop.wait(self._backoff)
                     self._backoff = 0.0
@@ -310,7 +322,29 @@ class IntakeConsumer:
 
     # -- committing ---------------------------------------------------------------------------------------
 
+    def _beat(self) -> None:
+        """Refresh this consumer's liveness and lead, and act on a change of lead."""
+        assert self._delivery is not None
+        was, self.leading = self.leading, self._delivery.heartbeat()
+        if self.leading:
+            if not was:
+                log.info("leading consumer group %s", self.group)
+                if not self._held:
+                    self._delivery.reclaim()
+            # Before anything is taken: what a dead leader held goes back to the queue's head first.
+            self._delivery.recover()
+        elif was:
+            # Our lease ran out (this process stalled past it) and another consumer leads: what we hold must not
+            # be committed after what it takes. Back to the queue's head, unless recovered already.
+            log.warning("lost the lead of consumer group %s (stalled past the lease); standing by", self.group)
+            self._requeue([h.message for h in self._held] + [m for m, _ in self._parked])
+            self._drop_held()
+
     def _flush(self) -> None:
+        if self._held and self._delivery is not None:
+            self._beat()  # commit only while leading: another leader may have taken newer messages
+            if not self.leading:
+                return
         held, self._held, self._held_points = self._held, [], 0
         by_target: dict[Target, list[_Held]] = defaultdict(list)
         for h in held:
@@ -428,9 +462,38 @@ class IntakeConsumer:
         self.stats.requeued += self._delivery.requeue(messages)
 
     def _drop_held(self) -> None:
+        """Forget what this process holds (still in its processing list: put back by `reclaim` or recovery)."""
         self._held, self._held_points = [], 0
+        self._parked = []
 
     def _dead_letter(self, message: Message, reason: str) -> None:
+        try:
+            self._publish_dead(message, reason)
+        except KombuOperationalError as exc:
+            if not isinstance(exc.__cause__, redis.exceptions.OutOfMemoryError):
+                raise
+            # The broker is full (maxmemory, noeviction) and takes no dead letter now. The message stays in our
+            # processing list, unacknowledged, and is dead-lettered once there is room; meanwhile the queue behind
+            # it drains, which is what frees the room. (Dropping the connection instead put it back on the
+            # queue's head, to be refused again at once: the queue never drained.)
+            if not self._parked:
+                self._parked_at = time.monotonic()
+            self._parked.append((message, reason))
+            log.warning("the broker is out of memory: a refused message waits for room in the dead-letter queue")
+            return
+        self._ack(message)
+        self.stats.dead += 1
+        self.stats.reasons = [*self.stats.reasons[-99:], reason]
+        log.warning("dead-lettered a message: %s", reason)
+
+    def _retry_parked(self) -> None:
+        """Dead-letter again what a full broker refused (those it still refuses wait on)."""
+        parked, self._parked = self._parked, []
+        self._parked_at = time.monotonic()
+        for message, reason in parked:
+            self._dead_letter(message, reason)
+
+    def _publish_dead(self, message: Message, reason: str) -> None:
         assert self._dead_producer is not None
         headers = dict(message.headers or {})
         headers[topology.REASON] = reason[:1000]
@@ -451,10 +514,6 @@ class IntakeConsumer:
             message_id=message.properties.get("message_id"),
             retry=True,
         )
-        self._ack(message)
-        self.stats.dead += 1
-        self.stats.reasons = [*self.stats.reasons[-99:], reason]
-        log.warning("dead-lettered a message: %s", reason)
 
     # -- backpressure -------------------------------------------------------------------------------------
 

@@ -8,6 +8,12 @@ refreshes a liveness key while it runs; any consumer puts the processing list of
 on the queue. Publishing, exchanges, bindings and the message format stay kombu's: the list is the one kombu's
 Redis transport keeps for the queue, and its envelopes decode with kombu's own channel.
 
+One consumer of a group takes messages at a time: the leader, holding the group's lease (a key renewed with its
+liveness key, in the same step). Two consumers taking from one queue would each hold some of a data source's
+messages and commit them in whichever order their group commits finished: a tombstone could land before the
+upsert it deletes. The others stand by and lead once the lease is free: at once after a clean stop, within the
+lease after a crash (when the dead leader's processing list can be recovered too, before anything else is taken).
+
 Order: kombu publishes with LPUSH and takes from the right, so the right end of the queue's list is its head.
 A message taken is pushed on the left of the processing list (the oldest held is rightmost); whatever goes back
 (requeued after a failed commit, a stopped consumer's list recovered or released) goes back on the queue's head
@@ -45,9 +51,21 @@ log = logging.getLogger(__name__)
 _TAKE = """#!lua flags=allow-oom
 return redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
 """
-# KEYS[1]: the liveness key; ARGV[1]: its lease in ms.
+# KEYS[1]: the liveness key, KEYS[2]: the group's leader key; ARGV[1]: the lease in ms, ARGV[2]: this consumer's
+# id. Refresh the liveness key, and lead the group (take its lease, or renew it) unless another consumer leads:
+# 1 when this consumer leads. Both keys get the same expiry in one step, so a leader's lease never outlives its
+# liveness: whoever leads next finds its processing list already recoverable.
 _BEAT = """#!lua flags=allow-oom
-return redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+local leader = redis.call('GET', KEYS[2])
+if leader and leader ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+return 1
+"""
+# KEYS[1]: the group's leader key; ARGV[1]: this consumer's id. Give up the lead if this consumer holds it.
+_RESIGN = """#!lua flags=allow-oom
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 # KEYS[1]: processing list, KEYS[2]: queue, KEYS[3]: the list's liveness key; ARGV[1]: '1' to leave the list
 # alone while that key exists. The whole list onto the queue's head, oldest rightmost (taken first).
@@ -116,29 +134,40 @@ def envelope_problem(envelope: Any) -> str | None:
     return None
 
 
+def new_consumer_id() -> str:
+    """A consumer id no other consumer has: host, pid and a random suffix (what `_CONSUMER_ID` matches)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
+    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
 class ReliableQueue:
     """One consumer's view of a kombu queue on Redis: get, ack, requeue, and recovery of dead consumers."""
 
-    def __init__(self, client: redis.Redis, channel: Any, queue: str, lease_s: float) -> None:
+    def __init__(self, client: redis.Redis, channel: Any, queue: str, lease_s: float,
+                 consumer_id: str | None = None) -> None:
         self.client = client
         self.channel = channel  # a kombu Redis channel: decodes kombu's envelopes into Messages
         self.queue = queue
         self.lease_s = max(1.0, lease_s)
-        host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
-        self.consumer_id = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.consumer_id = consumer_id or new_consumer_id()
         self.processing = f"{queue}.processing.{self.consumer_id}"
         flags = _script_flags(client)
-        self._take, self._beat, self._move_back, self._requeue = (
+        self.leader_key = f"{queue}.leader"
+        self._take, self._beat, self._move_back, self._requeue, self._resign = (
             client.register_script(text if flags else text.split("\n", 1)[1])
-            for text in (_TAKE, _BEAT, _MOVE_BACK, _REQUEUE)
+            for text in (_TAKE, _BEAT, _MOVE_BACK, _REQUEUE, _RESIGN)
         )
 
     def _alive_key(self, processing: str) -> str:
         return f"{processing}.alive"
 
-    def heartbeat(self) -> None:
-        """Say this consumer runs (for `lease_s`); call more often than that."""
-        self._beat(keys=[self._alive_key(self.processing)], args=[int(self.lease_s * 1000)])
+    def heartbeat(self) -> bool:
+        """Say this consumer runs (for `lease_s`; call more often than that), and lead the group unless another
+        live consumer does: whether this one leads. Only the leader takes messages, so the group commits them in
+        the order they were published (two consumers each holding some of one source's messages would commit
+        them in whichever order their group commits finished)."""
+        return bool(self._beat(keys=[self._alive_key(self.processing), self.leader_key],
+                               args=[int(self.lease_s * 1000), self.consumer_id]))
 
     def get(self, timeout: float) -> Message | None:
         """The next message, now held in this consumer's processing list; None after `timeout` seconds. An entry
@@ -205,7 +234,15 @@ class ReliableQueue:
             log.warning("put %d messages of stopped consumers back on %s", moved, self.queue)
         return moved
 
+    def reclaim(self) -> int:
+        """Put back on the queue's head what this consumer's list still holds from an earlier connection (the
+        process forgot it when the broker went away); how many messages."""
+        return max(0, int(self._move_back(keys=[self.processing, self.queue, self._alive_key(self.processing)],
+                                          args=["0"])))
+
     def release(self) -> None:
-        """On a clean stop: hand back what this consumer still holds and drop its liveness key."""
+        """On a clean stop: hand back what this consumer still holds, drop its liveness key, and give up the lead
+        (last: the next leader finds what this one held back at the queue's head)."""
         self._move_back(keys=[self.processing, self.queue, self._alive_key(self.processing)], args=["0"])
         self.client.delete(self._alive_key(self.processing))
+        self._resign(keys=[self.leader_key], args=[self.consumer_id])
