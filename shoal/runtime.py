@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from sqlalchemy.exc import OperationalError
 
 from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord, tenant_exists
-from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError, NotFoundError
+from shoal.config.settings import Settings
+from shoal.errors import NotFoundError
 from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.heads import HeadAnnouncer
@@ -63,11 +62,8 @@ class Runtime:
         )
         try:
             # The embedded default migrates on first start; a configured catalog is migrated by `shoal migrate`.
+            # A catalog away, a migration's lock timeout ...: a ConfigurationError naming it (catalog_error).
             ensure_schema(self.engine, self.database_url, auto_migrate=self.settings.database_url is None)
-        except OperationalError as exc:
-            self.engine.dispose()
-            reason = str(exc.orig or exc).strip().splitlines()[0]
-            raise ConfigurationError(f"cannot reach the catalog at {mask_url(self.database_url)}: {reason}") from exc
         except BaseException:
             self.engine.dispose()
             raise

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
-from shoal.config.settings import Settings, check_database_url
+from shoal.config.settings import Settings, check_database_url, mask_url
 from shoal.errors import ConfigurationError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -70,19 +71,22 @@ _migrate_lock = threading.Lock()
 
 def ensure_schema(engine: Engine, url: str, *, auto_migrate: bool) -> None:
     """Make sure the catalog has the schema this Shoal needs: with `auto_migrate`, migrate it (once per process and
-    URL); without, check its revision and raise ConfigurationError saying to run `shoal migrate` if behind."""
+    URL); without, check its revision and raise ConfigurationError saying to run `shoal migrate` if behind. A
+    failure of the catalog itself is a ConfigurationError too, in one line naming its cause (`catalog_error`)."""
     with _migrate_lock:
         if url in _migrated:
             return
-        current, head = check_known_revision(engine, url)
-        if auto_migrate:
-            migrate(url)
-        else:
-            if current != head:
-                found = f"schema revision {current}" if current else "no Shoal schema"
-                raise ConfigurationError(
-                    f"the catalog has {found}; this Shoal needs revision {head}: run `shoal migrate` first"
-                )
+        try:
+            current, head = check_known_revision(engine, url)
+            if auto_migrate:
+                migrate(url)
+        except DBAPIError as exc:
+            raise catalog_error(exc, url, "migration" if auto_migrate else "the schema check") from exc
+        if not auto_migrate and current != head:
+            found = f"schema revision {current}" if current else "no Shoal schema"
+            raise ConfigurationError(
+                f"the catalog has {found}; this Shoal needs revision {head}: run `shoal migrate` first"
+            )
         _migrated.add(url)
 
 
@@ -122,6 +126,32 @@ def head_revision(url: str) -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def catalog_error(exc: DBAPIError, url: str, action: str = "migration") -> ConfigurationError:
+    """The one-line ConfigurationError to report a catalog call that failed by, naming the catalog (its password
+    masked): a migration step's lock timeout as one, saying what to do; a table the migrations make found already
+    there as a database that is not Shoal's; an OperationalError otherwise as a catalog that cannot be reached;
+    any other (a role without the rights it needs, ...) as `action` failed, with the driver's reason."""
+    from psycopg import errors
+
+    catalog = mask_url(url)
+    text = str(exc.orig or exc).strip()
+    reason = text.splitlines()[0] if text else type(exc).__name__
+    if isinstance(exc.orig, errors.LockNotAvailable):
+        # Every step runs in one transaction (shoal/migrations/env.py): the whole migration was rolled back.
+        return ConfigurationError(
+            f"catalog {catalog}: a migration step waited more than 4 s for a lock that live traffic holds ({reason}); "
+            "nothing was migrated: run `shoal migrate` when it is quieter"
+        )
+    if isinstance(exc.orig, errors.DuplicateTable):
+        return ConfigurationError(
+            f"catalog {catalog}: {action} failed: {reason}: this database holds tables Shoal did not make (point "
+            "SHOAL_DATABASE_URL at a database of Shoal's own)"
+        )
+    if isinstance(exc, OperationalError):
+        return ConfigurationError(f"cannot reach the catalog at {catalog}: {reason}")
+    return ConfigurationError(f"catalog {catalog}: {action} failed: {reason}")
 
 
 def migrate(url: str) -> None:

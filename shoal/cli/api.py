@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from shoal.cli.common import load_settings, out
+from shoal.cli.worker import check_catalog
 
 
 def api(
@@ -40,6 +41,9 @@ def api(
     placement = Placement.load(settings.placement_file, settings.node)  # a bad file: its error, no traceback
     # The storage too: opened inside uvicorn's startup, its ConfigurationError came out as a traceback.
     Storage.from_settings(settings)
+    # The catalog too (reachable, its schema this Shoal's; the embedded default migrated): checked inside the app's
+    # startup, a refusal came out as uvicorn's traceback, and with --workers as worker processes restarted in a loop.
+    check_catalog(settings)
     anonymous = settings.resolved_anonymous_tenant
     if anonymous is None:
         who = "every request needs an API key"

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from shoal.cli.common import load_settings, out
-from shoal.cli.worker import check_storage
+from shoal.cli.worker import check_catalog, check_storage
 
 
 def consume(
@@ -43,6 +43,9 @@ def consume(
     # As `shoal api` and `shoal worker` do: a consumer started on a storage it cannot use requeued every message
     # about once a second, for ever.
     check_storage(settings)
+    # And the catalog (README: consumers refuse an older schema at start): the consumer reads it only with the first
+    # message, and took a schema it cannot use for a transient failure, requeueing every message for ever.
+    check_catalog(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = IntakeConsumer(settings, group=group)
 

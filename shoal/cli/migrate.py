@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 
 from shoal.catalog.db import (
+    catalog_error,
     check_known_revision,
     head_revision,
     make_engine,
@@ -12,9 +13,8 @@ from shoal.catalog.db import (
     resolve_database_url,
     schema_revision,
 )
-from shoal.cli.common import first_line, load_settings, out
+from shoal.cli.common import load_settings, out
 from shoal.config.settings import mask_url
-from shoal.errors import ConfigurationError
 
 
 def migrate_command() -> None:
@@ -31,13 +31,10 @@ def migrate_command() -> None:
         before = check_known_revision(engine, url)[0]
         migrate(url)
         after = schema_revision(engine)
-    except OperationalError as exc:
-        if type(getattr(exc, "orig", None)).__name__ == "LockNotAvailable":
-            raise ConfigurationError(
-                f"catalog {mask_url(url)}: a migration step waited more than 4 s for a lock that live traffic holds "
-                f"({first_line(exc)}); nothing of that step was applied: run `shoal migrate` again when it is quieter"
-            ) from None
-        raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
+    except DBAPIError as exc:
+        # Any failure of the catalog (away, a lock timeout, a role without rights, tables of another application
+        # ...) is a deployment's to fix: one line naming the catalog and the cause, not a traceback.
+        raise catalog_error(exc, url) from None
     finally:
         engine.dispose()
     if before == after:

@@ -30,7 +30,7 @@ from shoal.cli.worker import (
     SCHEDULE_FILE,
     LogLevel,
     Pool,
-    _check_catalog,
+    check_catalog,
     check_storage,
     describe_servers,
     start_worker_process,
@@ -215,7 +215,7 @@ def up(
     for what, wanted, h, p in (("the HTTP API", api, host, port), ("Flower", flower, "127.0.0.1", flower_port)):
         if wanted and _port_taken(h, p):
             fail(f"port {p} on {h} is in use: cannot start {what} (choose another port or stop what uses it)")
-    _check_catalog(settings)  # reachable and migrated (the embedded Postgres started) before anything starts
+    check_catalog(settings)  # reachable and migrated (the embedded Postgres started) before anything starts
     broker = broker_url(settings)  # the embedded Valkey started, if it is the broker; the children find it
     reachable = redis_status(broker)
     if reachable != "reachable":

@@ -14,10 +14,9 @@ from typing import IO, Annotated
 
 import typer
 
-from shoal.cli.common import err, fail, first_line, load_settings, out
+from shoal.cli.common import err, fail, load_settings, out
 from shoal.cli.probes import redis_status
 from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError
 
 CELERY_APP = "shoal.workers.app"
 SCHEDULE_FILE = "celerybeat-schedule"  # under SHOAL_DATA_DIR; beat's record of when each entry last ran
@@ -123,17 +122,16 @@ def check_storage(settings: Settings) -> None:
     Storage.from_settings(settings)
 
 
-def _check_catalog(settings: Settings) -> None:
-    from sqlalchemy.exc import OperationalError
-
+def check_catalog(settings: Settings) -> None:
+    """Reach the catalog and check its schema (the embedded default: migrate it), as every long-running role does
+    before it starts: ConfigurationError in one line when the catalog cannot be reached, its schema is older or
+    newer than this Shoal's, or a migration step timed out on a lock (`shoal.catalog.db.catalog_error`)."""
     from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 
     url = resolve_database_url(settings)
     engine = make_engine(url, pool_size=1, max_overflow=0)
     try:
         ensure_schema(engine, url, auto_migrate=settings.database_url is None)
-    except OperationalError as exc:
-        raise ConfigurationError(f"cannot reach the catalog at {mask_url(url)}: {first_line(exc)}") from None
     finally:
         engine.dispose()
 
@@ -182,7 +180,7 @@ def worker(
 
     settings = load_settings()
     check_storage(settings)
-    _check_catalog(settings)  # reachable and migrated before the worker takes tasks
+    check_catalog(settings)  # reachable and migrated before the worker takes tasks
     broker = broker_url(settings)
     reachable = redis_status(broker)
     if reachable != "reachable":
