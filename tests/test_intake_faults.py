@@ -494,6 +494,36 @@ def test_a_publisher_refused_by_a_full_broker_routes_its_later_messages(
         stop_embedded(broker_dir)
 
 
+def test_a_message_whose_headers_name_another_tenant_than_its_routing_key_is_dead_lettered(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer],
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A group bound to one tenant (`acme.#`) took a message routed to that tenant whose headers named another
+    tenant's data source, and wrote it there: the binding did not hold. The headers must name the data source
+    the routing key names."""
+    other = make_settings("local")  # a second tenant with a data source of the same name
+    settings = intake_settings()
+    settings = settings.model_copy(update={"intake_binding": f"{settings.tenant}.#"})
+    with Shoal(settings, notify=False) as shoal, Shoal(other, notify=False) as theirs:
+        shoal.create_data_source(EVENTS)
+        theirs.create_data_source(EVENTS)
+        ours = topology.target(settings.tenant, "events", "1")
+        with Connection(broker_url(settings)) as conn:
+            KombuProducer(conn.default_channel, exchange=topology.exchange(settings.intake_exchange)).publish(
+                codec.encode_json([point(1)]), routing_key=ours.routing_key, content_type=codec.JSON,
+                content_encoding="binary", message_id="crossing",
+                declare=[topology.group_queue(settings.intake_exchange, settings.intake_group,
+                                              settings.intake_binding)],
+                headers={topology.TENANT: other.tenant, topology.SOURCE: "events", topology.VERSION: "1",
+                         topology.MESSAGE_ID: "crossing"},
+            )
+        consumer_thread(settings)
+        wait_for(lambda: dead_count(settings) == 1, 60, "the message dead-lettered")
+        [dead] = dead_letters(settings)
+        assert "routing key" in dead["headers"]["shoal-dead-reason"]
+        assert head(theirs) == 0 and head(shoal) == 0
+
+
 # -- the publisher agrees with the Python producer -------------------------------------------------------------
 
 

@@ -242,6 +242,12 @@ class IntakeConsumer:
                 raise ValidationError(f"the message has no id, and its delivery tag cannot stand for one: {problem}"
                                       if tagged else problem)
             target = topology.target_of(headers)
+            # The routing key decided which groups got the message (a group bound to `acme.#` takes acme's only):
+            # headers naming another target would write past that binding, into another tenant even.
+            routed = (message.delivery_info or {}).get("routing_key")
+            if routed != target.routing_key:
+                raise ValidationError(f"the message's routing key {routed!r} does not name the data source its "
+                                      f"headers name ({target.routing_key!r})")
             producer, table = self._decode(target, message)
         except (ValidationError, NotFoundError) as exc:
             self._dead_letter(message, str(exc))
