@@ -366,7 +366,7 @@ def test_up_refuses_anonymous_writes_beyond_loopback(cli_env: Path, monkeypatch:
     def catalog_reached(_: object) -> None:
         raise ConfigurationError("the catalog check was reached")  # the first thing `up` starts
 
-    monkeypatch.setattr(up_module, "_check_catalog", catalog_reached)
+    monkeypatch.setattr(up_module, "check_catalog", catalog_reached)
     # It started the API child, which refused, and restarted it forever.
     line = one_error_line(shoal_cli("up", "--host", "0.0.0.0", "--port", "1", "--no-consumer", code=1))
     assert line.startswith("error: refusing to listen on 0.0.0.0") and "--allow-anonymous-writes" in line
@@ -383,7 +383,7 @@ def test_up_refuses_anonymous_writes_beyond_loopback(cli_env: Path, monkeypatch:
     def supervise(*_: object, **__: object) -> None:
         raise KeyboardInterrupt  # as Ctrl-C would, once everything started
 
-    monkeypatch.setattr(up_module, "_check_catalog", lambda _: None)
+    monkeypatch.setattr(up_module, "check_catalog", lambda _: None)
     monkeypatch.setattr(shoal.servers.broker, "broker_url", lambda _: "redis://127.0.0.1:1/0")
     monkeypatch.setattr(up_module, "redis_status", lambda _: "reachable")
     monkeypatch.setattr(up_module, "start_worker_process", start)

@@ -248,8 +248,8 @@ def _catalog_reached(_: object) -> None:
 
 
 def test_worker_and_up_check_the_storage_before_starting(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "_check_catalog", _catalog_reached)
-    monkeypatch.setattr(up_module, "_check_catalog", _catalog_reached)
+    monkeypatch.setattr(worker_module, "check_catalog", _catalog_reached)
+    monkeypatch.setattr(up_module, "check_catalog", _catalog_reached)
     not_a_dir = cli_env / "a-file"
     not_a_dir.write_text("not a directory")
     monkeypatch.setenv("SHOAL_STORAGE_URI", str(not_a_dir))
@@ -262,7 +262,7 @@ def test_worker_and_up_check_the_storage_before_starting(cli_env: Path, monkeypa
 
 
 def test_up_checks_the_placement_when_it_serves_the_api(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(up_module, "_check_catalog", _catalog_reached)
+    monkeypatch.setattr(up_module, "check_catalog", _catalog_reached)
     # The API child refused the placement at its start, and was restarted forever.
     monkeypatch.setenv("SHOAL_PLACEMENT_FILE", "/nonexistent/placement.yaml")
     line = one_error_line(shoal_cli("up", "--no-consumer", "--port", "1", code=1))
