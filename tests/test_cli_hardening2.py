@@ -313,7 +313,11 @@ def test_reading_commands_do_not_create_a_mistyped_tenant(tenant: str) -> None:
     typo = tenant + "x"
     for args in (["source", "list"], ["source", "get", "T", "1"], ["source", "drop", "T", "1", "--yes"],
                  ["index", "list"], ["index", "get", "T.flat", "1"], ["status"], ["search", "T.flat", "1", "-q", "0,1"],
-                 ["index", "create", "T.hnsw", "1", "--source", "T", "--source-version", "1"]):
+                 ["index", "create", "T.hnsw", "1", "--source", "T", "--source-version", "1"],
+                 # Commands that work on what must exist: they created the mistyped tenant too.
+                 ["alias", "list"], ["alias", "get", "a"], ["alias", "set", "a", "T.flat", "1"], ["alias", "drop", "a"],
+                 ["trash", "list"], ["reindex", "T.flat", "1", "--status"], ["rollback", "T.flat", "1"],
+                 ["log", "compact", "T", "1"], ["log", "expire", "T", "1"], ["gc"]):
         line = one_error_line(shoal_cli(*args, "--tenant", typo, code=1))
         assert line == f"error: tenant '{typo}' not found (`shoal tenant list` shows the tenants)", line
     tenants = [t["name"] for t in json.loads(shoal_cli("tenant", "list", "--json").stdout)]

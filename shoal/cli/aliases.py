@@ -29,7 +29,7 @@ def alias_set(
     tenant: Tenant = None,
 ) -> None:
     """Point ALIAS at an index: creates it, or moves it in one atomic step."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         r = shoal.set_alias(alias, index_name, index_version)
     out.print(f"alias {r.name} -> index {r.index_name}/{r.index_version}")
 
@@ -37,7 +37,7 @@ def alias_set(
 @alias_app.command("get")
 def alias_get(alias: Alias, tenant: Tenant = None, as_json: AsJson = False) -> None:
     """The index ALIAS names."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         r = shoal.get_alias(alias)
     if as_json:
         echo_json(_json(r))
@@ -48,7 +48,7 @@ def alias_get(alias: Alias, tenant: Tenant = None, as_json: AsJson = False) -> N
 @alias_app.command("list")
 def alias_list(tenant: Tenant = None, as_json: AsJson = False) -> None:
     """Every alias of the tenant."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         rows = shoal.list_aliases()
     if as_json:
         echo_json([_json(r) for r in rows])
@@ -64,6 +64,6 @@ def alias_list(tenant: Tenant = None, as_json: AsJson = False) -> None:
 @alias_app.command("drop")
 def alias_drop(alias: Alias, tenant: Tenant = None) -> None:
     """Remove ALIAS (the index stays)."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         shoal.drop_alias(alias)
     out.print(f"alias {alias} dropped")

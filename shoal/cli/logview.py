@@ -89,5 +89,5 @@ def log(
     tenant: Tenant = None,
 ) -> None:
     """Show what a data source's log holds: head, segments, upserts, tombstones, bytes."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         print_log(shoal, name, version, segments=segments, show=show)

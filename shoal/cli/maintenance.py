@@ -55,7 +55,7 @@ def _print(title: str, rows: dict[str, Any]) -> None:
 def compact(name: Name, version: Version, as_json: AsJson = False, tenant: Tenant = None) -> None:
     """Compact the log now: keep the latest entry per key (seqs unchanged), drop tombstones older than
     SHOAL_TOMBSTONE_RETENTION_S, merge small segments; never above the lowest index watermark."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         result = shoal.compact(name, version)
     if as_json:
         echo_json(result.to_json())
@@ -80,7 +80,7 @@ def compact(name: Name, version: Version, as_json: AsJson = False, tenant: Tenan
 def expire(name: Name, version: Version, as_json: AsJson = False, tenant: Tenant = None) -> None:
     """Apply the data source's retention now: tombstones for points whose latest upsert is older than its
     `retention_days` (custom metadata)."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         result = shoal.apply_retention(name, version)
     if as_json:
         echo_json(result.to_json())
@@ -105,7 +105,7 @@ def gc(
 ) -> None:
     """Delete the tenant's files no catalog row references, once SHOAL_GC_GRACE_S has passed; each deletion
     is logged."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         result = shoal.collect_garbage(scan=not no_scan)
     if as_json:
         echo_json(result.to_json())

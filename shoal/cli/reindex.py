@@ -54,7 +54,7 @@ def reindex(
     """Rebuild an index with new settings as a new generation built aside, and swap it in atomically once it
     caught up with the log and its recall on a sample of stored vectors meets the gate. The old generation
     keeps serving meanwhile, and stays for `shoal rollback` for SHOAL_REINDEX_KEEP_S."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         if cancel:
             jobs = [shoal.cancel_reindex(name, version)]
         elif status:
@@ -71,7 +71,7 @@ def reindex(
 
 def rollback(name: IndexName, version: IndexVersion, tenant: Tenant = None) -> None:
     """Serve again the generation the last reindex replaced (while it is kept)."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         shoal.rollback(name, version)
         index = shoal.get_index(name, version)
     out.print(f"index {name}/{version} serves generation {index.generation} again ({index.spec.algorithm}, "

@@ -62,7 +62,7 @@ def _dataset_service(shoal: Shoal) -> Iterator[Any]:
 @trash_app.command("list")
 def trash_list(as_json: AsJson = False, tenant: Tenant = None) -> None:
     """List what is in the tenant's trash, most recently deleted first, with when each is purged."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         items = _trash(shoal).list()
         tenant_name = shoal.tenant
     names = ("trash id", "name", "version", "kind", "entries", "deleted at", "purge after")
@@ -88,7 +88,7 @@ def trash_restore(
 ) -> None:
     """Restore the most recently deleted dataset of that name (or the one --trash-id names). Fails if the name
     was taken meanwhile or its retention ended."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         trash = _trash(shoal)
         items = [t for t in trash.list(name)
                  if (version is None or t.spec.version == version) and (trash_id is None or t.id == trash_id)]
@@ -113,7 +113,7 @@ def trash_purge(
     tenant: Tenant = None,
 ) -> None:
     """Delete for good the datasets whose retention ended (with --now: all of the trash): rows, then files."""
-    with open_shoal(tenant) as shoal:
+    with open_shoal(tenant, existing=True) as shoal:
         trash = _trash(shoal)
         items = trash.list()
         if now:
