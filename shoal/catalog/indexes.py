@@ -510,9 +510,18 @@ class ShardCatalog:
         Returns the new version id, or None when the pointer no longer names `expected_active` (someone
         else published first), when `lease_owner` is given and no longer holds the shard's lease (another
         worker took it over: its build will publish instead), or when `precondition`, asked last inside the
-        transaction, says no; nothing was changed then.
+        transaction, says no; nothing was changed then. NotFoundError when the shard is gone (its index, a
+        reindex's generation or its data source was dropped while the build ran): there is nothing to publish to.
         """
         with Session(self.engine) as s:
+            # The lock the version's foreign key takes anyway, taken first so that a shard deleted meanwhile is
+            # seen as gone instead of failing the insert (an IntegrityError). A drop holds the shard rows
+            # (FOR UPDATE, `gc_queue.lock_shards`) until it commits: this waits for it, then finds no row; a
+            # drop starting after this holds the lock waits until the publish committed (and lists its files).
+            if s.execute(
+                select(IndexShard.id).where(IndexShard.id == shard_id).with_for_update(read=True, key_share=True)
+            ).one_or_none() is None:
+                raise NotFoundError(f"index shard {shard_id} not found (dropped while this build ran)")
             version_id = s.execute(
                 insert(IndexVersion)
                 .values(

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # A reindex job's task runs one bounded step, then queues the next this many seconds later while it lags.
 REINDEX_STEP_DELAY_S = 2.0
+# After a step that raised an error Celery does not retry (a non-transient one, or a transient one past the retries),
+# the next step runs this many seconds later: soon enough that the job does not wait for sweep_generations' stall
+# detection (10 minutes), late enough that a fault that persists does not fail a step every REINDEX_STEP_DELAY_S.
+REINDEX_FAILED_STEP_DELAY_S = 10.0
 
 
 @app.task(base=ShoalTask, bind=True, name=MATERIALIZE_SHARD)
@@ -237,7 +241,10 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
     """One bounded step of a reindex job (see shoal.index.reindex): queue the materialization of the new
     generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
     While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
-    so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job)."""
+    so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job). A step
+    that raises is carried on too: by Celery's retry when the error is transient, else by a continuation
+    REINDEX_FAILED_STEP_DELAY_S later. A job that no longer exists (its tenant was deleted) answers `dropped`."""
+    from shoal.index.generations import Generations
     from shoal.index.reindex import reindex_step
     from shoal.searcher.announce import announce_index
     from shoal.servers.broker import broker_url
@@ -246,17 +253,53 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
     rt = ctx.runtime
     started(rt.redis(), REINDEX, job_id)
     broker = broker_url(rt.settings)
+    try:
+        Generations(rt.engine).job(job_id)
+    except NotFoundError:
+        log.info("reindex job %s is gone; nothing to do", job_id)
+        return {"job": job_id, "dropped": True}
 
     def build(index: Any) -> None:  # the workers build the shards, like any index's (coalesced per shard)
         for shard in index.shards:
             enqueue(rt.redis(), app, MATERIALIZE_SHARD, shard.id, rt.settings.pending_ttl_s)
 
-    outcome = reindex_step(rt.engine, rt.storage, job_id, build=build,
-                           on_swap=lambda index: announce_index(broker, index))
+    try:
+        outcome = reindex_step(rt.engine, rt.storage, job_id, build=build,
+                               on_swap=lambda index: announce_index(broker, index))
+    except Exception as exc:
+        if not _celery_retries(self, exc):
+            _continue_after_failure(ctx, job_id, exc)
+        raise
     if not outcome.finished:
         enqueue(rt.redis(), app, REINDEX, job_id, rt.settings.pending_ttl_s, countdown=REINDEX_STEP_DELAY_S)
     return {"job": job_id, "state": outcome.state, "recall": outcome.recall, "error": outcome.error,
             "continues": not outcome.finished}
+
+
+def _celery_retries(task: ShoalTask, exc: BaseException) -> bool:
+    """Whether Celery's autoretry runs the task again after `exc` propagates: a transient error (the retry map,
+    ShoalTask.autoretry_for) while retries are left, in a worker (a direct call re-raises instead)."""
+    if not isinstance(exc, tuple(task.autoretry_for)):
+        return False
+    if task.request.called_directly:
+        return False
+    return task.max_retries is None or task.request.retries < task.max_retries
+
+
+def _continue_after_failure(ctx: WorkerContext, job_id: int, exc: BaseException) -> None:
+    """Queue the job's next step after a step that raised an error Celery will not retry (coalesced, as the
+    continuation of a normal step): without it the job would wait for sweep_generations to find it stalled.
+    Best effort: when the broker is away too, that sweep is the safety net."""
+    rt = ctx.runtime
+    try:
+        queued = enqueue(rt.redis(), app, REINDEX, job_id, rt.settings.pending_ttl_s,
+                         countdown=REINDEX_FAILED_STEP_DELAY_S)
+    except Exception as queue_exc:  # noqa: BLE001 - the step's own error is the one to report
+        log.warning("reindex job %s: a step failed (%r) and its next step could not be queued: %s", job_id, exc,
+                    queue_exc)
+        return
+    log.warning("reindex job %s: a step failed (%r); %s", job_id, exc,
+                f"the next step runs in {REINDEX_FAILED_STEP_DELAY_S:.0f} s" if queued else "a next step is queued")
 
 
 @app.task(base=ShoalTask, bind=True, name=SWEEP_GENERATIONS)
