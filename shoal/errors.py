@@ -109,6 +109,28 @@ class CatalogUnavailableError(ShoalError):
         self.retry_after = retry_after
 
 
+class StorageUnavailableError(ShoalError, ConnectionError):
+    """The storage cannot be reached right now: S3 did not answer (connection refused or lost, a timeout) or
+    answered "try again" (a 5xx, throttling); a network filesystem likewise. Transient: a ConnectionError, so
+    Celery tasks retry it (`shoal.workers.base.TRANSIENT`) and every `except OSError` still catches it; HTTP
+    answers 503 with Retry-After: `retry_after`, with PUBLIC as its message (the reason, which may name the
+    endpoint, goes to the log only). Never a missing or damaged file (CorruptSegmentError,
+    CorruptArtifactError), nor a local disk that is full or forbids access (the OSError as it is)."""
+
+    PUBLIC = "the storage is unavailable right now; retry later"
+
+    def __init__(self, message: str = PUBLIC, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StorageUnreachableError(ConfigurationError, StorageUnavailableError):
+    """The configured storage did not answer when it was opened (`Storage.from_settings`). Both at once: a
+    ConfigurationError, so a startup check stops with one line naming the endpoint setting to check; and a
+    StorageUnavailableError, so a worker process that opens its storage on its first task, during an outage,
+    retries that task instead of failing it for good."""
+
+
 # -- the concurrency vocabulary ----------------------------------------------------------------------------
 # Every lost race in Shoal is reported one of two ways. ConflictError: this caller lost a compare-and-swap or
 # a precondition it stated; nothing it asked for was written, so it reloads what it read and tries again.

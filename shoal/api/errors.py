@@ -8,7 +8,9 @@
 Both read the status of a core error from `CORE` (the nearest class in the error's MRO), so one error never
 answers with two statuses; the dataset API's codes and their statuses are `DATASET_STATUS`. A catalog that
 cannot be reached (the driver's connection errors, raised anywhere, or a commit that gave up on them) answers
-as CatalogUnavailableError in both shapes: 503 with Retry-After, and no driver message, host or socket path.
+as CatalogUnavailableError in both shapes: 503 with Retry-After, and no driver message, host or socket path. A
+storage that cannot be reached (StorageUnavailableError, or a commit that gave up on it) answers the same way, as
+StorageUnavailableError with its PUBLIC message (the reason, which may name the S3 endpoint, goes to the log).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from shoal.errors import (
     ShardsUnavailableError,
     ShoalError,
     StateUnknownError,
+    StorageUnavailableError,
     ValidationError,
 )
 
@@ -69,6 +72,7 @@ CORE: dict[type[ShoalError], Answer] = {
     RateLimitedError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
     ConfigurationError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     CatalogUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
+    StorageUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     # The catalog went away during a commit: it may have landed; the message says to retry with the batch id.
     StateUnknownError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     CapacityError: Answer(503, None),
@@ -124,10 +128,27 @@ def _catalog_outage(exc: BaseException | None) -> bool:
     return False
 
 
+def _storage_outage(exc: BaseException | None) -> StorageUnavailableError | None:
+    """The StorageUnavailableError that `exc` is, or was raised from (a commit that gave up on it); else None."""
+    for _ in range(8):  # a short cause chain; never a loop
+        if exc is None or isinstance(exc, StorageUnavailableError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def core_error(exc: BaseException) -> BaseException:
     """`exc` as the core error it stands for: a catalog outage (the driver's error itself, or a commit that
-    gave up because of it) becomes CatalogUnavailableError, logged here with its cause; anything else is
-    returned as it is."""
+    gave up because of it) becomes CatalogUnavailableError, and a storage outage StorageUnavailableError with
+    its public message, each logged here with its cause; anything else is returned as it is."""
+    if isinstance(exc, StorageUnavailableError) or (
+        isinstance(exc, CommitError) and not isinstance(exc, StateUnknownError)
+    ):
+        storage = _storage_outage(exc)
+        if storage is not None:
+            if str(storage) != StorageUnavailableError.PUBLIC:  # not answered yet: its reason goes to the log
+                log.warning("the storage is unavailable: %s", storage)
+            return StorageUnavailableError()
     # Of Shoal's own errors only a CommitError hides the driver's (its message quotes it); StateUnknownError
     # says what to do and answers 503 as it is.
     if isinstance(exc, ShoalError) and (not isinstance(exc, CommitError) or isinstance(exc, StateUnknownError)):
@@ -156,7 +177,7 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
     """Headers a core error answers with in either shape (what a client needs to act on it)."""
     if isinstance(exc, AuthenticationError):
         return {"WWW-Authenticate": "ApiKey"}
-    if isinstance(exc, (BackpressureError, CatalogUnavailableError, RateLimitedError)):
+    if isinstance(exc, (BackpressureError, CatalogUnavailableError, RateLimitedError, StorageUnavailableError)):
         return {"Retry-After": str(exc.retry_after)}
     if isinstance(exc, StateUnknownError):
         return {"Retry-After": str(CatalogUnavailableError().retry_after)}

@@ -49,10 +49,14 @@ def _write(storage: Storage, path: str, data: bytes | pa.Buffer) -> str:
 
 
 def _read(storage: Storage, path: str, checksum: str) -> pa.Buffer:
+    """The bytes of the artifact a manifest records at `path`, checked against its checksum: CorruptArtifactError
+    when the file is missing or its bytes are wrong. A storage that cannot be reached is no corrupt artifact:
+    StorageUnavailableError (transient, retried), as `Storage.read` raises it; any other OSError (a local
+    permission or disk error) is raised as it is."""
     try:
         buf = storage.read(path)
-    except (FileNotFoundError, OSError) as exc:
-        raise CorruptArtifactError(f"index artifact {path} cannot be read: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise CorruptArtifactError(f"index artifact {path} referenced by its manifest is missing") from exc
     if _digest(buf) != checksum:
         raise CorruptArtifactError(f"index artifact {path} does not match its recorded checksum")
     return buf

@@ -141,7 +141,8 @@ def decode_segment(
 def read_segment(storage: Storage, path: str, expected_checksum: str, columns: list[str] | None = None) -> pa.Table:
     """The table in the log segment the catalog records at `path` (only `columns`, when given), checked as
     `decode_segment` does. CorruptSegmentError when the file is gone as when its bytes are wrong: the catalog
-    references it, so it must be there; any other OSError (storage briefly away) is raised as it is."""
+    references it, so it must be there. StorageUnavailableError (transient, retried) when the storage cannot be
+    reached (`Storage.read`); any other OSError (a local permission or disk error) is raised as it is."""
     try:
         buf = storage.read(path)
     except FileNotFoundError:

@@ -6,9 +6,12 @@ fsynced); on S3 one PUT publishes the whole object or nothing.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import PurePosixPath
 from typing import BinaryIO, TypeVar
 from urllib.parse import urlparse
@@ -17,9 +20,51 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from shoal.config.settings import Settings, mask_url, storage_location
-from shoal.errors import ConfigurationError
+from shoal.errors import ConfigurationError, StorageUnavailableError, StorageUnreachableError
 
 T = TypeVar("T")
+
+# pyarrow raises a plain OSError for every S3 failure; its message names the AWS SDK's error ("AWS Error
+# NETWORK_CONNECTION during HeadObject operation: ...", "AWS Error UNKNOWN (HTTP status 503) during ...").
+_AWS_ERROR = re.compile(r"AWS Error (\w+)(?: \(HTTP status (\d+)\))?")
+# The errors that mean S3 was not reached or said "try again": an outage, retried. Any other (ACCESS_DENIED,
+# INVALID_ACCESS_KEY_ID, SIGNATURE_DOES_NOT_MATCH, NO_SUCH_BUCKET, ...) is a setting or permission an operator
+# must fix, and stays the OSError it is.
+_AWS_OUTAGES = frozenset({
+    "NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE", "SLOW_DOWN", "THROTTLING", "INTERNAL_FAILURE",
+})
+# What a network filesystem (NFS, SMB, a FUSE-mounted bucket) answers while its server is away, beyond what
+# Python already makes a ConnectionError or TimeoutError. A local disk that is full (ENOSPC), read-only or
+# forbids access (EACCES), or a file where a directory should be, is no outage: waiting does not fix it.
+_NETWORK_ERRNOS = frozenset({
+    errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH, errno.ENOTCONN,
+    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
+})
+# Answers about a path, never about reaching the storage.
+_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+def is_outage(exc: BaseException, *, local: bool) -> bool:
+    """True when `exc`, raised by the storage's filesystem, means the storage cannot be reached right now (see
+    StorageUnavailableError): a connection refused or lost, a timeout, an S3 5xx or throttling. False for a
+    missing path, a refused permission or credential, a full or read-only disk."""
+    if isinstance(exc, ConnectionError | TimeoutError):  # StorageUnavailableError included
+        return True
+    if not isinstance(exc, OSError) or isinstance(exc, _PATH_ERRORS):
+        return False
+    if exc.errno in _NETWORK_ERRNOS:
+        return True
+    if local:
+        return False
+    text = str(exc)
+    if "curlCode" in text:  # the HTTP client's own failure: no answer from S3 at all
+        return True
+    found = _AWS_ERROR.search(text)
+    if found is None:
+        return False
+    name, status = found.groups()
+    # An error the SDK has no name for is told by its HTTP status: 5xx, 429 (too many requests), 0 (no answer).
+    return name in _AWS_OUTAGES or (status is not None and (status in ("0", "429") or status.startswith("5")))
 
 
 class Storage:
@@ -83,7 +128,11 @@ class Storage:
             )
             found = fs.get_file_info(bucket).type != pafs.FileType.NotFound
         except (OSError, ValueError, pa.ArrowException) as exc:
-            raise ConfigurationError(_s3_problem(settings, uri, exc)) from None
+            # An endpoint that does not answer may be a wrong URL or an outage: refused at startup as either,
+            # retried by a task (StorageUnreachableError is both); refused credentials are only a setting.
+            unreachable = isinstance(exc, OSError) and is_outage(exc, local=False)
+            raise (StorageUnreachableError if unreachable else ConfigurationError)(
+                _s3_problem(settings, uri, exc)) from None
         if not found:
             raise ConfigurationError(f"S3 bucket {bucket!r} of storage {uri!r} does not exist")
         return cls(fs, f"{bucket}{parsed.path}".rstrip("/"), local=False)
@@ -92,8 +141,27 @@ class Storage:
         """The full filesystem path of a layout-relative path."""
         return f"{self.root}/{relative}"
 
+    @contextmanager
+    def _reaching(self, action: str) -> Iterator[None]:
+        """Raise an OSError of the block that means the storage is unreachable (`is_outage`) as
+        StorageUnavailableError naming `action` and the reason; every other error as it is."""
+        try:
+            yield
+        except StorageUnavailableError:
+            raise
+        except OSError as exc:
+            if not is_outage(exc, local=self.local):
+                raise
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise StorageUnavailableError(f"storage unavailable: cannot {action}: {reason}") from exc
+
     def write_atomic(self, relative: str, data: pa.Buffer) -> None:
-        """Publish `data` at `relative` all at once and durably; a crash leaves nothing or a stray temp file."""
+        """Publish `data` at `relative` all at once and durably; a crash leaves nothing or a stray temp file.
+        StorageUnavailableError when the storage cannot be reached."""
+        with self._reaching(f"write {relative}"):
+            self._write_atomic(relative, data)
+
+    def _write_atomic(self, relative: str, data: pa.Buffer) -> None:
         final = self.path(relative)
         parent = str(PurePosixPath(final).parent)
         if not self.local:
@@ -120,6 +188,10 @@ class Storage:
         """
         if not self.local:
             raise ValueError("streamed atomic writes need local storage; use write_atomic")
+        with self._reaching(f"write {relative}"):
+            return self._write_atomic_with(relative, produce)
+
+    def _write_atomic_with(self, relative: str, produce: Callable[[BinaryIO], T]) -> T:
         final = self.path(relative)
         parent = str(PurePosixPath(final).parent)
         self.fs.create_dir(parent, recursive=True)
@@ -137,13 +209,15 @@ class Storage:
         return result
 
     def read(self, relative: str) -> pa.Buffer:
-        """The whole object at `relative`."""
-        with self.fs.open_input_file(self.path(relative)) as f:
+        """The whole object at `relative`: FileNotFoundError when there is none, StorageUnavailableError when the
+        storage cannot be reached, any other OSError (a permission, a disk error) as it is."""
+        with self._reaching(f"read {relative}"), self.fs.open_input_file(self.path(relative)) as f:
             return f.read_buffer()
 
     def exists(self, relative: str) -> bool:
-        """True when an object exists at `relative`."""
-        return self.fs.get_file_info(self.path(relative)).type == pafs.FileType.File
+        """True when an object exists at `relative` (StorageUnavailableError when the storage cannot say)."""
+        with self._reaching(f"look up {relative}"):
+            return self.fs.get_file_info(self.path(relative)).type == pafs.FileType.File
 
     def delete_quietly(self, path: str, *, absolute: bool = False) -> None:
         """Delete a file if present; never raises (used for garbage whose deletion is best effort)."""
@@ -165,19 +239,23 @@ class Storage:
             except OSError:  # not empty, or gone already
                 return False
             return True
-        if self.fs.get_file_info(pafs.FileSelector(full, recursive=False, allow_not_found=True)):
-            return False
-        try:
-            self.fs.delete_dir(full)
-        except FileNotFoundError:
-            return False
+        with self._reaching(f"remove the folder {relative_dir}"):
+            if self.fs.get_file_info(pafs.FileSelector(full, recursive=False, allow_not_found=True)):
+                return False
+            try:
+                self.fs.delete_dir(full)
+            except FileNotFoundError:
+                return False
         return True
 
     def list_files(self, relative_dir: str) -> list[str]:
-        """Layout-relative paths of every file under `relative_dir` (empty when it does not exist)."""
+        """Layout-relative paths of every file under `relative_dir` (empty when it does not exist;
+        StorageUnavailableError when the storage cannot be reached)."""
         selector = pafs.FileSelector(self.path(relative_dir), recursive=True, allow_not_found=True)
         prefix = len(self.root) + 1
-        return sorted(i.path[prefix:] for i in self.fs.get_file_info(selector) if i.type == pafs.FileType.File)
+        with self._reaching(f"list {relative_dir}"):
+            infos = self.fs.get_file_info(selector)
+        return sorted(i.path[prefix:] for i in infos if i.type == pafs.FileType.File)
 
 
 def _s3_problem(settings: Settings, uri: str, exc: BaseException) -> str:

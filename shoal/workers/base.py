@@ -17,7 +17,7 @@ from celery import Task
 from celery.signals import worker_process_init
 from sqlalchemy.exc import OperationalError
 
-from shoal.errors import ConflictError, LeaseBusyError
+from shoal.errors import ConflictError, LeaseBusyError, StorageUnavailableError
 from shoal.workers.context import WorkerContext
 
 # A retry of a task that found a shard's lease held waits at most until that lease ends, plus this margin: by
@@ -33,7 +33,11 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     OperationalError,  # the catalog (Postgres) refused or dropped the connection
     redis.ConnectionError,  # the broker / Redis is away
     redis.TimeoutError,
-    ConnectionError,  # storage (S3) or any socket
+    # The storage is away: pyarrow raises a plain OSError for S3's network errors, which `shoal.storage` raises as
+    # StorageUnavailableError (a ConnectionError, named for clarity); other OSErrors (a full or forbidden local
+    # disk, refused credentials) fail at once: a retry cannot fix them, and beat's sweep queues the work again.
+    StorageUnavailableError,
+    ConnectionError,  # any socket
     TimeoutError,
     ConflictError,  # lost a race, e.g. LeaseBusyError: another worker builds the shard right now
 )
