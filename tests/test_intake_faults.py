@@ -35,7 +35,7 @@ from shoal.config.settings import Settings
 from shoal.errors import ValidationError
 from shoal.intake import codec, topology
 from shoal.intake.consumer import IntakeConsumer, dead_letters
-from shoal.intake.delivery import ReliableQueue
+from shoal.intake.delivery import NotLeading, ReliableQueue
 from shoal.intake.publisher import Publisher
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.servers.broker import broker_url
@@ -193,13 +193,15 @@ def test_messages_put_back_on_the_queue_are_taken_again_in_the_order_they_were_t
         assert a.requeue(messages[:3]) == 3  # a failed commit of m0..m2 (m3 stays held)
         assert message_ids(take(a, 5)) == ["m0", "m1", "m2", "m4", "m5"]
 
-        # `a` dies holding m3, m0, m1, m2, m4, m5 (taken in that order): another consumer puts them back once its
-        # liveness key is gone, in that order and byte for byte.
+        # `a` dies holding m3, m0, m1, m2, m4, m5 (taken in that order): once its lease and liveness key are gone
+        # (they expire together), the next leader puts them back as it takes the lead, in that order and byte
+        # for byte, before it takes anything.
         held = broker.lrange(a.processing, 0, -1)[::-1]
-        broker.delete(f"{a.processing}.alive")
         b = ReliableQueue(broker, conn.channel(), name, lease_s=60)
-        b.heartbeat()
-        assert b.recover() == 6
+        assert not b.heartbeat()  # `a` leads while its lease lasts
+        broker.delete(f"{a.processing}.alive", a.leader_key)
+        assert b.heartbeat()
+        assert b.recover() == 0  # handed back already
         recovered = take(b, 6)
         assert message_ids(recovered) == ["m3", "m0", "m1", "m2", "m4", "m5"]
         assert [m.shoal_raw for m in recovered] == held
@@ -215,6 +217,33 @@ def test_messages_put_back_on_the_queue_are_taken_again_in_the_order_they_were_t
         assert message_ids(take(c, 7)) == ["m3", "m0", "m1", "m2", "m4", "m5", "m6"]
         assert c.recover() == 0  # `c` lives: its list is nobody's to take
         c.release()
+
+
+def test_a_leader_whose_lease_ran_out_takes_nothing_and_its_messages_go_first(
+    intake_settings: Callable[..., Settings], broker: redis.Redis
+) -> None:
+    """A leader that stalled past its lease (a pause between its check of the lead and its take) still took the
+    queue's head while another consumer led, and committed it after the newer messages that one took: a deleted
+    key came back. The take and the check of the lead are one step now, and whoever takes the lead next hands
+    back what the last leader held first, even when that one refreshed its liveness key just before."""
+    settings = intake_settings()
+    name = queue_name(settings)
+    with Publisher(settings) as p:
+        p.publish("events", "1", [point(1)], message_id="upsert")
+    with Connection(broker_url(settings)) as conn:
+        a = ReliableQueue(broker, conn.channel(), name, lease_s=60)
+        assert a.heartbeat()
+        assert message_ids(take(a, 1)) == ["upsert"]
+        broker.delete(a.leader_key)  # its lease ran out while it stalled...
+        broker.set(f"{a.processing}.alive", "1")  # ...and it woke just long enough to say it lives
+        with Publisher(settings) as p:
+            p.publish("events", "1", [Tombstone({"id": 1})], message_id="tombstone")
+        b = ReliableQueue(broker, conn.channel(), name, lease_s=60)
+        assert b.heartbeat()
+        with pytest.raises(NotLeading):
+            a.get(1)
+        assert message_ids(take(b, 2)) == ["upsert", "tombstone"]
+        assert broker.llen(a.processing) == 0
 
 
 def start_consumer(settings: Settings, log: Path) -> subprocess.Popen[str]:
@@ -326,13 +355,13 @@ def test_a_consumer_that_lost_the_lead_commits_nothing_it_holds_and_hands_it_bac
             p.publish("events", "1", [point(1)], message_id="upsert")
             p.publish("events", "1", [Tombstone({"id": 1})], message_id="tombstone")
         wait_for(lambda: broker.llen(name) == 0 and len(consumer._held) == 2, 30, "the consumer to hold both")
-        broker.set(f"{name}.leader", "another-consumer")  # as if its lease had run out and another took it
+        broker.set(f"{name}:leader", "another-consumer")  # as if its lease had run out and another took it
         wait_for(lambda: not consumer.leading and broker.llen(name) == 2, 30, "the messages handed back")
         assert head(shoal) == 0
         # Back in publish order (the right end is taken first).
         assert [json.loads(e)["headers"]["shoal-message-id"] for e in broker.lrange(name, 0, -1)] == [
             "tombstone", "upsert"]
-        broker.delete(f"{name}.leader")  # the other leader gone: this one leads again, and commits on stopping
+        broker.delete(f"{name}:leader")  # the other leader gone: this one leads again, and commits on stopping
         wait_for(lambda: consumer.leading and len(consumer._held) == 2, 30, "the consumer to lead and hold both")
         consumer.stop.set()
         consumer.thread.join(30)  # type: ignore[attr-defined]
@@ -662,15 +691,17 @@ def test_recovery_takes_only_its_own_groups_lists(intake_settings: Callable[...,
             broker.lpush(other, *[json.dumps({**ENVELOPE, "body": base64.b64encode(b"[]").decode(),
                                               "properties": {**ENVELOPE["properties"], "delivery_tag": f"t{i}"}})
                                   for i in range(3)])
-            dead = ReliableQueue(broker, conn.channel(), other, lease_s=60)  # takes one, then dies (no heartbeat)
+            dead = ReliableQueue(broker, conn.channel(), other, lease_s=60)  # leads, takes one, then dies
+            assert dead.heartbeat()
             assert dead.get(1) is not None
+            broker.delete(f"{dead.processing}.alive", dead.leader_key)
             mine_queue = ReliableQueue(broker, conn.channel(), mine, lease_s=60)
             mine_queue.heartbeat()
             assert mine_queue.recover() == 0, (mine, other)
             assert broker.llen(other) == 2 and broker.llen(dead.processing) == 1 and broker.llen(mine) == 0
             theirs = ReliableQueue(broker, conn.channel(), other, lease_s=60)
-            theirs.heartbeat()
-            assert theirs.recover() == 1  # their own group does recover it
+            assert theirs.heartbeat()  # their own group's next leader does recover it, as it takes the lead
+            assert theirs.recover() == 0
             assert broker.llen(other) == 3
             theirs.release()
 
@@ -678,7 +709,7 @@ def test_recovery_takes_only_its_own_groups_lists(intake_settings: Callable[...,
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("group", ["a b*", "", "*", "x" * 101])
+@pytest.mark.parametrize("group", ["a b*", "", "*", "x" * 101, "a.dead", "a.processing.x", "a.processing"])
 @pytest.mark.parametrize("dead", [False, True], ids=["consume", "dead"])
 def test_consume_refuses_a_group_name_the_setting_refuses(
     intake_settings: Callable[..., Settings], group: str, dead: bool

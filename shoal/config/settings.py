@@ -44,6 +44,16 @@ MIN_PENDING_TTL_S = 0.001
 MAX_EF_CONSTRUCTION = 1 << 16
 
 
+def _group_name(group: str) -> str:
+    """A consumer group name whose queue cannot be another group's dead-letter queue (`{group}.dead`) or
+    processing list (`{queue}.processing.{consumer}`)."""
+    parts = group.split(".")
+    if (len(parts) > 1 and parts[-1] == "dead") or "processing" in parts[1:]:
+        raise ValueError("a group name may not end in '.dead' nor hold '.processing' (the names of a group's "
+                         "dead-letter queue and processing lists)")
+    return group
+
+
 def _at_most(limit: int, shown: str) -> AfterValidator:
     """A check that a setting is at most `limit`; its error says the bound as `shown` (with its unit)."""
 
@@ -268,7 +278,7 @@ class Settings(BaseSettings):
     )
     # Message intake (`shoal consume`) and its backpressure.
     intake_exchange: str = Field(default="shoal.intake", description="Durable topic exchange publishers send to.")
-    intake_group: str = Field(
+    intake_group: Annotated[str, AfterValidator(_group_name)] = Field(
         default="default", pattern=r"^[A-Za-z0-9_.-]{1,100}$", description="Consumer group: one queue per group."
     )
     intake_binding: str = Field(default="#", description="Routing-key pattern the group's queue is bound with.")

@@ -40,7 +40,7 @@ from sqlalchemy.exc import OperationalError
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
-from shoal.intake.delivery import ReliableQueue, new_consumer_id
+from shoal.intake.delivery import NotLeading, ReliableQueue, new_consumer_id
 from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
@@ -192,7 +192,11 @@ class IntakeConsumer:
                     wait_s = self.settings.intake_max_wait_ms / 1000
                     timeout = max(0.0, self._first_held_at + wait_s - time.monotonic())
                 if not self.paused:
-                    message = delivery.get(min(timeout, 0.5))
+                    try:
+                        message = delivery.get(min(timeout, 0.5))
+                    except NotLeading:  # our lease ran out (a stall): hand back what we hold, stand by
+                        self._beat()
+                        continue
                     if message is not None:
                         self._receive(message)
                 else:

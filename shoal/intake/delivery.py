@@ -9,10 +9,12 @@ on the queue. Publishing, exchanges, bindings and the message format stay kombu'
 Redis transport keeps for the queue, and its envelopes decode with kombu's own channel.
 
 One consumer of a group takes messages at a time: the leader, holding the group's lease (a key renewed with its
-liveness key, in the same step). Two consumers taking from one queue would each hold some of a data source's
+liveness key, in the same step; every take checks it in the same step too, so a leader whose lease ran out while
+it stalled takes nothing more). Two consumers taking from one queue would each hold some of a data source's
 messages and commit them in whichever order their group commits finished: a tombstone could land before the
 upsert it deletes. The others stand by and lead once the lease is free: at once after a clean stop, within the
-lease after a crash (when the dead leader's processing list can be recovered too, before anything else is taken).
+lease after a crash. Taking the lead hands back, in the same step, what the last leader still holds (a key names
+it), so nothing it took is committed after what the new leader takes.
 
 Order: kombu publishes with LPUSH and takes from the right, so the right end of the queue's list is its head.
 A message taken is pushed on the left of the processing list (the oldest held is rightmost); whatever goes back
@@ -47,19 +49,34 @@ log = logging.getLogger(__name__)
 # refresh one small key, nothing that grows).
 # Every one names the keys it touches in KEYS, as Redis Cluster and ACLs want.
 
-# KEYS[1]: queue, KEYS[2]: processing list. Take the queue's head into the processing list (no wait).
+# KEYS[1]: queue, KEYS[2]: processing list, KEYS[3]: the group's leader key; ARGV[1]: this consumer's id. Take
+# the queue's head into the processing list (no wait), only while this consumer leads: -1 when it does not (a
+# leader whose lease ran out while it stalled must not take a message another leader's newer ones overtake).
 _TAKE = """#!lua flags=allow-oom
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return -1 end
 return redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
 """
-# KEYS[1]: the liveness key, KEYS[2]: the group's leader key; ARGV[1]: the lease in ms, ARGV[2]: this consumer's
-# id. Refresh the liveness key, and lead the group (take its lease, or renew it) unless another consumer leads:
-# 1 when this consumer leads. Both keys get the same expiry in one step, so a leader's lease never outlives its
-# liveness: whoever leads next finds its processing list already recoverable.
+# KEYS[1]: the liveness key, KEYS[2]: the group's leader key, KEYS[3]: the key naming the group's last leader,
+# KEYS[4]: the queue, KEYS[5]: the last leader's processing list (as read before); ARGV[1]: the lease in ms,
+# ARGV[2]: this consumer's id, ARGV[3]: the last leader's id as read before ('' for none). Refresh the liveness key
+# and the lead if this consumer holds it: 1. Another leads: 0. The lead is free: take it, after handing back, in
+# the same step, what the last leader still holds (it took those as leader, before anything on the queue now), so
+# nothing it took is committed after what this one takes: 1. The last leader changed since read: -2 (read again).
 _BEAT = """#!lua flags=allow-oom
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
 local leader = redis.call('GET', KEYS[2])
-if leader and leader ~= ARGV[2] then return 0 end
+if leader then
+  if leader ~= ARGV[2] then return 0 end
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+  return 1
+end
+local last = redis.call('GET', KEYS[3])
+if (last or '') ~= ARGV[3] then return -2 end
+if last and last ~= ARGV[2] then
+  while redis.call('LMOVE', KEYS[5], KEYS[4], 'LEFT', 'RIGHT') do end
+end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[1])
+redis.call('SET', KEYS[3], ARGV[2])
 return 1
 """
 # KEYS[1]: the group's leader key; ARGV[1]: this consumer's id. Give up the lead if this consumer holds it.
@@ -134,6 +151,11 @@ def envelope_problem(envelope: Any) -> str | None:
     return None
 
 
+class NotLeading(Exception):
+    """Raised by ReliableQueue.get when this consumer no longer leads its group (its lease ran out): it took
+    nothing."""
+
+
 def new_consumer_id() -> str:
     """A consumer id no other consumer has: host, pid and a random suffix (what `_CONSUMER_ID` matches)."""
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()) or "host"
@@ -152,7 +174,9 @@ class ReliableQueue:
         self.consumer_id = consumer_id or new_consumer_id()
         self.processing = f"{queue}.processing.{self.consumer_id}"
         flags = _script_flags(client)
-        self.leader_key = f"{queue}.leader"
+        # ':' is no character of a group name: no group's queue or lists can be these keys.
+        self.leader_key = f"{queue}:leader"
+        self.last_leader_key = f"{queue}:last-leader"
         self._take, self._beat, self._move_back, self._requeue, self._resign = (
             client.register_script(text if flags else text.split("\n", 1)[1])
             for text in (_TAKE, _BEAT, _MOVE_BACK, _REQUEUE, _RESIGN)
@@ -166,24 +190,39 @@ class ReliableQueue:
         live consumer does: whether this one leads. Only the leader takes messages, so the group commits them in
         the order they were published (two consumers each holding some of one source's messages would commit
         them in whichever order their group commits finished)."""
-        return bool(self._beat(keys=[self._alive_key(self.processing), self.leader_key],
-                               args=[int(self.lease_s * 1000), self.consumer_id]))
+        for _ in range(5):
+            last = self.client.get(self.last_leader_key)
+            last_id = last.decode(errors="replace") if isinstance(last, bytes) else (last or "")
+            # The last leader's list (a name no consumer has when the key holds something else: nothing to move).
+            last_list = (f"{self.queue}.processing.{last_id}" if _CONSUMER_ID.fullmatch(last_id)
+                         else f"{self.queue}.processing.-")
+            answer = int(self._beat(
+                keys=[self._alive_key(self.processing), self.leader_key, self.last_leader_key, self.queue, last_list],
+                args=[int(self.lease_s * 1000), self.consumer_id, last_id]))
+            if answer != -2:  # -2: another consumer took the lead meanwhile; read its id again
+                return answer == 1
+        return False
 
     def get(self, timeout: float) -> Message | None:
         """The next message, now held in this consumer's processing list; None after `timeout` seconds. An entry
         that is no kombu envelope comes back as a message whose `shoal_problem` says why (its body: the entry as
         it was), for the caller to dead-letter; it is never left to fail every consumer that takes it."""
-        try:
-            raw = self.client.blmove(self.queue, self.processing, max(timeout, 0.01), "RIGHT", "LEFT")
-        except redis.exceptions.OutOfMemoryError:
-            # Redis is full: BLMOVE is refused even when it would free memory. Take without waiting instead,
-            # and wait here when nothing is there (nothing can be published while it is full anyway).
-            raw = self._take(keys=[self.queue, self.processing])
-            if raw is None:
-                time.sleep(min(max(timeout, 0.01), 0.5))
-                return None
+        raw = self._take_led()
         if raw is None:
-            return None
+            # Nothing there: wait for a message without taking it (a BLMOVE of the list's head onto itself leaves
+            # the list as it was; a blocking command cannot run in a script), then take it while leading.
+            try:
+                waited = self.client.blmove(self.queue, self.queue, max(timeout, 0.01), "RIGHT", "RIGHT")
+            except redis.exceptions.OutOfMemoryError:
+                # Redis is full: BLMOVE is refused even when it would change nothing; nothing can be published
+                # while it is full anyway, so wait here.
+                waited = None
+                time.sleep(min(max(timeout, 0.01), 0.5))
+            if waited is None:
+                return None
+            raw = self._take_led()
+            if raw is None:
+                return None
         try:
             envelope = json.loads(raw)
             problem = envelope_problem(envelope)
@@ -195,6 +234,14 @@ class ReliableQueue:
         message.shoal_raw = raw  # what ack and requeue remove from the processing list
         message.shoal_problem = problem
         return message
+
+    def _take_led(self) -> bytes | None:
+        """The queue's head, moved into this consumer's processing list, if any; NotLeading when another consumer
+        leads (the take and the check are one step: see _TAKE)."""
+        raw = self._take(keys=[self.queue, self.processing, self.leader_key], args=[self.consumer_id])
+        if raw == -1:
+            raise NotLeading(f"consumer {self.consumer_id} does not lead {self.queue}")
+        return raw  # type: ignore[no-any-return]
 
     def _unreadable(self, raw: bytes, problem: str) -> Message:
         """A kombu message whose body is the unreadable entry `raw` as it was, to be dead-lettered with `problem`."""
