@@ -28,6 +28,7 @@ from shoal.log.records import check_tenant_name
 from shoal.log.writer import LogWriter
 from shoal.servers.broker import broker_url
 from shoal.storage import Storage
+from shoal.storage.identity import ensure_storage_identity
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,13 @@ class Runtime:
             # The embedded default migrates on first start; a configured catalog is migrated by `shoal migrate`.
             # A catalog away, a migration's lock timeout ...: a ConfigurationError naming it (catalog_error).
             ensure_schema(self.engine, self.database_url, auto_migrate=self.settings.database_url is None)
+            self.storage = Storage.from_settings(self.settings)
+            # The storage must be this catalog's (its marker names the catalog; written on first use): on another
+            # deployment's storage every file looks unreferenced, and GC would delete that deployment's data.
+            self.catalog_id = ensure_storage_identity(self.engine, self.storage, self.settings)
         except BaseException:
             self.engine.dispose()
             raise
-        self.storage = Storage.from_settings(self.settings)
         self.shards = ShardCatalog(self.engine)
         self.backpressure = Backpressure(
             self.shards, self.settings.max_index_lag_seqs, self.settings.backpressure_retry_after_s

@@ -310,3 +310,15 @@ class IndexTag(Base):
     # the shards built less far reading the log up to it). None: taken before it was recorded (migration 0012).
     seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())
+
+
+class CatalogIdentity(Base):
+    """The catalog's identity: one row (`one` is always true) with a random id made by migration 0013. The
+    storage's marker names it (shoal.storage.identity): a storage belongs to exactly one catalog."""
+
+    __tablename__ = "catalog_identity"
+    __table_args__ = (CheckConstraint("one", name="one_row"),)
+
+    one: Mapped[bool] = mapped_column(Boolean, primary_key=True, server_default=text("true"))
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), server_default=_now())

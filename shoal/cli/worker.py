@@ -123,15 +123,22 @@ def check_storage(settings: Settings) -> None:
 
 
 def check_catalog(settings: Settings) -> None:
-    """Reach the catalog and check its schema (the embedded default: migrate it), as every long-running role does
-    before it starts: ConfigurationError in one line when the catalog cannot be reached, its schema is older or
-    newer than this Shoal's, or a migration step timed out on a lock (`shoal.catalog.db.catalog_error`)."""
+    """Reach the catalog and check its schema (the embedded default: migrate it), then that the storage belongs
+    to it, as every long-running role does before it starts: ConfigurationError in one line when the catalog
+    cannot be reached, its schema is older or newer than this Shoal's, a migration step timed out on a lock
+    (`shoal.catalog.db.catalog_error`), or the storage is another catalog's (`shoal.storage.identity`: its
+    marker is written here on first use)."""
     from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
+    from shoal.storage import Storage
+    from shoal.storage.identity import ensure_storage_identity
 
     url = resolve_database_url(settings)
     engine = make_engine(url, pool_size=1, max_overflow=0)
     try:
         ensure_schema(engine, url, auto_migrate=settings.database_url is None)
+        # A worker on another deployment's storage would fail every build and, worse, its GC would take every
+        # file there for unreferenced: refused before it takes a task (every task's runtime checks it again).
+        ensure_storage_identity(engine, Storage.from_settings(settings), settings)
     finally:
         engine.dispose()
 

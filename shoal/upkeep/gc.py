@@ -60,6 +60,7 @@ from sqlalchemy import Connection, Engine
 
 from shoal.catalog.locks import set_lock_timeout
 from shoal.storage import Storage, layout
+from shoal.storage.identity import check_storage_identity
 from shoal.upkeep import gc_queue as garbage
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,14 @@ def collect_garbage(
     queued file whose grace period ended by `now` and that no row references; of one tenant when given, else
     of all.
 
-    Promises: a file a catalog row references is never deleted, nor one a publish names later; every
-    deletion is logged (here and in `garbage_files`); a crash at any point leaves at most files still queued,
-    or recorded as deleted but still in storage, both deleted by the next run (with `scan`).
+    Promises: nothing is deleted unless the storage's marker names this catalog (ConfigurationError saying why
+    otherwise: shoal.storage.identity); a file a catalog row references is never deleted, nor one a publish
+    names later; every deletion is logged (here and in `garbage_files`); a crash at any point leaves at most
+    files still queued, or recorded as deleted but still in storage, both deleted by the next run (with `scan`).
     """
+    # Nothing is scanned or deleted unless the storage's marker names this catalog: on another deployment's
+    # storage (or one swapped under this process) every file would look unreferenced (a ConfigurationError).
+    check_storage_identity(engine, storage)
     now = now or dt.datetime.now(dt.UTC)
     result = GcResult()
     if scan:

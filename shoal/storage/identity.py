@@ -1,0 +1,225 @@
+"""Which catalog a storage belongs to: a marker object at the storage's root naming the catalog's id.
+
+A storage belongs to exactly one catalog. The catalog is the only record of which files are in use, so a process
+of catalog A pointed at catalog B's storage takes every file there for unreferenced, and its garbage collection
+deletes B's data. So the catalog has an id (table `catalog_identity`, a random uuid made by migration 0013) and
+the storage root holds `shoal-catalog.json` naming it:
+
+- every process that opens the runtime (API, worker, consumer, the Python API `Shoal`, `shoal` commands) checks
+  the marker (`ensure_storage_identity`): one naming another catalog is refused with a ConfigurationError. An
+  absent one is written: the first use of a storage, and every deployment's storage the first time a Shoal that
+  knows markers opens it. Unless the storage already holds files and none of a sample of the files this
+  catalog references is among them: that is another deployment's storage whose Shoal wrote no marker yet (or a
+  catalog made anew beside an old storage), and it is refused too.
+- garbage collection checks the marker before every run (`check_storage_identity`) and deletes nothing unless it
+  names this catalog: the storage may have been swapped under a running process, or the marker removed.
+
+One catalog may use several storage roots (tests do): each root's marker names the same catalog. The marker lives
+beside `tenants/`, outside every folder GC scans, so nothing of Shoal's ever deletes it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+from sqlalchemy import Engine, select
+
+from shoal.catalog.models import CatalogIdentity, DataSource, GarbageFile, IndexFile, LogSegment
+from shoal.config.settings import Settings, mask_url
+from shoal.errors import ConfigurationError
+from shoal.storage import Storage
+from shoal.storage.layout import ROOT
+
+MARKER = "shoal-catalog.json"  # at the storage root, beside `tenants/`
+SAMPLE = 20  # referenced files of each kind looked for in a storage that holds files but no marker yet
+
+
+@dataclass(frozen=True)
+class Marker:
+    """What a storage's marker says: the id of the catalog the storage belongs to, and when it was written."""
+
+    catalog_id: str
+    written_at: str | None
+
+
+def catalog_id(engine: Engine) -> str:
+    """The catalog's id (migration 0013 made it). ConfigurationError when its row is missing (removed by hand)."""
+    with engine.connect() as conn:
+        found = conn.scalars(select(CatalogIdentity.id)).first()
+    if found is None:
+        raise ConfigurationError(
+            "the catalog has no identity (table catalog_identity is empty): restore its row from a backup of the "
+            f"catalog (the {MARKER} of its storage names the id)"
+        )
+    return str(found)
+
+
+def describe(storage: Storage) -> str:
+    """The storage's root as an operator would name it (no secret: credentials are never part of it)."""
+    return storage.root if storage.local else f"s3://{storage.root}"
+
+
+def read_marker(storage: Storage) -> Marker | None:
+    """The storage's marker; None when it has none. ConfigurationError when the object there is not one."""
+    try:
+        data = storage.read(MARKER)
+    except FileNotFoundError:
+        return None
+    try:
+        content = json.loads(data.to_pybytes())
+        return Marker(str(uuid.UUID(content["catalog_id"])), content.get("written_at"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigurationError(
+            f"storage {describe(storage)}: {MARKER} is not a catalog marker ({type(exc).__name__}: {exc}); it names "
+            "the catalog this storage belongs to: restore it, or remove it if this storage is this catalog's"
+        ) from None
+
+
+def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings) -> str:
+    """Check that the storage belongs to this catalog, writing its marker if it has none; return the catalog's id.
+
+    Promises: a storage whose marker names another catalog, or one holding files without a marker of which none
+    is a file this catalog references, is refused with a ConfigurationError in one line naming the storage, both
+    catalogs and the settings to check; nothing is written then. Two processes of one catalog writing the marker
+    at once both succeed.
+    """
+    mine = catalog_id(engine)
+    marker = read_marker(storage)
+    if marker is None:
+        if _holds_files(storage, ROOT) and not _holds_any_of(storage, _referenced_sample(engine)):
+            raise ConfigurationError(
+                f"storage {_storage_name(settings)} holds files but no {MARKER}, and none of the files catalog "
+                f"{_catalog_name(settings)} (id {mine}) references: it is another deployment's storage (or this "
+                f"catalog is a new one); {_check(settings)}. If it really is this catalog's, write "
+                f'{MARKER} there holding {{"catalog_id": "{mine}"}}'
+            )
+        _write_if_absent(storage, _marker_bytes(mine))
+        marker = read_marker(storage)  # another process may have written it first: its marker is the one
+        if marker is None:
+            raise ConfigurationError(f"storage {_storage_name(settings)}: {MARKER} was written but cannot be read back")
+    if marker.catalog_id != mine:
+        raise ConfigurationError(
+            f"storage {_storage_name(settings)} belongs to another catalog: its {MARKER} names catalog "
+            f"{marker.catalog_id}, but catalog {_catalog_name(settings)} is {mine}; {_check(settings)}"
+        )
+    return mine
+
+
+def check_storage_identity(engine: Engine, storage: Storage) -> None:
+    """Before garbage collection deletes anything: the storage's marker must name this catalog. A
+    ConfigurationError saying why otherwise (no marker, another catalog's, one that cannot be read)."""
+    mine = catalog_id(engine)
+    marker = read_marker(storage)
+    if marker is None:
+        raise ConfigurationError(
+            f"garbage collection deleted nothing: storage {describe(storage)} holds no {MARKER}, so nothing says it "
+            f"belongs to this catalog ({mine}) (it may have been swapped, or the marker removed); check "
+            "SHOAL_STORAGE_URI and SHOAL_DATABASE_URL; a Shoal process started on the right storage writes the "
+            "marker again"
+        )
+    if marker.catalog_id != mine:
+        raise ConfigurationError(
+            f"garbage collection deleted nothing: storage {describe(storage)} belongs to another catalog (its "
+            f"{MARKER} names {marker.catalog_id}, this catalog is {mine}); check SHOAL_STORAGE_URI and "
+            "SHOAL_DATABASE_URL"
+        )
+
+
+def _storage_name(settings: Settings) -> str:
+    return mask_url(settings.resolved_storage_uri)
+
+
+def _catalog_name(settings: Settings) -> str:
+    if settings.database_url:
+        return mask_url(settings.database_url)
+    return f"(the embedded Postgres in {settings.data_dir})"
+
+
+def _check(settings: Settings) -> str:
+    unset = [] if settings.storage_uri else ["SHOAL_STORAGE_URI"]
+    unset += [] if settings.database_url else ["SHOAL_DATABASE_URL"]
+    where = f" ({' and '.join(unset)} unset: SHOAL_DATA_DIR places {'it' if len(unset) == 1 else 'them'})"
+    return "check SHOAL_STORAGE_URI and SHOAL_DATABASE_URL" + (where if unset else "")
+
+
+def _marker_bytes(mine: str) -> bytes:
+    content = {
+        "catalog_id": mine,
+        "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "about": "Shoal: this storage belongs to the catalog with this id; processes of any other catalog refuse it",
+    }
+    return (json.dumps(content, indent=2) + "\n").encode()
+
+
+def _write_if_absent(storage: Storage, data: bytes) -> None:
+    """Write the marker unless one is there. Locally the creation is exclusive (a hard link of a synced temp file,
+    which fails if the name exists); S3 has no such write, so there the last of two writers wins, and each
+    reads back what is there."""
+    if not storage.local:
+        storage.write_atomic(MARKER, pa.py_buffer(data))
+        return
+    final = storage.path(MARKER)
+    tmp = storage.path(f".tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return  # another process wrote one first
+        fd = os.open(storage.root, os.O_RDONLY)  # the new name is durable once its directory is synced
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _holds_files(storage: Storage, relative: str) -> bool:
+    """True when any file lies under `relative`. Folder by folder, stopping at the first file: a full listing
+    of a big bucket would take minutes, and empty folders (left by drops) hold nothing anyone could lose."""
+    pending = [storage.path(relative)]
+    while pending:
+        infos = storage.fs.get_file_info(pafs.FileSelector(pending.pop(), recursive=False, allow_not_found=True))
+        if any(info.type == pafs.FileType.File for info in infos):
+            return True
+        pending += [info.path for info in infos if info.type == pafs.FileType.Directory]
+    return False
+
+
+def _referenced_sample(engine: Engine) -> list[str]:
+    """Some files this catalog references: the newest log segment of its newest data sources, files of its
+    newest index versions, files its GC queue still holds. Each lookup walks an index, however big the catalog."""
+    newest_segment = (
+        select(LogSegment.path)
+        .where(LogSegment.data_source_id == DataSource.id)
+        .order_by(LogSegment.first_seq.desc())
+        .limit(1)
+        .correlate(DataSource)
+        .scalar_subquery()
+    )
+    newest_sources = select(newest_segment).select_from(DataSource).order_by(DataSource.id.desc()).limit(SAMPLE)
+    with engine.connect() as conn:
+        paths = [p for p in conn.scalars(newest_sources) if p]
+        paths += conn.scalars(select(IndexFile.path).order_by(IndexFile.version_id.desc()).limit(SAMPLE))
+        paths += conn.scalars(
+            select(GarbageFile.path).where(GarbageFile.deleted_at.is_(None))
+            .order_by(GarbageFile.delete_after.desc()).limit(SAMPLE)
+        )
+    return paths
+
+
+def _holds_any_of(storage: Storage, paths: list[str]) -> bool:
+    return any(storage.exists(path) for path in paths)
