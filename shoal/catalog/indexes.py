@@ -392,14 +392,22 @@ class ShardCatalog:
             return [(r[0], r[1], r[2]) for r in rows]
 
     def index_lag(self, source_ids: Sequence[int] | None = None) -> dict[int, int]:
-        """Data source id -> the largest lag (head - built watermark) of any shard of any index over it;
-        every source when `source_ids` is None. Sources without an index are absent."""
+        """Data source id -> the largest lag (head - built watermark) of any shard of any serving index over it;
+        every source when `source_ids` is None. Sources without one are absent. A generation a reindex builds
+        aside (or keeps for rollback) is left out: it starts at watermark 0, so it held every upload to its source
+        at 429 until it caught up, while the serving one kept up. So are indexes and sources in the trash: no
+        worker builds them, so their lag never shrank and held intake until the trash was purged."""
         with Session(self.engine) as s:
             query = (
                 select(Index.data_source_id, func.max(DataSource.head_seq - IndexShard.built_watermark))
                 .select_from(IndexShard)
                 .join(Index, Index.id == IndexShard.index_id)
                 .join(DataSource, DataSource.id == Index.data_source_id)
+                .where(
+                    Index.version.not_like(f"%{GENERATION_MARK}%"),
+                    Index.deleted_at.is_(None),
+                    DataSource.deleted_at.is_(None),
+                )
                 .group_by(Index.data_source_id)
             )
             if source_ids is not None:
