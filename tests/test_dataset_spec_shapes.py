@@ -344,6 +344,25 @@ def test_quota_limit_is_enforced_on_upload(api: Api) -> None:
     assert r.status_code == 200, r.text
     api.upsert("docs", vec("d", [4, 0]))
     assert api.stats("docs")["vector_count"] == 4
+    # A quota lowered below what the dataset holds: the refusal says so, not "0 new vectors would exceed it".
+    assert api.http.put("/api/v1/datasets/docs", json={"metadata": {"quota_limit": 2}}).status_code == 200
+    r = api.http.post("/api/v1/datasets/docs/vectors", json={"vectors": [vec("a", [5, 5])]})
+    message = api.error(r, 403, "QUOTA_EXCEEDED")["message"]
+    assert "delete vectors first" in message and "0 new vectors" not in message, message
+
+
+def test_a_batch_over_the_batch_limit_is_refused_as_such_before_the_quota(make_settings: Any, redis_url: str) -> None:
+    """A dataset with a quota answered 403 QUOTA_EXCEEDED to a batch over SHOAL_MAX_BATCH_POINTS (the quota was
+    checked first, reading the whole log): the batch limit comes first, as on every upload path."""
+    settings = make_settings("local", redis_url=redis_url, max_batch_points=5)
+    with Shoal(settings, notify=False) as shoal, serve_api(settings) as url:
+        key = create_key(shoal.engine, settings.tenant, "admin")[1]
+        with httpx.Client(base_url=url, headers={"Authorization": f"ApiKey {key}"}, timeout=60) as http:
+            api = Api(http, shoal, settings)
+            api.create({"name": "docs", "dimensions": 2, "metadata": {"quota_limit": 4}})
+            r = http.post("/api/v1/datasets/docs/vectors", json={"vectors": [vec(str(i), [i, 0]) for i in range(6)]})
+            assert "SHOAL_MAX_BATCH_POINTS" in api.error(r, 400, "VALIDATION_ERROR")["message"]
+            assert api.stats("docs")["vector_count"] == 0
 
 
 # -- 6. names and overwrite ----------------------------------------------------------------------------------

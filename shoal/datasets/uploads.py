@@ -24,6 +24,10 @@ class Uploads(DatasetScope):
         record = self.record(name)
         if not vectors:
             raise invalid("vectors must not be empty", field="vectors")
+        most = self.shoal.settings.max_batch_points
+        if len(vectors) > most:  # before any vector is checked or the quota read, as every upload path does
+            raise invalid(f"the batch holds {len(vectors)} vectors, more than the configured maximum {most} "
+                          "(SHOAL_MAX_BATCH_POINTS); nothing written", field="vectors")
         for i, v in enumerate(vectors):  # a wrong width is its own code, reported before any other problem
             values = v.get("values")
             if not isinstance(values, list | tuple) or len(values) != record.dimensions:
@@ -79,10 +83,12 @@ class Uploads(DatasetScope):
         live = live_ids(self.shoal.engine, self.shoal.storage, record.source_id, totals.head) if totals.head else set()
         new = set(ids) - live
         if len(live) + len(new) > limit:
+            why = (f"{len(new)} new vectors would exceed it" if len(live) <= limit
+                   else "it holds more than its quota already (the quota was lowered): delete vectors first")
             raise DatasetError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"dataset {record.name!r} holds {len(live)} vectors and its quota_limit is {limit}: "
-                f"{len(new)} new vectors would exceed it; nothing written",
+                f"dataset {record.name!r} holds {len(live)} vectors and its quota_limit is {limit}: {why}; "
+                "nothing written",
                 {"dataset_id": record.name, "field": "metadata.quota_limit", "quota_limit": limit,
                  "vector_count": len(live), "new_vectors": len(new)},
             )
