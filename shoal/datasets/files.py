@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 
 from shoal.datasets import rules
 from shoal.datasets.catalog import DatasetRecord, live_dataset
+from shoal.errors import StorageUnavailableError
 from shoal.storage import Storage
 from shoal.storage.layout import dataset_metadata_path, trash_dir
 from shoal.upkeep.drops import release_files
@@ -111,5 +112,12 @@ def forget_files(engine: Engine, storage: Storage, *, files: Sequence[str] = (),
     """Give up files no catalog row names any more (their rows were just deleted or moved): `files`, and
     every file under `folder`, go through the one deletion path (`shoal.upkeep.drops.release_files`: queued
     in GC's `garbage_files`, then deleted at once by GC's checked deletion, which keeps a mirror that a live
-    dataset of the same name wrote again meanwhile). A crash in between leaves them queued for the next GC."""
-    release_files(engine, storage, files, folders=[folder] if folder is not None else [])
+    dataset of the same name wrote again meanwhile). A crash in between leaves them queued for the next GC.
+
+    Never raises for a storage that cannot be reached: callers give files up after their change committed, so
+    an error would tell the client the change failed (a retry then finds it done: 404). What could not be
+    deleted stays queued, or is found by GC's scan (stray files in dataset and trash folders), and goes later."""
+    try:
+        release_files(engine, storage, files, folders=[folder] if folder is not None else [])
+    except StorageUnavailableError as exc:
+        log.warning("files given up stay for GC: the storage is unavailable (%s)", exc)

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from shoal.catalog.repo import SegmentRecord, list_segments
 from shoal.datasets import rules
@@ -56,7 +55,8 @@ class Stats(DatasetScope):
     """Exact statistics of a dataset."""
 
     def stats(self, name: Any) -> DatasetStats:
-        """Exact live vector count, storage bytes, metadata stats and per-shard freshness."""
+        """Exact live vector count, storage bytes, metadata stats and per-shard freshness. Reads the log and
+        lists the storage: StorageUnavailableError (503) while the storage cannot be reached."""
         record = self._current([self.record(name)])[0]
         segments = list_segments(self.shoal.engine, record.source_id)
         live = self._live_state(record.source_id, segments)
@@ -84,10 +84,7 @@ class Stats(DatasetScope):
     def _build(self, name: str) -> IndexBuild:
         """The bytes of the files serving the index (what a searcher holds in memory for it) and its last
         rebuild."""
-        paths = self.catalog.served_files(name)
-        storage = self.shoal.storage
-        infos = storage.fs.get_file_info([storage.path(p) for p in paths]) if paths else []
-        memory = sum(int(i.size or 0) for i in infos if i.type == pafs.FileType.File)
+        memory = sum(self.shoal.storage.file_sizes(self.catalog.served_files(name)).values())
         rebuild = self.catalog.last_rebuild(name)
         if rebuild is None:
             return IndexBuild(memory, None, None)
@@ -140,19 +137,14 @@ class Stats(DatasetScope):
         its first (`indexes/{name}/1/`) and those of the generations reindexes built (`1~g{n}/`), which keep
         their folder when swapped in. So the serving generation counts, as do one being built and the one
         kept for rollback (SHOAL_REINDEX_KEEP_S), and versions awaiting garbage collection, until deleted."""
-        storage = self.shoal.storage
-        selector = pafs.FileSelector(storage.path(f"{indexes_dir(self.tenant)}/{name}"), recursive=False,
-                                     allow_not_found=True)
         versions = [rules.VERSION] + [
-            i.base_name for i in storage.fs.get_file_info(selector)
-            if i.type == pafs.FileType.Directory and i.base_name.startswith(f"{rules.VERSION}{GENERATION_MARK}")
+            folder for folder in self.shoal.storage.subfolders(f"{indexes_dir(self.tenant)}/{name}")
+            if folder.startswith(f"{rules.VERSION}{GENERATION_MARK}")
         ]
         sizes = [self._bytes_under(index_dir(self.tenant, name, v)) for v in versions]
         return sum(b for b, _ in sizes), sum(n for _, n in sizes)
 
     def _bytes_under(self, folder: str) -> tuple[int, int]:
         """Bytes and number of files anywhere under a layout-relative folder (0, 0 if there is none)."""
-        storage = self.shoal.storage
-        selector = pafs.FileSelector(storage.path(folder), recursive=True, allow_not_found=True)
-        files = [i for i in storage.fs.get_file_info(selector) if i.type == pafs.FileType.File]
-        return sum(int(i.size or 0) for i in files), len(files)
+        files = self.shoal.storage.describe_files(folder)
+        return sum(f.size for f in files), len(files)

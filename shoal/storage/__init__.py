@@ -6,12 +6,14 @@ fsynced); on S3 one PUT publishes the whole object or nothing.
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import BinaryIO, TypeVar
 from urllib.parse import urlparse
@@ -67,8 +69,20 @@ def is_outage(exc: BaseException, *, local: bool) -> bool:
     return name in _AWS_OUTAGES or (status is not None and (status in ("0", "429") or status.startswith("5")))
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """A file in the storage: its layout-relative path, its size in bytes and when it was last written (None
+    when the storage does not say)."""
+
+    path: str
+    size: int
+    mtime: dt.datetime | None
+
+
 class Storage:
-    """A pyarrow filesystem plus the root under which Shoal's layout lives."""
+    """A pyarrow filesystem plus the root under which Shoal's layout lives. Everything outside this package goes
+    through its methods, never `fs` itself: they raise StorageUnavailableError when the storage cannot be
+    reached (pyarrow raises a plain OSError)."""
 
     def __init__(self, fs: pafs.FileSystem, root: str, *, local: bool) -> None:
         self.fs = fs
@@ -248,14 +262,50 @@ class Storage:
                 return False
         return True
 
+    def delete(self, relative: str) -> bool:
+        """Delete the file at `relative`; False when it was already gone. StorageUnavailableError when the
+        storage cannot be reached, any other OSError (a permission, a disk error) as it is."""
+        with self._reaching(f"delete {relative}"):
+            try:
+                self.fs.delete_file(self.path(relative))  # one request fewer than asking first
+            except FileNotFoundError:
+                return False
+        return True
+
     def list_files(self, relative_dir: str) -> list[str]:
         """Layout-relative paths of every file under `relative_dir` (empty when it does not exist;
         StorageUnavailableError when the storage cannot be reached)."""
+        return [f.path for f in self.describe_files(relative_dir)]
+
+    def describe_files(self, relative_dir: str) -> list[StoredFile]:
+        """Every file anywhere under `relative_dir` with its size and mtime, by path (empty when the folder does
+        not exist; StorageUnavailableError when the storage cannot be reached)."""
         selector = pafs.FileSelector(self.path(relative_dir), recursive=True, allow_not_found=True)
         prefix = len(self.root) + 1
         with self._reaching(f"list {relative_dir}"):
             infos = self.fs.get_file_info(selector)
-        return sorted(i.path[prefix:] for i in infos if i.type == pafs.FileType.File)
+        return sorted(
+            (StoredFile(i.path[prefix:], int(i.size or 0), i.mtime) for i in infos if i.type == pafs.FileType.File),
+            key=lambda f: f.path,
+        )
+
+    def subfolders(self, relative_dir: str) -> list[str]:
+        """The names of the folders right inside `relative_dir`, sorted (empty when it does not exist;
+        StorageUnavailableError when the storage cannot be reached)."""
+        selector = pafs.FileSelector(self.path(relative_dir), recursive=False, allow_not_found=True)
+        with self._reaching(f"list {relative_dir}"):
+            infos = self.fs.get_file_info(selector)
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+    def file_sizes(self, relatives: Sequence[str]) -> dict[str, int]:
+        """The size in bytes of each of the files `relatives` that exists (a missing one is left out);
+        StorageUnavailableError when the storage cannot be reached."""
+        if not relatives:
+            return {}
+        with self._reaching(f"look up {len(relatives)} files such as {relatives[0]}"):
+            infos = self.fs.get_file_info([self.path(r) for r in relatives])
+        # get_file_info answers in the order asked.
+        return {r: int(i.size or 0) for r, i in zip(relatives, infos, strict=True) if i.type == pafs.FileType.File}
 
 
 def _s3_problem(settings: Settings, uri: str, exc: BaseException) -> str:

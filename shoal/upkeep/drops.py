@@ -23,7 +23,6 @@ import datetime as dt
 import logging
 from collections.abc import Iterable, Sequence
 
-import pyarrow.fs as pafs
 from sqlalchemy import Connection, Engine, delete, func, select, update
 
 from shoal.catalog.locks import lock_source
@@ -155,10 +154,8 @@ def release_files(
     trash with the trash folder's id), so a mirror written again meanwhile is kept. A crash between the two
     steps leaves the files queued for the next GC run."""
     wanted = set(paths)
-    prefix = len(storage.root) + 1
     for folder in folders:
-        selector = pafs.FileSelector(storage.path(folder), recursive=True, allow_not_found=True)
-        wanted |= {i.path[prefix:] for i in storage.fs.get_file_info(selector) if i.type == pafs.FileType.File}
+        wanted.update(storage.list_files(folder))  # StorageUnavailableError while the storage is away
     if not wanted:
         return 0
     garbage.enqueue(engine, sorted(wanted), reason, dt.datetime.now(dt.UTC))

@@ -55,7 +55,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import pyarrow.fs as pafs
 from sqlalchemy import Connection, Engine
 
 from shoal.catalog.locks import set_lock_timeout
@@ -173,16 +172,14 @@ def delete_queued(
 def _scan(
     engine: Engine, storage: Storage, grace_s: float, now: dt.datetime, tenant: str | None, result: GcResult
 ) -> None:
-    prefix = len(storage.root) + 1
     for name in [tenant] if tenant else garbage.tenants(engine):
         found: list[tuple[str, dt.datetime | None]] = []
         for folder in layout.FOLDERS:
-            selector = pafs.FileSelector(storage.path(layout.tenant_folder(name, folder)), recursive=True,
-                                         allow_not_found=True)
+            # StorageUnavailableError while the storage cannot be reached (the gc task retries it).
             found += [
-                (info.path[prefix:], info.mtime)
-                for info in storage.fs.get_file_info(selector)
-                if info.type == pafs.FileType.File and layout.is_managed(info.path[prefix:])
+                (f.path, f.mtime)
+                for f in storage.describe_files(layout.tenant_folder(name, folder))
+                if layout.is_managed(f.path)
             ]
         if not found:
             continue
@@ -367,12 +364,9 @@ def publishable(conn: Connection, new_files: Sequence[str]) -> bool:
 
 
 def _delete(storage: Storage, path: str) -> bool:
-    """Delete one file; False when it was already gone. Other storage errors propagate."""
-    try:
-        storage.fs.delete_file(storage.path(path))  # one check and one request fewer than asking first
-    except FileNotFoundError:
-        return False
-    return True
+    """Delete one file; False when it was already gone. Other storage errors propagate (an outage as
+    StorageUnavailableError)."""
+    return storage.delete(path)
 
 
 def _aware(value: dt.datetime) -> dt.datetime:

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow.fs as pafs
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -297,10 +296,9 @@ def _delete_rows(
         tenant = s.scalars(select(Tenant.name).where(Tenant.id == row.tenant_id)).one()
         name, version, deleted_at = row.name, row.version, row.deleted_at
         indexes = len(list(s.scalars(select(Index.id).where(Index.data_source_id == row.id))))
-        # The trash folder's files (a dataset's mirror) are listed here, so they are queued with the rows.
-        prefix = len(storage.root) + 1
-        selector = pafs.FileSelector(storage.path(trash_dir(tenant, row.id)), recursive=True, allow_not_found=True)
-        extra = [i.path[prefix:] for i in storage.fs.get_file_info(selector) if i.type == pafs.FileType.File]
+        # The trash folder's files (a dataset's mirror) are listed here, so they are queued with the rows. A
+        # storage outage (StorageUnavailableError, retried by the task) rolls the whole step back.
+        extra = storage.list_files(trash_dir(tenant, row.id))
         files = delete_source_rows(s.connection(), row.id, PURGED, dt.datetime.now(dt.UTC), extra)
     log.info(
         "purge: deleted the catalog rows of data source %s/%s (#%d) of tenant %s (in the trash since %s) with "
