@@ -166,7 +166,8 @@ class Runtime:
         if found is not None and time.monotonic() - found[0] < SOURCE_TTL_S:
             return found[1]
         record = scope.catalog.get_data_source(name, version)
-        self._sources[key] = (time.monotonic(), record)
+        with self._lock:  # forget_source walks the dict under the lock: a write beside it broke its walk
+            self._sources[key] = (time.monotonic(), record)
         return record
 
     def forget_source(self, source_id: int) -> None:
@@ -195,7 +196,8 @@ class Runtime:
         cached = self._shards_of.get(source_id)
         if cached is None or time.monotonic() - cached[0] > SHARDS_OF_TTL_S:
             cached = (time.monotonic(), self.shards.shards_of_source(source_id))
-            self._shards_of[source_id] = cached
+            with self._lock:
+                self._shards_of[source_id] = cached
         if not cached[1]:
             return
         from shoal.workers.triggers import notify_indexers

@@ -203,7 +203,6 @@ class SearchService:
         self.storage = runtime.storage
         self.shards = runtime.shards
         self.cache = runtime.segment_cache
-        _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
         # (tenant id, index name, version) -> the view served, and the scope to reload it with.
         self._views: dict[tuple[int, str, str], IndexView] = {}
         self._scopes: dict[int, Scope] = {}
@@ -233,6 +232,8 @@ class SearchService:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Joined last: other services walk _SHARING to unload (`_fit_budget`), and a half-made one has no lock yet.
+        _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
         if follow:
             self._threads.append(threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True))
             self._threads.append(threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True))
@@ -825,6 +826,11 @@ class SearchService:
                 with self._lock:
                     view = self._views.get(loaded)
                 need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
+                if need <= self.cache.budget:
+                    # Alone the index fits: what passes the budget are segments another searcher of this
+                    # process loaded and serves no view of yet (its own check makes room as it finishes, by
+                    # unloading this one if need be), or this index was unloaded by it meanwhile. Not refused.
+                    return
                 self._unload(loaded)
                 raise CapacityError(
                     f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
