@@ -68,16 +68,34 @@ def own_postgres() -> Iterator[tuple[Path, str]]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-@pytest.fixture
-def fresh_db(pg_url: str) -> Iterator[str]:
-    """A new, empty database on the test server, dropped afterwards."""
+@contextlib.contextmanager
+def new_database(pg_url: str) -> Iterator[str]:
+    """A new, empty database on the test server (its URL), dropped when the block ends."""
     name = "m" + uuid.uuid4().hex[:10]
     admin = pg_url.replace("postgresql+psycopg://", "postgresql://").replace("/shoal?", "/postgres?")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    yield pg_url.replace("/shoal?", f"/{name}?")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    try:
+        yield pg_url.replace("/shoal?", f"/{name}?")
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def fresh_db(pg_url: str) -> Iterator[str]:
+    """A new, empty database on the test server, dropped afterwards."""
+    with new_database(pg_url) as url:
+        yield url
+
+
+def catalog_down(url: str) -> bool:
+    """True when the Postgres at `url` refuses connections (a test stopped it)."""
+    try:
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), connect_timeout=2):
+            return False
+    except psycopg.Error:
+        return True
 
 
 @pytest.fixture

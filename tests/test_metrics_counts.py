@@ -20,10 +20,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psycopg
 import pytest
 import yaml
-from conftest import api_process, free_port, serve_api, wait_for
+from conftest import api_process, catalog_down, free_port, serve_api, wait_for
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -158,14 +157,6 @@ def test_a_fanned_out_search_is_observed_once_for_the_whole_of_it(
 # -- 3. /metrics while the catalog is down -------------------------------------------------------------------------
 
 
-def _pg_down(url: str) -> bool:
-    try:
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), connect_timeout=2):
-            return False
-    except psycopg.Error:
-        return True
-
-
 def test_metrics_are_served_without_the_lag_gauges_while_the_catalog_is_down(
     make_settings: Callable[..., Settings], own_postgres: tuple[Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -182,7 +173,7 @@ def test_metrics_are_served_without_the_lag_gauges_while_the_catalog_is_down(
         assert "shoal_index_served_lag_seqs{" in r.text and "shoal_index_built_lag_seqs_max " in r.text
 
         stop_embedded(home)
-        wait_for(lambda: _pg_down(pg), 30, "the catalog to be down")
+        wait_for(lambda: catalog_down(pg), 30, "the catalog to be down")
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="shoal.api.metrics"):
             for headers in (scraper, {}):  # the scraper's token, and a keyless caller's totals

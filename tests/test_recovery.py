@@ -24,9 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
-import psycopg
 import pytest
-from conftest import kill_worker, serve_api, settings_env, start_worker, stop_process, wait_for
+from conftest import catalog_down, kill_worker, serve_api, settings_env, start_worker, stop_process, wait_for
 from helpers.kill_points import freeze_inside
 from sqlalchemy.orm import Session
 
@@ -406,14 +405,6 @@ def _start_postgres(home: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(home)], check=True, timeout=120)
 
 
-def _pg_down(url: str) -> bool:
-    try:
-        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), connect_timeout=2):
-            return False
-    except psycopg.Error:
-        return True
-
-
 @pytest.mark.slow
 def test_a_catalog_outage_answers_503_while_loaded_indexes_keep_serving(
     make_settings: Callable[..., Settings], own_postgres: tuple[Path, str]
@@ -456,7 +447,7 @@ def test_a_catalog_outage_answers_503_while_loaded_indexes_keep_serving(
                  == [f"n{i}" for i in exact], 30, "the API to serve the dataset's index")
 
         stop_embedded(home)
-        wait_for(lambda: _pg_down(pg), 30, "the catalog to be down")
+        wait_for(lambda: catalog_down(pg), 30, "the catalog to be down")
         # Eventual searches of the loaded index go on answering, right, across many refresh polls.
         began = time.monotonic()
         answered = 0

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import psycopg
 import pyarrow as pa
 import pytest
+from conftest import new_database
 
 from shoal import DataSourceSpec, Shoal
 from shoal.catalog.db import migrate
@@ -37,13 +37,8 @@ SPEC = DataSourceSpec("docs", "1", DIM, {"id": "int64"}, ["id"])
 @pytest.fixture
 def other_db(pg_url: str) -> Iterator[str]:
     """A second new, empty database on the test server (besides `fresh_db`), dropped afterwards."""
-    name = "m" + uuid.uuid4().hex[:10]
-    admin = pg_url.replace("postgresql+psycopg://", "postgresql://").replace("/shoal?", "/postgres?")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield pg_url.replace("/shoal?", f"/{name}?")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    with new_database(pg_url) as url:
+        yield url
 
 
 def fill(shoal: Shoal) -> None:

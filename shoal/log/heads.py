@@ -59,32 +59,32 @@ def read_head(client: redis.Redis, source_id: int) -> int | None:
     return None if value is None else int(value)
 
 
-class HeadRead:
-    """A read of the newest head announced for a data source, sent at once and answered later, so that a
-    `strong` search can run over what it already holds while the round trip is under way. `result()` takes
-    the answer (once); `close()` gives the connection back unread (dropping it) when the answer is not
-    wanted. Raises redis.RedisError (or OSError) when Redis does not answer, from either."""
+class SentRead:
+    """One Redis command sent at once and answered later, so that a `strong` search runs over what it already
+    holds while the round trip is under way (shoal.searcher.announce.HeadAndTokenRead reads the head this way).
+    `answer()` takes the reply (once); `close()` gives the connection back unread (dropping it) when the reply is
+    not wanted. Raises redis.RedisError (or OSError) when Redis does not answer, from either."""
 
-    def __init__(self, client: redis.Redis, source_id: int) -> None:
+    def __init__(self, client: redis.Redis, *command: Any) -> None:
         self._pool = client.connection_pool
         self._conn: Any = self._pool.get_connection()
         try:
-            self._conn.send_command("GET", head_key(source_id))
+            self._conn.send_command(*command)
         except BaseException:
             self._give_back(drop=True)
             raise
 
-    def result(self) -> int | None:
-        """The announced head (None when none is known), waiting for it if need be."""
+    def answer(self) -> Any:
+        """The command's reply, waiting for it if need be."""
         if self._conn is None:
-            raise RuntimeError("the head read was already answered or closed")
+            raise RuntimeError("the read was already answered or closed")
         try:
-            value: Any = self._conn.read_response()
+            value = self._conn.read_response()
         except BaseException:
             self._give_back(drop=True)
             raise
         self._give_back(drop=False)
-        return None if value is None else int(value)
+        return value
 
     def close(self) -> None:
         """Give the connection back if its answer was never read: dropped, since a reply is still due on it."""

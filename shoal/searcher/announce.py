@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any
 
 import redis
 
 from shoal.catalog.indexes import IndexRecord
-from shoal.log.heads import head_key
+from shoal.log.heads import SentRead, head_key
 
 log = logging.getLogger(__name__)
 
@@ -61,40 +60,14 @@ def announce_index(redis_url: str, index: IndexRecord) -> None:
     announce_versions(redis_url, [(shard.id, 0) for shard in index.shards], token_of=index.source_id)
 
 
-class HeadAndTokenRead:
-    """A read of a data source's announced head and index token (one MGET), sent at once and answered later, so
-    that a strong search runs over what it already holds while the round trip is under way (as
-    shoal.log.heads.HeadRead, which reads the head alone). `result()` takes the answer (once); `close()` gives
-    the connection back unread (dropping it). Raises redis.RedisError (or OSError) when Redis does not answer."""
+class HeadAndTokenRead(SentRead):
+    """A read of a data source's announced head and index token (one MGET), sent at once and answered later
+    (shoal.log.heads.SentRead). Raises redis.RedisError (or OSError) when Redis does not answer."""
 
     def __init__(self, client: redis.Redis, source_id: int) -> None:
-        self._pool = client.connection_pool
-        self._conn: Any = self._pool.get_connection()
-        try:
-            self._conn.send_command("MGET", head_key(source_id), index_token_key(source_id))
-        except BaseException:
-            self._give_back(drop=True)
-            raise
+        super().__init__(client, "MGET", head_key(source_id), index_token_key(source_id))
 
     def result(self) -> tuple[int | None, bytes | str | None]:
         """(announced head, index token); each None when Redis holds none. Waits for the answer if need be."""
-        if self._conn is None:
-            raise RuntimeError("the head read was already answered or closed")
-        try:
-            head, token = self._conn.read_response()
-        except BaseException:
-            self._give_back(drop=True)
-            raise
-        self._give_back(drop=False)
+        head, token = self.answer()
         return (None if head is None else int(head)), token
-
-    def close(self) -> None:
-        """Give the connection back if its answer was never read: dropped, since a reply is still due on it."""
-        if self._conn is not None:
-            self._give_back(drop=True)
-
-    def _give_back(self, drop: bool) -> None:
-        conn, self._conn = self._conn, None
-        if drop:
-            conn.disconnect()
-        self._pool.release(conn)
