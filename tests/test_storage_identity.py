@@ -25,6 +25,7 @@ from conftest import new_database
 from shoal import DataSourceSpec, Shoal
 from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
+from shoal.datasets.service import DatasetService
 from shoal.errors import ConfigurationError
 from shoal.storage import Storage, layout
 from shoal.storage.identity import MARKER, catalog_id, ensure_storage_identity, read_marker
@@ -215,3 +216,36 @@ def test_a_marker_that_is_not_one_is_refused_naming_it(make_settings: Callable[.
     (Path(settings.storage_uri or "") / MARKER).write_text("{not json")
     with pytest.raises(ConfigurationError, match=f"{MARKER} is not a catalog marker"):
         Shoal(settings, notify=False)
+
+
+@pytest.mark.parametrize("content", ["old segments, newer empty sources", "a dataset without vectors"])
+def test_a_storage_without_marker_holding_this_catalogs_files_is_claimed(
+    make_settings: Callable[..., Settings], content: str
+) -> None:
+    """The first start after the upgrade (no marker yet) refused a deployment's own storage as another's when
+    its newest data sources were still empty, or when all it held was a dataset's metadata mirror: the sample
+    of referenced files missed older segments and mirrors."""
+    settings = make_settings("local")
+    with Shoal(settings, notify=False) as shoal:
+        if content == "a dataset without vectors":
+            searcher = shoal.searcher(follow=False)
+            try:
+                DatasetService(shoal, searcher).create("ds", DIM)
+            finally:
+                searcher.close()
+        else:
+            fill(shoal)
+            for i in range(25):
+                shoal.create_data_source(DataSourceSpec(f"empty{i}", "1", DIM, {"id": "int64"}, ["id"]))
+        storage = Storage.from_settings(settings)
+        assert storage.list_files(layout.ROOT)  # what the storage holds besides the marker
+    (Path(storage.root) / MARKER).unlink()
+    with Shoal(settings, notify=False):  # claimed: the marker written again
+        assert read_marker(storage) is not None
+
+
+def test_a_database_url_password_given_as_a_query_parameter_is_masked() -> None:
+    from shoal.config.settings import mask_url
+
+    shown = mask_url("postgresql://shoal@127.0.0.1:1/shoal?sslmode=require&password=s3cretPW")
+    assert "s3cretPW" not in shown and shown.endswith("sslmode=require&password=***")

@@ -466,10 +466,20 @@ def _half_of_memory() -> int:
         return 4 << 30
 
 
+# Query parameters that carry a secret in the URLs Shoal takes (libpq's `?password=`, `?sslpassword=`; redis-py's
+# `?password=`).
+_SECRET_PARAMS = frozenset({"password", "sslpassword"})
+
+
 def mask_url(url: str) -> str:
-    """`url` with any password replaced by `***` (safe to print or log)."""
+    """`url` with any password replaced by `***`, in its user part or as a query parameter (safe to print or
+    log)."""
     parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password:
+        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    if parts.query:
+        pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
+        parts = parts._replace(query="&".join(
+            f"{p[0]}=***" if len(p) == 2 and unquote(p[0]).lower() in _SECRET_PARAMS else "=".join(p) for p in pairs
+        ))
+    return urlunsplit(parts)

@@ -30,10 +30,11 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 from sqlalchemy import Engine, select
 
-from shoal.catalog.models import CatalogIdentity, DataSource, GarbageFile, IndexFile, LogSegment
+from shoal.catalog.models import CatalogIdentity, DataSource, GarbageFile, IndexFile, LogSegment, Tenant
 from shoal.config.settings import Settings, mask_url
-from shoal.errors import ConfigurationError
-from shoal.storage import Storage
+from shoal.errors import ConfigurationError, StorageUnavailableError
+from shoal.log.records import DATASET_KEY
+from shoal.storage import Storage, is_outage, layout
 from shoal.storage.layout import ROOT
 
 MARKER = "shoal-catalog.json"  # at the storage root, beside `tenants/`
@@ -99,7 +100,16 @@ def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings
                 f"catalog is a new one); {_check(settings)}. If it really is this catalog's, write "
                 f'{MARKER} there holding {{"catalog_id": "{mine}"}}'
             )
-        _write_if_absent(storage, _marker_bytes(mine))
+        try:
+            _write_if_absent(storage, _marker_bytes(mine))
+        except StorageUnavailableError:
+            raise  # an outage: retried, or refused at start as one
+        except OSError as exc:
+            raise ConfigurationError(
+                f"storage {_storage_name(settings)} has no {MARKER} yet and this process cannot write it ({exc}): "
+                "start a process that may write to the storage first, or write it by hand holding "
+                f'{{"catalog_id": "{mine}"}}'
+            ) from None
         marker = read_marker(storage)  # another process may have written it first: its marker is the one
         if marker is None:
             raise ConfigurationError(f"storage {_storage_name(settings)}: {MARKER} was written but cannot be read back")
@@ -192,7 +202,12 @@ def _holds_files(storage: Storage, relative: str) -> bool:
     of a big bucket would take minutes, and empty folders (left by drops) hold nothing anyone could lose."""
     pending = [storage.path(relative)]
     while pending:
-        infos = storage.fs.get_file_info(pafs.FileSelector(pending.pop(), recursive=False, allow_not_found=True))
+        try:
+            infos = storage.fs.get_file_info(pafs.FileSelector(pending.pop(), recursive=False, allow_not_found=True))
+        except OSError as exc:
+            if is_outage(exc, local=storage.local):
+                raise StorageUnavailableError(f"storage unavailable: cannot list {relative}: {exc}") from exc
+            raise
         if any(info.type == pafs.FileType.File for info in infos):
             return True
         pending += [info.path for info in infos if info.type == pafs.FileType.Directory]
@@ -200,24 +215,25 @@ def _holds_files(storage: Storage, relative: str) -> bool:
 
 
 def _referenced_sample(engine: Engine) -> list[str]:
-    """Some files this catalog references: the newest log segment of its newest data sources, files of its
-    newest index versions, files its GC queue still holds. Each lookup walks an index, however big the catalog."""
-    newest_segment = (
-        select(LogSegment.path)
-        .where(LogSegment.data_source_id == DataSource.id)
-        .order_by(LogSegment.first_seq.desc())
-        .limit(1)
-        .correlate(DataSource)
-        .scalar_subquery()
-    )
-    newest_sources = select(newest_segment).select_from(DataSource).order_by(DataSource.id.desc()).limit(SAMPLE)
+    """Some files this catalog references: its newest log segments, files of its newest index versions, files
+    its GC queue still holds, and the metadata mirrors of its newest datasets (a dataset with no vector yet has
+    no other file). Read once, when a storage without a marker is first opened."""
     with engine.connect() as conn:
-        paths = [p for p in conn.scalars(newest_sources) if p]
+        paths = list(conn.scalars(select(LogSegment.path).order_by(LogSegment.committed_at.desc()).limit(SAMPLE)))
         paths += conn.scalars(select(IndexFile.path).order_by(IndexFile.version_id.desc()).limit(SAMPLE))
         paths += conn.scalars(
             select(GarbageFile.path).where(GarbageFile.deleted_at.is_(None))
             .order_by(GarbageFile.delete_after.desc()).limit(SAMPLE)
         )
+        datasets = conn.execute(
+            select(Tenant.name, DataSource.name, DataSource.id, DataSource.deleted_at)
+            .join(Tenant, Tenant.id == DataSource.tenant_id)
+            .where(DataSource.custom_metadata.has_key(DATASET_KEY))
+            .order_by(DataSource.id.desc()).limit(SAMPLE)
+        )
+        for tenant, name, source_id, deleted_at in datasets:
+            folder = layout.trash_dir(tenant, source_id) if deleted_at is not None else layout.dataset_dir(tenant, name)
+            paths.append(f"{folder}/dataset_metadata.json")
     return paths
 
 
