@@ -125,9 +125,21 @@ class Shoal:
         from shoal.upkeep.drops import drop_data_source
 
         record = self.get_data_source(name, version)
+        shards = self.runtime.shards.shards_of_source(record.id)  # read before: the drop deletes their rows
         paths = drop_data_source(self.engine, record.id, delete_after=self._drop_grace_end())
         self.runtime.forget_source(record.id)
+        self.announce_source_gone(record.id, shards)
         return len(paths)
+
+    def announce_source_gone(self, source_id: int, shards: list[int]) -> None:
+        """Tell searchers a data source was dropped or moved to the trash with the index shards `shards` (read
+        before): they stop serving its indexes, and strong searches of a following searcher ask the catalog at
+        once (the data source's index token changes) instead of trusting the head Redis still holds."""
+        if not self.runtime.notify:
+            return
+        from shoal.searcher.announce import announce_versions
+
+        announce_versions(self.broker_url(), [(shard, 0) for shard in shards], token_of=source_id)
 
     def _drop_grace_end(self) -> dt.datetime:
         return dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.settings.gc_grace_s)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import wait_for
 from sqlalchemy import Connection, Engine, delete, event, text
@@ -254,3 +255,35 @@ def test_an_index_dropped_while_its_data_source_is_dropped_waits_instead_of_dead
     with pytest.raises(NotFoundError):
         sh.get_data_source(name, "1")
     assert sh.list_indexes() == []
+
+
+def _sessions_waiting_on_locks(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )).scalar_one())
+
+
+def test_a_rollback_racing_a_drop_of_its_index_waits_instead_of_deadlocking(sh: Shoal) -> None:
+    """A rollback locked the reindex job, then the index rows; a drop of the index locks the source and the index
+    row, then the job (its DELETE clears the job's index ids): each waited for the other, and the rollback failed
+    with a deadlock (503 "the catalog is unavailable"). The rollback takes the source first too: it waits for
+    the drop, then answers NotFoundError (404)."""
+    name, spec = _source_and_index(sh)
+    sh.producer(name, "1").upload_columns(np.ones((3, DIM), np.float32), {"id": np.arange(3)})
+    job = sh.reindex(spec.name, spec.version, metric="cosine", wait=True)
+    assert job.state == "swapped"
+    live = sh.get_index(spec.name, spec.version).id
+    with ThreadPoolExecutor(2) as two, sh.engine.connect() as holder:
+        with holder.begin():
+            # Lines the two up as a slow moment would: the drop waits at the index row, holding the source.
+            holder.execute(text("SELECT id FROM indexes WHERE id = :id FOR SHARE"), {"id": live})
+            dropped = two.submit(sh.drop_index, spec.name, spec.version)
+            wait_for(lambda: _sessions_waiting_on_locks(sh.engine) >= 1, 30, "the drop to wait")
+            rolled = two.submit(sh.rollback, spec.name, spec.version)
+            wait_for(lambda: _sessions_waiting_on_locks(sh.engine) >= 2, 30, "the rollback to wait")
+        dropped.result(timeout=60)
+        with pytest.raises(NotFoundError):
+            rolled.result(timeout=60)
+    with pytest.raises(NotFoundError):
+        sh.get_index(spec.name, spec.version)

@@ -204,3 +204,55 @@ def test_a_following_searcher_learns_of_a_drop_whose_announcement_redis_lost(
                 _strong(searcher)
         finally:
             searcher.close()
+
+
+def test_a_following_searcher_learns_of_a_dropped_data_source_at_once(followed: tuple[Shoal, Shoal]) -> None:
+    """A drop of the whole data source (index and all) was announced to nobody: a following searcher's strong
+    searches trusted the head Redis still held and answered from the dropped index, even once the source and
+    index were made again and written to."""
+    quiet, loud = followed
+    _made(quiet)
+    searcher = quiet.searcher(follow=True, poll_interval=30.0)
+    try:
+        wait_for(lambda: searcher.service.heads_followed, 15, "the searcher to follow announced heads")
+        for _ in range(3):
+            assert _strong(searcher) == EUCLIDEAN
+        loud.drop_data_source(SOURCE.name, SOURCE.version)
+        with pytest.raises(NotFoundError):
+            _strong(searcher)
+        quiet.create_data_source(SOURCE)
+        quiet.create_index(_index("dot_product"))
+        quiet.producer(SOURCE.name, SOURCE.version).upload(
+            [DataPoint({"id": i}, [float(i), 0.0]) for i in range(100, 110)])
+        assert [i for i, _ in _strong(searcher)] == [109, 108]  # the acknowledged writes, not the dropped data
+    finally:
+        searcher.close()
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_data_source_moved_to_the_trash_stops_strong_searches_of_its_index(
+    followed: tuple[Shoal, Shoal], follow: bool
+) -> None:
+    """A source moved to the trash (a dataset deleted) kept answering strong searches of its loaded index, on
+    every searcher: the head read found the rows, which the trash keeps."""
+    from shoal.datasets.rules import VERSION
+    from shoal.datasets.service import DatasetService
+
+    quiet, loud = followed
+    searcher = quiet.searcher(follow=follow, poll_interval=30.0)
+    # The delete comes from another process (its own searcher is the one it refreshes).
+    theirs = loud.searcher(follow=False)
+    try:
+        service = DatasetService(loud, theirs)
+        service.create("trashme", 2, metric_type="euclidean", index_type="flat")
+        if follow:
+            wait_for(lambda: searcher.service.heads_followed, 15, "the searcher to follow announced heads")
+        service.upsert("trashme", [{"id": "a", "values": [1.0, 0.0]}])
+        # The dataset's index, searched as any index (Vektonn's route, the Python API).
+        assert searcher.search("trashme", VERSION, QUERY, 1, consistency=STRONG)[0]
+        service.delete("trashme")
+        with pytest.raises(NotFoundError):
+            searcher.search("trashme", VERSION, QUERY, 1, consistency=STRONG)
+    finally:
+        theirs.close()
+        searcher.close()

@@ -178,13 +178,16 @@ def seqs_committed_within(engine: Engine, source_id: int, seconds: float) -> int
 
 def head_of(engine: Engine, source_id: int, index_id: int | None = None) -> tuple[int, dt.datetime | None]:
     """The data source's head seq and when it last moved; NotFoundError if the source is gone, or (`index_id`
-    given) if that index row is: a searcher's strong read learns of a drop of the index it serves in the same
-    query (the source outlives an index dropped, or dropped and made again under its name)."""
-    query = select(DataSource.head_seq, DataSource.head_committed_at)
+    given) if that index or the source is gone or in the trash: a searcher's strong read learns of a drop (or a
+    move to the trash) of the index it serves in the same query (the source outlives an index dropped, or
+    dropped and made again under its name)."""
+    query = select(DataSource.head_seq, DataSource.head_committed_at).where(DataSource.id == source_id)
     if index_id is not None:
-        query = query.add_columns(exists().where(Index.id == index_id))
+        # A search's read: an index, or its source, in the trash is gone for it as one dropped is.
+        query = query.add_columns(exists().where(Index.id == index_id, Index.deleted_at.is_(None))).where(
+            DataSource.deleted_at.is_(None))
     with Session(engine) as s:
-        row = s.execute(query.where(DataSource.id == source_id)).one_or_none()
+        row = s.execute(query).one_or_none()
         if row is None:
             raise NotFoundError(f"data source {source_id} not found")
         if index_id is not None and not row[2]:

@@ -36,10 +36,12 @@ class Deletions(DatasetScope):
                 return Deletion(name, soft=False, files_deleted=files, trash_id=None, purge_after=None,
                                 deleted_at=dt.datetime.now(dt.UTC))
             retention = dt.timedelta(days=self.shoal.settings.trash_retention_days)
+            shards = self.shoal.runtime.shards.shards_of_source(record.source_id)
             try:
                 trashed = self._trash().soft_delete(name, rules.VERSION, retention)
             except NotFoundError:
                 raise not_found(name) from None
+            self.shoal.announce_source_gone(record.source_id, shards)
             log.info("dataset %s (#%d) of tenant %s moved to the trash; purge after %s",
                      name, trashed.id, self.tenant, trashed.purge_after.isoformat())
             self.shoal.runtime.forget_source(record.source_id)  # uploads of this process see it gone at once

@@ -232,6 +232,14 @@ class Generations:
             lineage = list(_lineage(s, tenant_id, name, version).ids)
             if not lineage:
                 raise NotFoundError(f"index {name!r} version {version!r} not found")
+            # The data source's row first, as every writer of these rows takes it (drops, swap): a drop of the
+            # index or its source racing this one waits for it, or commits first; never a deadlock.
+            source_id = s.scalar(select(Index.data_source_id).where(Index.id == lineage[0]))
+            if source_id is None or lock_source(s, source_id, missing_ok=True) is None:
+                raise NotFoundError(f"index {name!r} version {version!r} not found")
+            lineage = list(_lineage(s, tenant_id, name, version).ids)  # again: a drop may have committed meanwhile
+            if not lineage:
+                raise NotFoundError(f"index {name!r} version {version!r} not found")
             job = s.scalars(
                 select(ReindexJob)
                 .where(ReindexJob.tenant_id == tenant_id, ReindexJob.index_name == name,
