@@ -69,6 +69,15 @@ class SegmentCache:
             self._held.pop(holder, None)
             self._drop_unheld()
 
+    def trim(self) -> None:
+        """Drop segments no holder serves, oldest first, while the cache is over its budget (what a search of
+        older versions loaded: kept for the next such search while there is room)."""
+        with self._lock:
+            before = len(self._items)
+            self._trim_unheld()
+            if len(self._items) < before:
+                release_free_memory()
+
     def _live(self) -> frozenset[str]:
         return frozenset().union(*self._held.values())
 

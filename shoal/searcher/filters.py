@@ -21,6 +21,7 @@ attribute. Those are schemaless, so a value of another type simply does not matc
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -90,7 +91,9 @@ def _operand(kind: AttributeType, raw: Any, name: str) -> Any:
 class Filter:
     """A checked filter: `mask(table)` is a bool per row of a table holding the attributes it names.
 
-    `key` is the filter's canonical JSON (equal filters, equal keys), used to cache masks per segment."""
+    `key` is a digest of the filter's canonical JSON (equal filters, equal keys), used to cache masks per
+    segment: a fixed 32 characters, however long the filter (caches keyed by the text itself held every large
+    filter a client sent, past their byte budgets)."""
 
     key: str
     attributes: frozenset[str]
@@ -114,10 +117,16 @@ def parse_filter(
     mask = parser.node(raw)
     if key is None:
         try:
-            key = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
+            text = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
         except (TypeError, ValueError):
-            key = repr(raw)
+            text = repr(raw)
+        key = filter_key(text.encode("utf-8", "surrogateescape"))
     return Filter(key, frozenset(parser.used), mask)
+
+
+def filter_key(text: bytes) -> str:
+    """The cache key of a filter whose canonical text is `text`: a 128-bit digest (collisions are out of reach)."""
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 class _Parser:

@@ -43,7 +43,7 @@ from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL, HeadAndTokenRead
 from shoal.searcher.consistency import Consistency, check_seq
 from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
-from shoal.searcher.filters import Filter, parse_filter
+from shoal.searcher.filters import Filter, filter_key, parse_filter
 from shoal.searcher.placement import Placement
 from shoal.searcher.tails import Tail, build_tails
 from shoal.searcher.views import IndexView, load_shard
@@ -76,18 +76,18 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
     except (TypeError, ValueError):
         text = None
     cache = view.filter_cache
-    flt = cache.get(text) if text is not None else None
+    key = filter_key(text) if text is not None else None  # a digest: the cache holds no filter's whole text
+    flt = cache.get(key) if key is not None else None
     if flt is not None:
         return flt  # only filters that passed the checks below are kept
-    flt = parse_filter(filters, view.source.spec.attribute_types,
-                       key=text.decode("utf-8", "surrogateescape") if text is not None else None)
+    flt = parse_filter(filters, view.source.spec.attribute_types, key=key)
     if flt is None:
         return None
     _stored_only(view, flt)
-    if text is not None:
+    if key is not None:
         if len(cache) >= 256:
             cache.clear()
-        cache[text] = flt
+        cache[key] = flt
     return flt
 
 
@@ -582,6 +582,9 @@ class SearchService:
             load_shard(self.storage, self.cache, index, s.id, s.shard_no, versions.get(s.id))
             for s in index.shards if s.shard_no in picked
         )
+        # No view holds these segments: within the budget they stay for the next search of these versions, past it
+        # they go (they filled the cache past its budget until the next load of a current version).
+        self.cache.trim()
         view = IndexView(index, source, shards)
         q = prepare_queries(source.spec, queries)  # a bad query is refused even when no shard is searched
         if not shards:

@@ -93,9 +93,9 @@ class IndexView:
         return {}
 
     @cached_property
-    def filter_cache(self) -> dict[bytes, Any]:
-        """Filters parsed and checked for this view, by their JSON text (shoal.searcher.searcher); dropped with
-        the view."""
+    def filter_cache(self) -> dict[str, Any]:
+        """Filters parsed and checked for this view, by a digest of their JSON text (shoal.searcher.searcher);
+        dropped with the view."""
         return {}
 
     @cached_property
