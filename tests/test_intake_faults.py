@@ -368,6 +368,30 @@ def test_a_consumer_that_lost_the_lead_commits_nothing_it_holds_and_hands_it_bac
         assert log_rows(shoal) == [(1, False), (1, True)]
 
 
+def test_a_new_leader_waits_for_what_a_consumer_of_an_older_release_holds(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer],
+    broker: redis.Redis,
+) -> None:
+    """After an upgrade, a consumer of the previous release (which took messages without a lead) killed while
+    holding an upsert left it in its processing list, its liveness key still live. The first leader took the
+    lead at once and committed the tombstone published after the upsert first: the deleted point came back
+    once the old list was recovered. It waits for that list to come back to the queue."""
+    settings = intake_settings()  # liveness and lease: 3 s
+    name = queue_name(settings)
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(EVENTS)
+        with Publisher(settings) as p:
+            p.publish("events", "1", [point(1)], message_id="upsert")
+            old = f"{name}.processing.oldhost:4242:0badc0de"  # as the previous release named its lists
+            assert broker.lmove(name, old, "RIGHT", "LEFT") is not None
+            broker.set(f"{old}.alive", "1", px=3000)
+            p.publish("events", "1", [Tombstone({"id": 1})], message_id="tombstone")
+        consumer_thread(settings)
+        wait_for(lambda: head(shoal) == 2, 60, "both messages committed")
+        assert log_rows(shoal) == [(1, False), (1, True)]
+        assert shoal.fold("events", "1").num_rows == 0
+
+
 def test_a_commit_that_failed_is_retried_in_publish_order(
     intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer]
 ) -> None:

@@ -116,6 +116,10 @@ class IntakeConsumer:
         self._delivery: ReliableQueue | None = None
         self.leading = False  # whether this consumer leads its group (only the leader takes messages)
         self.consumer_id = new_consumer_id()
+        # Other consumers found holding messages when this one took the lead (`_waiting_for_others`).
+        self._others: list[str] = []
+        self._others_checked = False  # whether to look (again) for them
+        self._others_checked_at = 0.0
         self._backoff = 0.0
         self._written_sources: set[tuple[str, int]] = set()  # (tenant, source id) this consumer wrote to
 
@@ -179,7 +183,7 @@ class IntakeConsumer:
                 if time.monotonic() - beat_at > (delivery.lease_s / 3 if self.leading else 0.5):
                     self._beat()
                     beat_at = time.monotonic()
-                if not self.leading:
+                if not self.leading or self._waiting_for_others(delivery):
                     self.stop.wait(0.5)
                     continue
                 if self._parked and time.monotonic() - self._parked_at > 1.0:
@@ -341,6 +345,7 @@ class IntakeConsumer:
                 log.info("leading consumer group %s", self.group)
                 if not self._held:
                     self._delivery.reclaim()
+                self._others_checked, self._others_checked_at = True, 0.0  # look for others holding messages
             # Before anything is taken: what a dead leader held goes back to the queue's head first.
             self._delivery.recover()
         elif was:
@@ -349,6 +354,25 @@ class IntakeConsumer:
             log.warning("lost the lead of consumer group %s (stalled past the lease); standing by", self.group)
             self._requeue([h.message for h in self._held] + [m for m, _ in self._parked])
             self._drop_held()
+
+    def _waiting_for_others(self, delivery: ReliableQueue) -> bool:
+        """Whether this leader must wait before taking: another consumer (of an older release, which takes without
+        a lead) holds messages it took before anything on the queue now. Checked once a second while it does, and
+        whenever the lead is taken: their messages come back when they stop or their liveness key expires."""
+        if not self._others_checked:
+            return False
+        if time.monotonic() - self._others_checked_at < 1.0:
+            return True  # still waiting for those found a moment ago
+        self._others_checked_at = time.monotonic()
+        delivery.recover()
+        others = delivery.others_holding()
+        if others and others != self._others:
+            log.warning("consumer group %s: waiting for the messages consumers %s hold (a consumer of an older "
+                        "release: stop it cleanly, or wait for its liveness key to expire)", self.group,
+                        ", ".join(others))
+        self._others = others
+        self._others_checked = bool(others)  # none: taking is safe until the lead changes hands again
+        return bool(others)
 
     def _flush(self) -> None:
         if self._held and self._delivery is not None:

@@ -266,20 +266,34 @@ class ReliableQueue:
             return 0
         return int(self._requeue(keys=[self.processing, self.queue], args=[m.shoal_raw for m in messages]))
 
-    def recover(self) -> int:
-        """Put back on the queue what consumers whose liveness expired were holding; how many messages."""
-        moved = 0
+    def _other_lists(self) -> list[str]:
+        """The processing lists of the group's other consumers (names only; empty ones are no keys)."""
         prefix = f"{self.queue}.processing."
+        found = []
         for key in self.client.scan_iter(match=_glob_escape(prefix) + "*", count=100):
             name = key.decode() if isinstance(key, bytes) else str(key)
             # Exactly a consumer id after the prefix: not a liveness key, nor a list of another group whose name
             # begins with this one's (group "a" and group "a.processing.x").
-            if name == self.processing or not _CONSUMER_ID.fullmatch(name[len(prefix):]):
-                continue
+            if name != self.processing and _CONSUMER_ID.fullmatch(name[len(prefix):]):
+                found.append(name)
+        return found
+
+    def recover(self) -> int:
+        """Put back on the queue what consumers whose liveness expired were holding; how many messages."""
+        moved = 0
+        for name in self._other_lists():
             moved += max(0, int(self._move_back(keys=[name, self.queue, self._alive_key(name)], args=["1"])))
         if moved:
             log.warning("put %d messages of stopped consumers back on %s", moved, self.queue)
         return moved
+
+    def others_holding(self) -> list[str]:
+        """Other consumers of the group that hold messages while alive (their ids). Under the lead only the
+        leader holds any, and whoever takes the lead hands the last leader's back: one found here is a consumer
+        of an older release (which took without a lead), and the leader must not take before its messages are
+        back on the queue (when it stops, or its liveness key expires), or it would commit newer ones first."""
+        prefix = len(f"{self.queue}.processing.")
+        return [name[prefix:] for name in self._other_lists() if self.client.llen(name)]
 
     def reclaim(self) -> int:
         """Put back on the queue's head what this consumer's list still holds from an earlier connection (the
