@@ -94,6 +94,7 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
 # The search services sharing each segment cache (the runtime's): the budget is the cache's, so one service
 # may unload another's least recently searched index to fit one it loads.
 _SHARING: weakref.WeakKeyDictionary[SegmentCache, weakref.WeakSet[SearchService]] = weakref.WeakKeyDictionary()
+_SHARING_LOCK = threading.Lock()  # a WeakSet walked while another thread adds to it raises RuntimeError
 
 
 def _poll_s(value: Any) -> float:
@@ -233,7 +234,8 @@ class SearchService:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         # Joined last: other services walk _SHARING to unload (`_fit_budget`), and a half-made one has no lock yet.
-        _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
+        with _SHARING_LOCK:
+            _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
         if follow:
             self._threads.append(threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True))
             self._threads.append(threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True))
@@ -823,7 +825,9 @@ class SearchService:
         (CapacityError)."""
         self._retain()
         while self.cache.over_budget():
-            others = [(t, k, service) for service in list(_SHARING.get(self.cache, ()))
+            with _SHARING_LOCK:
+                sharing = list(_SHARING.get(self.cache, ()))
+            others = [(t, k, service) for service in sharing
                       for t, k in service._lru(loaded if service is self else (0, "", ""))]
             if not others:
                 with self._lock:
