@@ -61,6 +61,13 @@ def _strong(searcher: Searcher) -> list[tuple[int, float]]:
     return [(h.attributes["id"], round(h.distance, 6)) for h in hits]
 
 
+def _remake(dropper: Shoal, maker: Shoal, metric: str) -> None:
+    """Drop index I through `dropper`, then make it again with `metric` through `maker`, built."""
+    dropper.drop_index("I", "1")
+    maker.create_index(_index(metric))
+    _build(maker)
+
+
 def _drop_and_remake(searcher: Searcher, dropper: Shoal, maker: Shoal) -> None:
     """Drop index I under a searcher serving it, check strong answers NotFoundError at once, then make it
     again (dot product) and check strong answers from the new index at once; then drop and remake it in one go
@@ -72,9 +79,7 @@ def _drop_and_remake(searcher: Searcher, dropper: Shoal, maker: Shoal) -> None:
     maker.create_index(_index("dot_product"))
     _build(maker)
     assert _strong(searcher) == DOT
-    dropper.drop_index("I", "1")
-    maker.create_index(_index("euclidean"))
-    _build(maker)
+    _remake(dropper, maker, "euclidean")
     assert _strong(searcher) == EUCLIDEAN
 
 
@@ -189,13 +194,9 @@ def test_a_following_searcher_learns_of_a_drop_whose_announcement_redis_lost(
                 assert _strong(searcher) == EUCLIDEAN
             stop_embedded(home)
             wait_for(lambda: not searcher.service.heads_followed, 15, "the searcher to notice Redis is gone")
-            loud.drop_index("I", "1")  # its announcement fails (logged): Redis is away
-            quiet.create_index(_index("dot_product"))
-            _build(quiet)
+            _remake(loud, quiet, "dot_product")  # its drop's announcement fails (logged): Redis is away
             assert _strong(searcher) == DOT
-            loud.drop_index("I", "1")
-            quiet.create_index(_index("euclidean"))
-            _build(quiet)
+            _remake(loud, quiet, "euclidean")
             assert ensure_valkey(home) == url
             wait_for(lambda: searcher.service.heads_followed, 15, "the searcher to follow announced heads again")
             assert _strong(searcher) == EUCLIDEAN

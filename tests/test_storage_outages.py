@@ -32,7 +32,7 @@ from shoal.errors import (
     StorageUnavailableError,
 )
 from shoal.index.builder import ShardBuilder
-from shoal.index.manifest import Manifest
+from shoal.index.manifest import Manifest, SegmentEntry
 from shoal.index.segment import load_segment
 from shoal.log.records import IndexSpec
 from shoal.storage import Storage, is_outage
@@ -112,6 +112,15 @@ def _caught_up(shoal: Shoal) -> bool:
     return all(s.built_watermark == s.head for s in shoal.index_status("ix", "1"))
 
 
+def _built_segment(shoal: Shoal) -> SegmentEntry:
+    """The index segment a first build of the test's index made (its manifest entry)."""
+    _, shard_id = _source_and_index(shoal)
+    ShardBuilder(shoal.engine, shoal.storage).materialize(shard_id)
+    active = shoal.shards.active_version(shard_id)
+    assert active is not None
+    return Manifest.of(active.manifest).segments[0]
+
+
 def test_reads_and_writes_of_an_unreachable_s3_are_outages_not_corrupt_files(
     make_settings: Callable[..., Settings], own_s3: OwnS3
 ) -> None:
@@ -120,11 +129,7 @@ def test_reads_and_writes_of_an_unreachable_s3_are_outages_not_corrupt_files(
     retry map holds, and everything reads again once S3 is back."""
     settings = _s3_settings(make_settings, own_s3)
     with Shoal(settings, notify=False) as shoal:
-        _, shard_id = _source_and_index(shoal)
-        ShardBuilder(shoal.engine, shoal.storage).materialize(shard_id)
-        active = shoal.shards.active_version(shard_id)
-        assert active is not None
-        entry = Manifest.of(active.manifest).segments[0]
+        entry = _built_segment(shoal)
         spec = shoal.get_index("ix", "1").spec
 
         own_s3.stop()
@@ -158,11 +163,7 @@ def test_a_local_disk_problem_or_a_missing_file_is_no_outage(make_settings: Call
     credentials. S3 not answering, or answering "slow down" or a 5xx, is an outage (pyarrow's own messages)."""
     settings = make_settings("local")
     with Shoal(settings, notify=False) as shoal:
-        _, shard_id = _source_and_index(shoal)
-        ShardBuilder(shoal.engine, shoal.storage).materialize(shard_id)
-        active = shoal.shards.active_version(shard_id)
-        assert active is not None
-        entry = Manifest.of(active.manifest).segments[0]
+        entry = _built_segment(shoal)
         Path(shoal.storage.path(entry.rows_path)).unlink()
         with pytest.raises(CorruptArtifactError, match=r"rows\.parquet referenced by its manifest is missing"):
             load_segment(shoal.storage, entry, shoal.get_index("ix", "1").spec)

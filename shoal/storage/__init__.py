@@ -289,6 +289,20 @@ class Storage:
             key=lambda f: f.path,
         )
 
+    def holds_files(self, relative_dir: str) -> bool:
+        """True when any file lies under `relative_dir`. Folder by folder, stopping at the first file: a full
+        listing of a big bucket takes minutes, and empty folders (left by drops) hold nothing anyone could lose.
+        StorageUnavailableError when the storage cannot be reached."""
+        pending = [self.path(relative_dir)]
+        while pending:
+            selector = pafs.FileSelector(pending.pop(), recursive=False, allow_not_found=True)
+            with self._reaching(f"list {relative_dir}"):
+                infos = self.fs.get_file_info(selector)
+            if any(info.type == pafs.FileType.File for info in infos):
+                return True
+            pending += [info.path for info in infos if info.type == pafs.FileType.Directory]
+        return False
+
     def subfolders(self, relative_dir: str) -> list[str]:
         """The names of the folders right inside `relative_dir`, sorted (empty when it does not exist;
         StorageUnavailableError when the storage cannot be reached)."""

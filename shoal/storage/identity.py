@@ -27,14 +27,13 @@ import uuid
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 from sqlalchemy import Engine, select
 
 from shoal.catalog.models import CatalogIdentity, DataSource, GarbageFile, IndexFile, LogSegment, Tenant
 from shoal.config.settings import Settings, mask_url
 from shoal.errors import ConfigurationError, StorageUnavailableError
 from shoal.log.records import DATASET_KEY
-from shoal.storage import Storage, is_outage, layout
+from shoal.storage import Storage, layout
 from shoal.storage.layout import ROOT
 
 MARKER = "shoal-catalog.json"  # at the storage root, beside `tenants/`
@@ -93,7 +92,7 @@ def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings
     mine = catalog_id(engine)
     marker = read_marker(storage)
     if marker is None:
-        if _holds_files(storage, ROOT) and not _holds_any_of(storage, _referenced_sample(engine)):
+        if storage.holds_files(ROOT) and not _holds_any_of(storage, _referenced_sample(engine)):
             raise ConfigurationError(
                 f"storage {_storage_name(settings)} holds files but no {MARKER}, and none of the files catalog "
                 f"{_catalog_name(settings)} (id {mine}) references: it is another deployment's storage (or this "
@@ -195,23 +194,6 @@ def _write_if_absent(storage: Storage, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-
-
-def _holds_files(storage: Storage, relative: str) -> bool:
-    """True when any file lies under `relative`. Folder by folder, stopping at the first file: a full listing
-    of a big bucket would take minutes, and empty folders (left by drops) hold nothing anyone could lose."""
-    pending = [storage.path(relative)]
-    while pending:
-        try:
-            infos = storage.fs.get_file_info(pafs.FileSelector(pending.pop(), recursive=False, allow_not_found=True))
-        except OSError as exc:
-            if is_outage(exc, local=storage.local):
-                raise StorageUnavailableError(f"storage unavailable: cannot list {relative}: {exc}") from exc
-            raise
-        if any(info.type == pafs.FileType.File for info in infos):
-            return True
-        pending += [info.path for info in infos if info.type == pafs.FileType.Directory]
-    return False
 
 
 def _referenced_sample(engine: Engine) -> list[str]:
