@@ -3,7 +3,11 @@ process's shards and, through the same Vektonn search route, by the nodes servin
 
 A part asked of another node carries `X-Shoal-Shards` (the shards it is to answer from, never fanned out further)
 and the caller's own headers (its key, consistency level, write token, tag or seq), so each node authenticates the
-caller and reflects every write the level asks for, as one process would. Parts are merged per query by the
+caller and reflects every write the level asks for, as one process would. At `at_least` and `strong` each part
+also says which seq its answer reflects (`X-Shoal-Seq`): nodes read the log as far as each needs, so parts may
+answer at different seqs, which merged would show some shards' writes of a batch and not the others' (a state the
+log never had). The parts below the highest are asked again pinned to it (`X-Shoal-Answer-Seq`), as many rounds as
+shards keep moving past it, up to a bound. Parts are merged per query by the
 metric's direction, ties to the lower shard, as one process merges its shards. A shard that no node answers
 for makes the search a 503 naming it (X-Shoal-Missing-Shards), unless the caller sent `X-Shoal-Allow-Partial:
 true`: then the answer holds what the other shards found and the same header names the missing ones.
@@ -23,7 +27,7 @@ from fastapi import Response
 from starlette.concurrency import run_in_threadpool
 
 from shoal.api.security import TenantContext
-from shoal.errors import QueryError, ShardsUnavailableError
+from shoal.errors import ConflictError, QueryError, ShardsUnavailableError
 from shoal.searcher.placement import IndexPlacement, Placement
 
 log = logging.getLogger(__name__)
@@ -31,8 +35,16 @@ log = logging.getLogger(__name__)
 SHARDS_HEADER = "x-shoal-shards"
 PARTIAL_HEADER = "x-shoal-allow-partial"
 MISSING_HEADER = "X-Shoal-Missing-Shards"
+SEQ_HEADER = "X-Shoal-Seq"  # a part's answer: the seq it reflects (at_least and strong)
+PIN_HEADER = "x-shoal-answer-seq"  # a part asked again: answer at exactly this seq, or the lowest past it it can
 # What a part carries of the caller's request: who it is, and which state it must reflect.
 PASSED = ("authorization", "x-shoal-consistency", "x-shoal-required-token", "x-shoal-tag", "x-shoal-as-of")
+# Rounds of asking parts again at one seq: a new round is needed only when a shard's served version moved past the
+# seq meanwhile (a build swapped in during the search), so a few are plenty.
+SEQ_ROUNDS = 4
+
+# One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects if it says).
+Answered = tuple[list[int], list[dict[str, Any]], int | None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class LocalPart:
     k: int
     higher_is_nearer: bool
     shard_count: int
+    seq: int | None = None  # the seq it reflects (at_least and strong, with shards of its own)
 
 
 class PeerError(Exception):
@@ -104,10 +117,13 @@ class FanOut:
             raise
         try:
             remote, missing = await remote_task
+            part, remote, lost = await self._at_one_seq(placed, name, version, body, headers, local, mine, part,
+                                                        remote)
         except PeerError as exc:  # the caller's request refused by a node (its key, its token): answered as sent
             return Response(exc.content, status_code=exc.status, media_type=exc.content_type)
+        missing |= lost
         # Shards the placement names on no node, or beyond the index's own: the index's shards decide.
-        missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _ in remote for s in shards}
+        missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _ in remote for s in shards}
         missing = {s for s in missing if s < part.shard_count}
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
             raise ShardsUnavailableError(
@@ -115,7 +131,7 @@ class FanOut:
                 f"{name}/{version} answered from no node (placement: {self._where(placed, missing)}); retry, or "
                 f"send {PARTIAL_HEADER}: true to accept the other shards' results", sorted(missing))
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
-        parts += [(min(shards), results) for shards, results in remote]
+        parts += [(min(shards), results) for shards, results, _ in remote]
         # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a
         # search is refused the same whether one process serves the index or several.
         check_merged(parts, part.k, ctx.handle.shoal.settings.max_search_hits)
@@ -123,17 +139,52 @@ class FanOut:
         extra = {MISSING_HEADER: ",".join(map(str, sorted(missing)))} if missing else {}
         return Response(content, media_type="application/json", headers=extra)
 
+    async def _at_one_seq(
+        self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
+        local: Any, mine: list[int], part: LocalPart, remote: list[Answered],
+    ) -> tuple[LocalPart, list[Answered], set[int]]:
+        """The parts all at one seq: those that answered below the highest seq a part reports are asked again,
+        pinned to it, until all agree (parts that report none, eventual or time travel, are consistent as they
+        are); ConflictError after SEQ_ROUNDS rounds. Also the shards no node answered for when asked again."""
+        lost: set[int] = set()
+        for _ in range(SEQ_ROUNDS):
+            seqs = [s for _, _, s in remote if s is not None]
+            if mine and part.seq is not None:
+                seqs.append(part.seq)
+            if not seqs or min(seqs) == max(seqs):
+                return part, remote, lost
+            top = max(seqs)
+            behind = {shard for shards, _, s in remote if s is not None and s < top for shard in shards}
+            remote = [r for r in remote if r[2] is None or r[2] >= top]
+            remote_task = asyncio.ensure_future(
+                self._remote(placed, name, version, body, headers, set(mine), behind, top))
+            try:
+                if mine and part.seq is not None and part.seq < top:
+                    part = await run_in_threadpool(local, mine, top)
+            except BaseException:
+                remote_task.cancel()
+                raise
+            again, gone = await remote_task
+            remote += again
+            lost |= gone
+        raise ConflictError(
+            f"index {name}/{version}: its shards' nodes kept answering at different seqs (new versions swapped in "
+            f"during the search); retry")
+
     async def _remote(
         self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
-        mine: set[int],
-    ) -> tuple[list[tuple[list[int], list[dict[str, Any]]]], set[int]]:
-        """The other shards' parts: (the shards a node answered for, its results), and the shards no node
-        answered for. A node that fails is replaced by the next one listed for its shards (replicas)."""
+        mine: set[int], only: set[int] | None = None, pin: int | None = None,
+    ) -> tuple[list[Answered], set[int]]:
+        """The other shards' parts (`only` these, when given; at exactly `pin`, or the lowest seq past it a node
+        can answer at, when given): (the shards a node answered for, its results, its seq), and the shards no
+        node answered for. A node that fails is replaced by the next one listed for its shards (replicas)."""
         passed = {h: headers[h] for h in PASSED if h in headers}
         passed["content-type"] = "application/json"
+        if pin is not None:
+            passed[PIN_HEADER] = str(pin)
         tried: dict[int, int] = {}  # shard -> candidates tried
-        pending = {s for s in placed.nodes if s not in mine}
-        answered: list[tuple[list[int], list[dict[str, Any]]]] = []
+        pending = {s for s in placed.nodes if s not in mine} if only is None else set(only)
+        answered: list[Answered] = []
         missing: set[int] = set()
         while pending:
             by_node: dict[str, list[int]] = {}
@@ -151,14 +202,14 @@ class FanOut:
                 if outcome is None:
                     pending.update(shards)  # the next node listed for them, if any
                 else:
-                    answered.append((shards, outcome))
+                    answered.append((shards, *outcome))
         return answered, missing
 
     async def _ask(
         self, node: str, shards: list[int], name: str, version: str, body: bytes, headers: dict[str, str],
-    ) -> list[dict[str, Any]] | None:
-        """One node's results for `shards`; None when it cannot answer for them now (unreachable, timed out,
-        5xx); PeerError when it refuses the caller's request."""
+    ) -> tuple[list[dict[str, Any]], int | None] | None:
+        """One node's results for `shards`, and the seq it says they reflect; None when it cannot answer for
+        them now (unreachable, timed out, 5xx); PeerError when it refuses the caller's request."""
         url = f"{self.placement.urls[node].rstrip('/')}/api/v1/search/{name}/{version}"
         try:
             async with self.client.post(url, data=body,
@@ -166,6 +217,7 @@ class FanOut:
                 content = await response.read()
                 status = response.status
                 kind = response.headers.get("content-type", "application/json")
+                seq_text = response.headers.get(SEQ_HEADER)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
                         type(exc).__name__, exc)
@@ -181,7 +233,10 @@ class FanOut:
             log.warning("node %s answered shards %s of %s/%s with a body that is not JSON", node, shards, name,
                         version)
             return None
-        return results if isinstance(results, list) else None
+        if not isinstance(results, list):
+            return None
+        seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
+        return results, seq
 
     def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
         return "; ".join(f"shard {s} on {', '.join(placed.nodes.get(s, ())) or 'no node'}" for s in sorted(missing))

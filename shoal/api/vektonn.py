@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,13 +27,14 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
-from shoal.api.fanout import SHARDS_HEADER, FanOut, LocalPart, parse_shards
+from shoal.api.fanout import PIN_HEADER, SEQ_HEADER, SHARDS_HEADER, FanOut, LocalPart, parse_shards
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.config.settings import Settings
 from shoal.errors import NotFoundError, QueryError, ValidationError
 from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
+from shoal.searcher.searcher import AnsweredAt
 from shoal.vektonn import wire
 from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQueryDto, SearchResultDto
 from shoal.vektonn.upload_json import EmptyUploadError
@@ -211,7 +213,7 @@ def search_content(
     raises, and the route that then answers the error observes it (`_search_blocking`), so each request counts
     once. A part asked by another node is not observed (`_timed`)."""
     started = time.perf_counter()
-    content = _search_answer(ctx, name, version, body, headers, shards)[0]
+    content = _search_answer(ctx, name, version, body, headers, shards).content
     if shards is None and SHARDS_HEADER not in headers:
         metrics.observe_search(ctx.tenant, time.perf_counter() - started)
     return content
@@ -226,11 +228,20 @@ def _timed(metrics: Any, tenant: str, headers: Mapping[str, str]) -> AbstractCon
     return timer
 
 
+@dataclass(frozen=True)
+class _Answer:
+    content: bytes  # the SearchResultDto list
+    k: int
+    seq: int | None  # a part's: the seq it reflects (at_least and strong only; shoal.api.fanout)
+
+
 def _search_answer(
     ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
-    shards: list[int] | None,
-) -> tuple[bytes, int]:
-    """`search_content` (not timed: its callers time it), and the search's k."""
+    shards: list[int] | None, pin: int | None = None,
+) -> _Answer:
+    """`search_content` (not timed: its callers time it), with the search's k and, for a part of a fanned-out
+    search (`shards`, or an `X-Shoal-Shards` header), the seq it answered at: exactly at `pin` (or an
+    `X-Shoal-Answer-Seq` header) or the lowest seq past it that it can, when given."""
     settings = ctx.handle.shoal.settings
     try:
         query = wire.decode_search(body, settings.max_query_vectors)
@@ -241,6 +252,8 @@ def _search_answer(
             except ValueError:
                 raise ValidationError(f"header X-Shoal-Shards: must list shard numbers as 0,2,3; got {raw!r}")\
                     from None
+            pin = _int_header(headers, PIN_HEADER)
+        answered = AnsweredAt() if shards is not None else None
         searcher = ctx.handle.searcher
         # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
         source = searcher.view(name, version).source.spec
@@ -255,19 +268,23 @@ def _search_answer(
             filters=query.filter,
             shards=shards,
             max_hits=settings.max_search_hits,
+            pin=pin,
+            answered=answered,
         )
     except ValidationError as exc:
         raise QueryError.of(exc) from None
     # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
-    return wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors), query.k
+    content = wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors)
+    return _Answer(content, query.k, answered.seq if answered is not None else None)
 
 
 def _local_part(ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
-                shards: list[int]) -> LocalPart:
+                shards: list[int], pin: int | None = None) -> LocalPart:
     """This process's part of a fanned-out search (shoal.api.fanout); not timed: `fanned_out` times the whole."""
-    content, k = _search_answer(ctx, name, version, body, headers, shards)
+    answer = _search_answer(ctx, name, version, body, headers, shards, pin)
     view = ctx.handle.searcher.view(name, version)
-    return LocalPart(orjson.loads(content), k, view.higher_is_nearer, len(view.index.shards))
+    return LocalPart(orjson.loads(answer.content), answer.k, view.higher_is_nearer, len(view.index.shards),
+                     answer.seq)
 
 
 async def fanned_out(fanout: FanOut, ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
@@ -284,8 +301,9 @@ def _search_blocking(request: Request, name: str, version: str, body: bytes,
     ctx = ctx or reader_tenant(request)
     # Timed here, whether it answers or raises: the fast path observed nothing of a search it passed on.
     with _timed(request.app.state.metrics, ctx.tenant, request.headers):
-        content = _search_answer(ctx, name, version, body, request.headers, None)[0]
-    return Response(content, media_type=JSON)
+        answer = _search_answer(ctx, name, version, body, request.headers, None)
+    extra = {SEQ_HEADER: str(answer.seq)} if answer.seq is not None else None
+    return Response(answer.content, media_type=JSON, headers=extra)
 
 
 async def _search(request: Request, name: str, version: str) -> Response:

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 
 from shoal.catalog.indexes import IndexRecord
@@ -39,6 +40,7 @@ from shoal.log.compaction_swap import dropped_through
 from shoal.log.heads import HEADS_CHANNEL, parse_announcement
 from shoal.log.reader import read_log
 from shoal.log.records import SparseVector, check_name
+from shoal.log.validation import SEQ
 from shoal.runtime import Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL, HeadAndTokenRead
 from shoal.searcher.consistency import Consistency, check_seq
@@ -140,6 +142,17 @@ class _Stale(Exception):
 # How many times one search reloads a view found stale (_Stale) before it gives up: once is enough unless
 # compactions keep overtaking the loads.
 _STALE_RELOADS = 3
+
+
+class AnsweredAt:
+    """Where a search part reports the one seq its answer reflects (every write up to it, none after): the
+    node fanning a search out (shoal.api.fanout) asks again, pinned to the highest, the parts that answered
+    below it, so every shard of a placed index answers at one seq as in one process."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
 
 
 def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int, max_hits: int) -> None:
@@ -266,10 +279,14 @@ class SearchService:
         filters: Mapping[str, Any] | Filter | None = None,
         shards: Collection[int] | None = None,
         max_hits: int | None = None,
+        pin: int | None = None,
+        answered: AnsweredAt | None = None,
     ) -> list[Hits]:
         """`Searcher.search` for the tenant of `scope`; `shards` restricts it to those shards (which this process
         must serve: a fanned-out search's part, shoal.api.fanout); `max_hits` bounds the hits it may return
-        (`check_hits`)."""
+        (`check_hits`). A search at `at_least` or `strong` reports in `answered` the seq its answer reflects;
+        with `pin`, it answers at exactly the lowest seq at or past `pin` (and its token) it can: a part asked
+        again to match the other parts of a fanned-out search."""
         if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
             raise ValidationError(f"k must be a positive integer, got {k!r}")
         # Only what the steps below would fail on with a raw TypeError or AttributeError, or a catalog error, is
@@ -303,7 +320,10 @@ class SearchService:
             check_name("index name", index_name)
             check_name("index version", index_version)
             view = self._load(scope, index_name, index_version)
-        args = (queries, k, split_filter, retrieve_vectors, consistency, search_params, filters, shards, max_hits)
+        if pin is not None:
+            check_seq(pin, "pin")
+        args = (queries, k, split_filter, retrieve_vectors, consistency, search_params, filters, shards, max_hits,
+                pin, answered)
         try:
             return self._search_current(scope, key, view, *args)
         except _SourceGone:
@@ -333,12 +353,20 @@ class SearchService:
         self, scope: Scope, key: tuple[int, str, str], view: IndexView, queries: Any, k: int,
         split_filter: Mapping[str, Any] | None, retrieve_vectors: bool, consistency: Consistency | None,
         search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None,
-        shards: Collection[int] | None, max_hits: int | None,
+        shards: Collection[int] | None, max_hits: int | None, pin: int | None = None,
+        answered: AnsweredAt | None = None,
     ) -> list[Hits]:
         """`search` over one served view; _SourceGone when a head read finds its data source or its index gone."""
         self._used[key] = time.monotonic()
         if consistency is not None and consistency.data_source:
             _check_token_source(view, consistency)
+        if pin is not None and consistency is not None and consistency.level != "eventual":
+            # A pinned part answers at least the pin (checked as a token: past the head it is refused, or the young
+            # tier would claim seqs no commit has taken) and at most as far as it must. A strong part needs no head
+            # of its own: the pin is a head another part read after the search began.
+            consistency = Consistency.at_least(max(pin, consistency.seq))
+        else:
+            pin = None
         served = view
         if shards is not None or view.partial:
             view = self._part(view, scope.tenant, shards)
@@ -373,7 +401,7 @@ class SearchService:
                 covered = max(young.end if young is not None else 0, served.min_watermark)
                 try:
                     answer = self._answer(view, served, queries, k, split_filter, retrieve_vectors, covered,
-                                          search_params, filters, max_hits)
+                                          search_params, filters, max_hits, answered=answered)
                     head = self._read_head(read, view.source.id, view.index.id)
                 except NotFoundError:
                     raise _SourceGone from None
@@ -384,23 +412,30 @@ class SearchService:
                 required = head
         # A strong search's `required` is a head, never below a compaction's bound: no need to ask for it.
         return self._answer(view, served, queries, k, split_filter, retrieve_vectors, required, search_params,
-                            filters, max_hits, at_head=consistency is not None and consistency.level == "strong")
+                            filters, max_hits, at_head=consistency is not None and consistency.level == "strong",
+                            pin=required if pin is not None else None,
+                            answered=answered if consistency is not None and consistency.level != "eventual"
+                            else None)
 
     def _answer(
         self, view: IndexView, served: IndexView, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, required: int, search_params: Mapping[str, int] | None,
         filters: Mapping[str, Any] | Filter | None, max_hits: int | None = None, at_head: bool = False,
+        pin: int | None = None, answered: AnsweredAt | None = None,
     ) -> list[Hits]:
         """The search over `view` (a part of `served`, or itself) and its young tier, covering the log up to
-        `required` at least (`at_head`: `required` is a head the catalog or Redis gave)."""
+        `required` at least (`at_head`: `required` is a head the catalog or Redis gave); with `pin` (at most
+        `required`), up to exactly the lowest seq at or past it that the view can answer at. `answered` gets the
+        seq the answer reflects."""
         params = view.engine_class.check_search_params(search_params) if search_params else None
         # The young tier as far as it reaches (no I/O), or further when the consistency level needs more.
         # (The young tier is kept for the served view; a part of it takes its own shards' tails.)
         young = self._tails.get(view.index.id)
+        cache: TailCache | None
         if young is None:
-            tails = self._tail(served, required, at_head) if required > served.min_watermark else {}
+            cache = self._extend(served, required, at_head) if required > served.min_watermark else None
         elif young.end >= required:
-            tails = young.tails
+            cache = young
             if young.versions != served.versions:
                 # A newer version was swapped in and its young tier is still being derived (by the loader or
                 # the follower): answer from the view the young tier was derived for. That pair is consistent
@@ -410,7 +445,15 @@ class SearchService:
                 view = served if len(shards) == len(served.shards) else IndexView(
                     served.index, served.source, tuple(s for s in served.shards if s.shard_no in shards))
         else:
-            tails = self._tail(served, required, at_head)
+            cache = self._extend(served, required, at_head)
+        tails = cache.tails if cache is not None else {}
+        if answered is not None or pin is not None:  # parts of fanned-out searches only: eventual ones skip it
+            top = max((s.watermark for s in served.shards), default=0)
+            seq = max(cache.end if cache is not None else required, top)
+            if pin is not None and cache is not None and seq > max(pin, top):
+                seq, tails = self._cut(served, cache, max(pin, top))
+            if answered is not None:
+                answered.seq = seq
         if view is not served and tails:
             tails = {n: t for n, t in tails.items() if n in view.shard_numbers}
         if max_hits is not None:
@@ -435,6 +478,23 @@ class SearchService:
         q = prepare_queries(view.source.spec, queries)
         matches = split_matcher(view.index.spec, view.source.spec, split_filter)
         return execute(view, q, k, matches, tails, retrieve_vectors, params)
+
+    def _cut(self, served: IndexView, cache: TailCache, seq: int) -> tuple[int, dict[int, Tail]]:
+        """The tails of `served` (the view `cache` was derived for) up to `seq` alone, cut from the young tier
+        that reaches further, and the seq they reflect: `seq`, or a compaction's bound when the young tier was
+        read over a compacted range below it (the entries there that later ones superseded are gone, so a cut
+        below the bound would show a state the log never had)."""
+        if cache.start < seq:
+            floor = dropped_through(self.engine, served.source.id)
+            if cache.start < floor:
+                seq = max(seq, floor)
+        if seq >= cache.end:
+            return cache.end, cache.tails
+        entries = cache.entries
+        if entries is None or not entries.num_rows:
+            return seq, {}
+        held = entries.filter(pc.less_equal(entries[SEQ], seq))
+        return seq, build_tails(served, held) if held.num_rows else {}
 
     def _part(self, view: IndexView, tenant: str, shards: Collection[int] | None) -> IndexView:
         """The part of a served view that a search may use: `shards` (None: every shard of the index), each of
