@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import typer
 from conftest import module_cli_env, wait_for
 from typer.testing import CliRunner, Result
 
@@ -128,6 +129,11 @@ def test_option_parsing() -> None:
     assert parse_consistency("at_least:42") == Consistency.at_least(42)
     token = parse_consistency("at_least:docs/1@42")  # a whole write token: its data source is kept, to be checked
     assert token == Consistency.at_least(42) and (token.data_source, token.data_source_version) == ("docs", "1")
+    # Digits of other scripts are no seq (before, Arabic-Indic digits were read as 12 and a superscript leaked
+    # int()'s own message), as the whole-token form and the HTTP header refuse them.
+    for bad in ("at_least:\u0661\u0662", "at_least:\u00b2"):
+        with pytest.raises(typer.BadParameter, match="unknown consistency"):
+            parse_consistency(bad)
     argv = worker_argv(beat=True, schedule=Path("/d/s"), concurrency=2, loglevel="info", pool="solo", quick=True)
     assert argv == ["worker", "--loglevel", "INFO", "--pool", "solo", "--concurrency", "2", "--without-gossip",
                     "--without-mingle", "--beat", "--schedule", "/d/s"]

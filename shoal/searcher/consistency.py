@@ -77,9 +77,12 @@ class Consistency:
         otherwise."""
         if text in ("eventual", "strong"):
             return cls(text)  # type: ignore[arg-type]
-        if text.startswith("at_least:") and text.split(":", 1)[1].isdigit():
+        seq = text.split(":", 1)[1] if text.startswith("at_least:") else ""
+        # ASCII digits only: str.isdigit takes other scripts' digits and superscripts, which int() then reads
+        # as a seq or refuses with its own message.
+        if seq.isascii() and seq.isdigit():
             try:
-                return cls("at_least", int(text.split(":", 1)[1]))
+                return cls("at_least", int(seq))
             except ValidationError as exc:  # a seq past the bigint range: the callers catch ValueError
                 raise ValueError("; ".join(map(str, exc.problems))) from None
         raise ValueError(f"unknown consistency {text!r}: use eventual, strong or at_least:<seq>")
