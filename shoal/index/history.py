@@ -20,6 +20,7 @@ are one namespace across an index's generations.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sqlalchemy import Engine, delete, select
@@ -135,17 +136,22 @@ def versions_as_of(engine: Engine, index_id: int, seq: int) -> dict[int, Version
                 raise NotFoundError(f"index versions as of seq {seq} were pruned (SHOAL_VERSION_KEEP_S)")
             out[sid] = _version(at) if at is not None else None
         source_id = _source_of(s, index_id)
-    lowest = min((v.watermark if v else 0) for v in out.values()) if out else seq
-    check_log_kept(engine, source_id, lowest, seq)
+    starts = [v.watermark if v else 0 for v in out.values()]
+    check_log_kept(engine, source_id, min(starts, default=seq), seq, starts=starts)
     return out
 
 
-def check_log_kept(engine: Engine, source_id: int, lowest: int, seq: int, tag: str | None = None) -> None:
+def check_log_kept(
+    engine: Engine, source_id: int, lowest: int, seq: int, tag: str | None = None, *, starts: Collection[int] = ()
+) -> None:
     """Refuse (NotFoundError) a time travel to `seq` from versions whose lowest watermark is `lowest` when a
     compaction dropped entries of the log between them: read from there, the log shows keys missing or old
-    values, a state that never existed. A search checks again after it read the log (compaction may commit
-    between the check and the read; the read sees the log wholly before or wholly after it, and how far
-    compactions dropped never goes back), so it answers from a whole log or refuses. `tag`: the tag searched."""
+    values, a state that never existed. As `Shoal.read_log`, a read from seq 0 (a shard pinned with no version)
+    up to a seq at or past the compaction's bound is exact and allowed, unless one of `starts` (the watermark
+    each shard reads from, when the caller knows them) lies above 0 and below the bound. A search checks again
+    after it read the log (compaction may commit between the check and the read; the read sees the log wholly
+    before or wholly after it, and how far compactions dropped never goes back), so it answers from a whole log
+    or refuses. `tag`: the tag searched."""
     if lowest >= seq:
         return
     # How far compactions dropped entries (not how far they reached: a run that only merged segments leaves
@@ -154,16 +160,22 @@ def check_log_kept(engine: Engine, source_id: int, lowest: int, seq: int, tag: s
         compacted = int(conn.execute(
             select(LogCompaction.dropped_through).where(LogCompaction.data_source_id == source_id)
         ).scalar_one_or_none() or 0)
-    if lowest < compacted:
-        if tag is not None:
-            raise NotFoundError(
-                f"the log below seq {compacted} was compacted: tag {tag!r} stands for seq {seq}, and a shard it "
-                f"pinned was built only to seq {lowest}; take the tag again"
-            )
+    if lowest >= compacted:
+        return
+    # From seq 0 the compacted range holds the latest entry of every key at its seq (superseded ones and
+    # expired tombstones of keys no longer there are gone): folded up to the bound or past it, it shows the state
+    # there exactly. From a version inside that range the expired tombstones of keys it holds are missing.
+    if lowest == 0 and seq >= compacted and all(w == 0 or w >= compacted for w in starts):
+        return
+    if tag is not None:
         raise NotFoundError(
-            f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
-            f"above {compacted}, or a tag"
+            f"the log below seq {compacted} was compacted: tag {tag!r} stands for seq {seq}, and a shard it "
+            f"pinned was built only to seq {lowest}; take the tag again"
         )
+    raise NotFoundError(
+        f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
+        f"above {compacted}, or a tag"
+    )
 
 
 def _source_of(s: Session, index_id: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import sys
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -80,6 +81,11 @@ def retention_days(spec: DataSourceSpec) -> float | None:
         return None
     try:
         days = float(value)
+    except OverflowError:
+        # An integer past the float range (the dataset API takes any non-negative integer, e.g. 10**400): a
+        # positive one is a retention longer than the calendar, kept as the largest float, which expires
+        # nothing (as 1e300 does); a negative one is no retention, as any other negative value.
+        return sys.float_info.max if isinstance(value, int) and value > 0 else None
     except (TypeError, ValueError):
         log.warning("data source %s/%s: ignoring %s=%r (not a number)", spec.name, spec.version, METADATA_KEY, value)
         return None
@@ -87,8 +93,19 @@ def retention_days(spec: DataSourceSpec) -> float | None:
 
 
 def sources_with_retention(engine: Engine) -> list[SourceRecord]:
-    """Every data source (of every tenant) with a retention."""
-    return [r for r in sources_with_metadata(engine, METADATA_KEY, DATASET_MARKER) if retention_days(r.spec)]
+    """Every data source (of every tenant) with a retention. A source whose value cannot be read is logged and
+    left out: it never keeps the sweep from the others."""
+    out = []
+    for record in sources_with_metadata(engine, METADATA_KEY, DATASET_MARKER):
+        try:
+            days = retention_days(record.spec)
+        except Exception:  # noqa: BLE001 - one source's odd metadata must not stop retention in every tenant
+            log.exception("retention of data source %s (tenant %s): its %s cannot be read; skipped",
+                          record.id, record.tenant, METADATA_KEY)
+            continue
+        if days:
+            out.append(record)
+    return out
 
 
 def apply_retention(

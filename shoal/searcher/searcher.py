@@ -661,7 +661,8 @@ class SearchService:
             # picked (as_of checks before too) may have dropped entries of that range, and the read would show
             # a state that never existed. What compactions dropped never comes back, so passing now means the
             # read saw the log whole.
-            history.check_log_kept(self.engine, source.id, view.min_watermark, seq, tag)
+            history.check_log_kept(self.engine, source.id, view.min_watermark, seq, tag,
+                                   starts=[s.watermark for s in view.shards])
             if batches:
                 tails = build_tails(view, pa.Table.from_batches(batches))
         if max_hits is not None:
