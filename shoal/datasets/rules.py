@@ -137,15 +137,21 @@ def _is_int(value: Any) -> bool:
 
 def index_params_of(index_type: str, given: Any, field: str) -> dict[str, Any]:
     """The parameters of an index of `index_type` from those given (a JSON object or None): the ones left out
-    take `INDEX_DEFAULTS`, and integers must lie in `PARAM_RANGES` (nprobe at most the nlist in effect), else
-    INVALID_DATASET_CONFIG with `{field, value, allowed_range}`. Unknown names and values of the wrong type are
-    left for the engine to refuse (`resolve_index`), which names them."""
+    take `INDEX_DEFAULTS` (a left-out nprobe at most the nlist given), and integers must lie in `PARAM_RANGES`
+    (nprobe at most the nlist in effect), else INVALID_DATASET_CONFIG with `{field, value, allowed_range}`.
+    Unknown names and values of the wrong type are left for the engine to refuse (`resolve_index`), which
+    names them."""
     if given is None:
         given = {}
     if not isinstance(given, dict):
         raise DatasetError(ErrorCode.INVALID_DATASET_CONFIG, f"{field} must be null or a JSON object",
                            {"field": field})
     params = {**INDEX_DEFAULTS.get(index_type, {}), **given}
+    nlist = params.get("nlist")
+    if "nprobe" in params and "nprobe" not in given and _is_int(nlist) and nlist >= PARAM_RANGES["nlist"][0]:
+        # The default nprobe (10) is no choice of the caller's: with fewer lists it probes them all, so that
+        # `{nlist: 8}` alone is a complete configuration rather than a refusal naming an nprobe never sent.
+        params["nprobe"] = min(params["nprobe"], nlist)
     for name, value in params.items():
         if name in PARAM_RANGES and name in INDEX_DEFAULTS.get(index_type, {}) and _is_int(value):
             low, high = PARAM_RANGES[name]

@@ -1,8 +1,10 @@
 """Approximate search with an HNSW graph (hnswlib).
 
 hnswlib's spaces return their own distances; they are converted to Shoal's definitions: 'cosine' is already
-1 - cos, 'ip' returns 1 - ip (the score is 1 - d), and 'l2' returns the squared L2 distance (euclidean takes
-the square root). Manhattan has no hnswlib space and is refused.
+1 - cos (clipped to [0, 2] as flat clips it: hnswlib's float32 1 - cos strays a few 1e-7 outside, so a vector
+searched for itself came out at -4.8e-7), 'ip' returns 1 - ip (the score is 1 - d, unclipped like flat's), and
+'l2' returns the squared L2 distance (euclidean takes the square root). Manhattan has no hnswlib space and is
+refused.
 
 Rows with equal vectors are one node of the graph, which stands for all of them. hnswlib's neighbour pruning
 keeps one of several identical neighbours, so many copies of one vector (zero vectors, a default embedding)
@@ -101,6 +103,7 @@ class HnswEngine(Engine):
             self._shared: frozenset[int] = frozenset(np.flatnonzero(sizes > 1).tolist())
         self._ef_search: int = params["ef_search"]
         self._native = metric in _NATIVE  # kept: an Enum hashes in Python, and search_one runs per query
+        self._cosine = metric is Metric.COSINE
         self._one_shape = (1, dim)
         # hnswlib keeps ef on the index, not per call: serialize "set ef, query" so concurrent searches with
         # different k or ef_search cannot run with each other's ef. `_ef` is the ef this engine last set (the
@@ -159,7 +162,9 @@ class HnswEngine(Engine):
         # hnswlib's float32 distances are converted in float32: widening would not restore lost precision,
         # and this runs once per query.
         d = dist
-        if self.metric is Metric.DOT_PRODUCT:
+        if self._cosine:
+            d = _clip_cosine(d)
+        elif self.metric is Metric.DOT_PRODUCT:
             d = np.float32(1.0) - d
         elif self.metric is Metric.EUCLIDEAN:
             d = np.sqrt(np.maximum(d, np.float32(0.0)))
@@ -226,6 +231,10 @@ class HnswEngine(Engine):
         else:
             l_row = labels[0].tolist()
         d_row = dist[0].tolist()
+        # Cosine within [0, 2] as in `_as_metric`: the row is sorted and holds no padding, so its ends tell
+        # (two comparisons; the rare row past them is clipped before ties are looked for, as clipping makes some).
+        if self._cosine and (d_row[0] < 0.0 or d_row[-1] > 2.0):
+            d_row = [0.0 if d < 0.0 else 2.0 if d > 2.0 else d for d in d_row]
         if len(set(d_row)) < len(d_row):  # ties (a sorted row: equal values are neighbours): label order
             pairs = sorted(zip(d_row, l_row, strict=True))
             d_row, l_row = [d for d, _ in pairs], [label for _, label in pairs]
@@ -556,6 +565,12 @@ def _expand(
     out_d[which, col] = d[src]
     out_l[which, col] = row[src]
     return out_d, out_l
+
+
+def _clip_cosine(d: np.ndarray) -> np.ndarray:
+    """hnswlib's float32 cosine distances clipped to [0, 2], as flat's are (the float32 1 - cos of normalised
+    vectors strays a few 1e-7 past them); +inf padding stays +inf."""
+    return np.where(d > np.float32(2.0), np.where(d == np.inf, d, np.float32(2.0)), np.maximum(d, np.float32(0.0)))
 
 
 def _has_ties(d: np.ndarray) -> bool:

@@ -2,7 +2,8 @@
 
 Metrics: euclidean and l2_squared use METRIC_L2 (faiss returns squared L2; euclidean takes the square root),
 dot_product uses METRIC_INNER_PRODUCT, cosine normalises vectors and queries and uses the inner product
-(distance 1 - ip; zero vectors stay zero, so their distance is 1). Manhattan is refused.
+(distance 1 - ip, clipped to [0, 2] as flat clips it: float32 products of unit vectors stray past +-1 by
+about 1e-7; zero vectors stay zero, so their distance is 1). Manhattan is refused.
 
 faiss parallelises with OpenMP. omp_set_num_threads acts on the calling thread only (checked with faiss-cpu's
 bundled libgomp), so each build or search sets the thread count it wants and restores the previous one.
@@ -134,7 +135,7 @@ class IvfEngine(Engine):
                     dist[short], labels[short] = self._index.search(queries[short], k, params=every)
         d = dist.astype(np.float64)
         if self.metric is Metric.COSINE:
-            d = 1.0 - d
+            d = np.clip(1.0 - d, 0.0, 2.0)  # slots faiss left empty (-1) get +inf below
         elif self.metric is Metric.EUCLIDEAN:
             d = np.sqrt(np.maximum(d, 0.0))
         # Probed lists may hold fewer than k rows: faiss marks those slots -1; give them the worst distance
