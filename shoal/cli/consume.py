@@ -18,6 +18,11 @@ def consume(
     dead: Annotated[
         bool, typer.Option("--dead", help="Print (and remove) the group's dead letters, then exit.")
     ] = False,
+    consumer_id: Annotated[str | None, typer.Option(hidden=True, help="This consumer's id (shoal up sets it).")
+                           ] = None,
+    replaces: Annotated[str | None, typer.Option(
+        hidden=True, help="The id of a consumer of the group that ended (shoal up saw it exit): its lead is freed.")
+    ] = None,
 ) -> None:
     """Consume upload messages from the intake exchange into data-source logs until interrupted.
 
@@ -26,8 +31,15 @@ def consume(
     """
     from shoal.config.settings import mask_url
     from shoal.intake.consumer import IntakeConsumer, dead_letters
+    from shoal.intake.delivery import check_consumer_id
     from shoal.servers.broker import broker_url
 
+    for option, value in (("--consumer-id", consumer_id), ("--replaces", replaces)):
+        if value is not None:
+            try:
+                check_consumer_id(value)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint=option) from None
     settings = load_settings()
     if dead:
         letters = dead_letters(settings, group)
@@ -47,7 +59,7 @@ def consume(
     # message, and took a schema it cannot use for a transient failure, requeueing every message for ever.
     check_catalog(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    consumer = IntakeConsumer(settings, group=group)
+    consumer = IntakeConsumer(settings, group=group, consumer_id=consumer_id, replaces=replaces)
 
     def _stop(*_: Any) -> None:
         consumer.stop.set()

@@ -40,7 +40,7 @@ from sqlalchemy.exc import OperationalError
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
-from shoal.intake.delivery import NotLeading, ReliableQueue, new_consumer_id
+from shoal.intake.delivery import NotLeading, ReliableQueue, check_consumer_id, new_consumer_id
 from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
@@ -96,7 +96,11 @@ class _Held:
 class IntakeConsumer:
     """One consumer of a consumer group's queue. `run()` blocks until `stop` is set."""
 
-    def __init__(self, settings: Settings | None = None, *, group: str | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, *, group: str | None = None, consumer_id: str | None = None,
+                 replaces: str | None = None) -> None:
+        """A consumer of `group` (default SHOAL_INTAKE_GROUP) under `consumer_id` (default a new one). `replaces`:
+        the id of a consumer of the group that is known to have ended (a supervisor saw it exit), whose lead
+        and liveness end when this one first connects rather than when its lease runs out."""
         self.settings = settings or Settings()
         self.group = self.settings.intake_group if group is None else check_group(group)
         self.exchange_name = self.settings.intake_exchange
@@ -115,7 +119,8 @@ class IntakeConsumer:
         self._dead_producer: Producer | None = None
         self._delivery: ReliableQueue | None = None
         self.leading = False  # whether this consumer leads its group (only the leader takes messages)
-        self.consumer_id = new_consumer_id()
+        self.consumer_id = new_consumer_id() if consumer_id is None else check_consumer_id(consumer_id)
+        self._replaces = None if replaces is None else check_consumer_id(replaces)
         # Other consumers found holding messages when this one took the lead (`_waiting_for_others`).
         self._others: list[str] = []
         self._others_checked = False  # whether to look (again) for them
@@ -171,6 +176,12 @@ class IntakeConsumer:
         self._delivery = delivery = ReliableQueue(
             client, channel, self.queue.name, self.settings.intake_visibility_timeout_s, self.consumer_id
         )
+        if self._replaces is not None:
+            # The consumer this one was started in place of ended (`shoal up` saw it exit): the group need not
+            # wait out its lease, up to SHOAL_INTAKE_VISIBILITY_TIMEOUT_S with no message taken.
+            delivery.release_dead(self._replaces)
+            log.info("consumer %s, which this one replaces, ended: its lead is free", self._replaces)
+            self._replaces = None
         self.leading = False
         self._beat()
         beat_at = time.monotonic()

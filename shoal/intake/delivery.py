@@ -162,6 +162,13 @@ def new_consumer_id() -> str:
     return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def check_consumer_id(text: str) -> str:
+    """`text` if it has the form of a consumer id (host:pid:8 hex digits), else ValueError saying so."""
+    if not _CONSUMER_ID.fullmatch(text):
+        raise ValueError(f"{text[:100]!r} is no consumer id (host:pid:8 hex digits, as consumers make them)")
+    return text
+
+
 class ReliableQueue:
     """One consumer's view of a kombu queue on Redis: get, ack, requeue, and recovery of dead consumers."""
 
@@ -300,6 +307,14 @@ class ReliableQueue:
         process forgot it when the broker went away); how many messages."""
         return max(0, int(self._move_back(keys=[self.processing, self.queue, self._alive_key(self.processing)],
                                           args=["0"])))
+
+    def release_dead(self, consumer_id: str) -> None:
+        """End, now, the lead and the liveness of a consumer of this group that is known to have ended (its
+        supervisor saw it exit: `shoal up` restarting it), rather than after its lease runs out. What it held is
+        handed back by whoever takes the lead next, in that same step (it was the last leader), or by `recover`.
+        Never call it for a consumer that may still run: it would take again while the next leader does."""
+        self._resign(keys=[self.leader_key], args=[consumer_id])
+        self.client.delete(self._alive_key(f"{self.queue}.processing.{consumer_id}"))
 
     def release(self) -> None:
         """On a clean stop: hand back what this consumer still holds, drop its liveness key, and give up the lead
