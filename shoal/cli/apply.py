@@ -8,11 +8,13 @@ from typing import Annotated, Any
 
 import typer
 
-from shoal.cli.common import Tenant, open_shoal, out
+from shoal.catalog.repo import tenant_exists
+from shoal.cli.common import Tenant, load_settings, out
 from shoal.client import Shoal
 from shoal.errors import AlreadyExistsError, InvalidNameError, NotFoundError
 from shoal.index.spec import resolve_index
-from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec
+from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, check_tenant_name
+from shoal.runtime import Runtime
 from shoal.vektonn.yaml_config import SOURCES_DIR, Declared, naming_file, read_folder
 
 # The fields `DataSourceSpec.same_definition` compares, by the names the YAML gives them.
@@ -39,29 +41,35 @@ def _differences(mine: dict[str, Any], theirs: dict[str, Any], names: dict[str, 
     )
 
 
-def _source_spec(shoal: Shoal, spec: DataSourceSpec) -> DataSourceSpec | None:
+def _source_spec(shoal: Shoal | None, name: str, version: str) -> DataSourceSpec | None:
+    if shoal is None:  # a tenant the catalog does not hold has no data source
+        return None
     try:
-        return shoal.get_data_source(spec.name, spec.version).spec
+        return shoal.get_data_source(name, version).spec
     except NotFoundError:
         return None
 
 
-def _index_spec(shoal: Shoal, spec: IndexSpec) -> IndexSpec | None:
+def _index_spec(shoal: Shoal | None, spec: IndexSpec) -> IndexSpec | None:
+    if shoal is None:
+        return None
     try:
         return shoal.get_index(spec.name, spec.version).spec
     except NotFoundError:
         return None
 
 
-def check(shoal: Shoal, folder: Path, declared: Declared) -> Plan:
-    """Check every declared definition against the others and the tenant's catalog, writing nothing: each
-    index against its data source (declared in the folder or already in the catalog) by the same rules
-    `Shoal.create_index` applies, and each definition that exists already against the stored one. The first
-    error names its file; only a Plan that passed every check is ever applied, so no file is half applied."""
+def check(shoal: Shoal | None, folder: Path, declared: Declared, *, tenant: str) -> Plan:
+    """Check every declared definition against the others and the catalog of `tenant`, writing nothing (not even
+    the tenant): each index against its data source (declared in the folder or already in the catalog) by the
+    same rules `Shoal.create_index` applies, and each definition that exists already against the stored one.
+    `shoal` is a Shoal on the tenant, or None when the catalog does not hold the tenant (then it holds nothing:
+    every definition is new). The first error names its file; only a Plan that passed every check is ever
+    applied, so no file is half applied."""
     plan = Plan()
     for spec in declared.sources:
         with naming_file(declared.source_files[(spec.name, spec.version)]):
-            existing = _source_spec(shoal, spec)
+            existing = _source_spec(shoal, spec.name, spec.version)
             # What `create_data_source(exist_ok=True)` would refuse, found before anything is written.
             if existing is not None and not existing.same_definition(spec):
                 raise AlreadyExistsError(
@@ -78,13 +86,12 @@ def check(shoal: Shoal, folder: Path, declared: Declared) -> Plan:
             key = (index.source_name, index.source_version)
             source = in_folder.get(key)
             if source is None:
-                try:
-                    source = shoal.get_data_source(*key).spec
-                except NotFoundError:
+                source = _source_spec(shoal, *key)
+                if source is None:
                     raise NotFoundError(
                         f"dataSourceId names data source {key[0]!r} version {key[1]!r}, which is neither in "
-                        f"{folder / SOURCES_DIR} nor in tenant {shoal.tenant!r}"
-                    ) from None
+                        f"{folder / SOURCES_DIR} nor in tenant {tenant!r}"
+                    )
             resolved = resolve_index(index, source)
             existing_index = _index_spec(shoal, index)
             # The catalog compares resolved definitions; so does this.
@@ -105,9 +112,17 @@ def apply(
     check that what exists has the same definition. Every file is checked before anything is written (its fields,
     each index against its data source, each definition against the one the tenant holds already); an error
     names the file and, for a definition the tenant holds with other values, the fields that differ."""
-    declared = read_folder(folder)  # before open_shoal: a malformed folder starts no server
-    with open_shoal(tenant) as shoal:
-        plan = check(shoal, folder, declared)
+    declared = read_folder(folder)  # before the runtime: a malformed folder starts no server
+    settings = load_settings()
+    name = check_tenant_name(tenant or settings.tenant)
+    with Runtime(settings) as runtime:
+        # A Shoal makes its tenant on first use: checked with one only when the catalog holds the tenant already,
+        # so a refused folder (or one applied to a mistyped --tenant) leaves no tenant behind. A Shoal on a runtime
+        # it was given releases nothing when closed.
+        held = Shoal(runtime=runtime, tenant=name) if tenant_exists(runtime.engine, name) else None
+        plan = check(held, folder, declared, tenant=name)
+        # Every file checked out: the tenant is made now if it is new, and the definitions are written.
+        shoal = held or Shoal(runtime=runtime, tenant=name)
         for spec, existed in plan.sources:
             shoal.create_data_source(spec, exist_ok=True)
             out.print(f"data source {spec.name}/{spec.version}: {'unchanged' if existed else 'created'}")

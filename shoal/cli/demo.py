@@ -98,7 +98,8 @@ def demo(
 
     1. Ingest the sample into the data source debian.packages/1.0 and delete every 400th package: the
     deletions are published as a message and appended by a real consumer (`shoal consume`, a child process).
-    Uploads carry batch ids and the message an id, so running the demo again writes nothing new of the sample.
+    Uploads carry batch ids and the message an id keyed on the same rows, so running the demo again with the same
+    --points writes nothing new of the sample (and a run with other --points deletes those packages again).
     2. Create the HNSW index debian.packages.hnsw/1.0 (cosine) and start a real Celery worker with beat (a
     child process, logging to SHOAL_DATA_DIR/demo/worker.log); wait until it has built the index.
     3. Search with held-out queries: the embeddings of deleted packages.
@@ -132,7 +133,7 @@ def demo(
             uploaded = pq.read_table(attributes, columns=["id"])["id"].to_pylist()[: plan.rows]
         ids = [i for i in uploaded if i % DEMO_DELETE_EVERY == 0]
         out.print(f"uploaded {count(result.points)} points in batches of {DEMO_BATCH} ({count(result.new_points)} new)")
-        token = _delete_through_the_broker(shoal, settings, ids)
+        token = _delete_through_the_broker(shoal, settings, ids, delete_message_id(plan.rows, ids))
         deleted = "deleted" if token.seq > record.head_seq else "already deleted"
         out.print(f"  ... and {deleted} ids {', '.join(map(str, ids))} (write token {token})")
         print_log(shoal, name, version, segments=False, show=0)
@@ -181,9 +182,18 @@ def demo(
               f"shoal search {DEMO_INDEX.name} {DEMO_INDEX.version} --query-file QUERIES.npy")
 
 
-def _delete_through_the_broker(shoal: Shoal, settings: Settings, ids: list[int]) -> WriteToken:
-    """Step 1b: publish the deletions as a message, as an upstream processor would, and let a real consumer
-    (`shoal consume`, a child process) append them; the message id makes a re-run write nothing."""
+def delete_message_id(rows: int, ids: list[int]) -> str:
+    """The id of the message deleting `ids` after the first `rows` sample points were uploaded: keyed on what the
+    upload batch ids are keyed on (the fixed prefix, the batch size and the rows), as well as the ids. A run that
+    writes a new upload batch (another --points: its last batch is another) writes deleted ids again, so it must
+    publish a new message too; a message id keyed on the deleted ids alone was found committed by the earlier run
+    and the deletions were not appended again. A re-run with the same --points finds both committed."""
+    return "demo-delete-" + "-".join(map(str, ids)) + f"@{DEMO_BATCH_PREFIX}:{rows}/{DEMO_BATCH}"
+
+
+def _delete_through_the_broker(shoal: Shoal, settings: Settings, ids: list[int], message_id: str) -> WriteToken:
+    """Step 1b: publish the deletions as the message `message_id`, as an upstream processor would, and let a real
+    consumer (`shoal consume`, a child process) append them; the message id makes a re-run write nothing."""
     from shoal.intake.publisher import Publisher
 
     log_path = settings.data_dir / "demo" / "consumer.log"
@@ -192,7 +202,6 @@ def _delete_through_the_broker(shoal: Shoal, settings: Settings, ids: list[int])
         consumer = subprocess.Popen([sys.executable, "-m", "shoal.cli", "consume"], stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        message_id = "demo-delete-" + "-".join(map(str, ids))
         with Publisher(settings, tenant=shoal.tenant) as publisher:
             publisher.publish(DEMO_SPEC.name, DEMO_SPEC.version, [Tombstone({"id": i}) for i in ids],
                               message_id=message_id)
@@ -236,17 +245,22 @@ def _search_and_read_your_writes(
         point = {"id": [RYW_ID], "package": [RYW_PACKAGE], "section": ["demo"], "priority": ["optional"],
                  "installed_size_kb": [0], "version": ["1.0"], "architecture": ["all"]}
         token = producer.upload_columns(queries[:1], point)
-        eventual = searcher.search(spec.name, spec.version, queries[:1], 1)[0]
-        fresh = searcher.search(spec.name, spec.version, queries[:1], 1, consistency=Consistency.at_least(token))[0]
-        built = min(s.built_watermark for s in shoal.index_status(spec.name, spec.version))
-        first = table["package"][row_of[held_out[0]]]
-        out.print(f"read-your-writes: uploaded {RYW_PACKAGE} with the embedding of {first}, write token {token}")
-        out.print(f"  eventual            -> {_top(eventual)}  (the searcher serves the index at seq {count(served)})")
-        out.print(f"  at_least:{token.seq:<10} -> {_top(fresh)}  (found by an exact scan of the log above seq "
-                  f"{count(served)}; the worker had built up to seq {count(built)})")
-        if not fresh or fresh[0].attributes["package"] != RYW_PACKAGE:
-            fail("read-your-writes failed: the point just written was not found")
-        gone = producer.delete({"id": [RYW_ID]})
+        try:
+            eventual = searcher.search(spec.name, spec.version, queries[:1], 1)[0]
+            fresh = searcher.search(spec.name, spec.version, queries[:1], 1,
+                                    consistency=Consistency.at_least(token))[0]
+            built = min(s.built_watermark for s in shoal.index_status(spec.name, spec.version))
+            first = table["package"][row_of[held_out[0]]]
+            out.print(f"read-your-writes: uploaded {RYW_PACKAGE} with the embedding of {first}, write token {token}")
+            out.print(f"  eventual            -> {_top(eventual)}  (the searcher serves the index at seq "
+                      f"{count(served)})")
+            out.print(f"  at_least:{token.seq:<10} -> {_top(fresh)}  (found by an exact scan of the log above seq "
+                      f"{count(served)}; the worker had built up to seq {count(built)})")
+            if not fresh or fresh[0].attributes["package"] != RYW_PACKAGE:
+                fail("read-your-writes failed: the point just written was not found")
+        finally:
+            # Whatever happened above: a failed or interrupted run must not leave a point outside the sample live.
+            gone = producer.delete({"id": [RYW_ID]})
         out.print(f"  deleted {RYW_PACKAGE} again (write token {gone}): the next run shows this again")
         _wait(f"build the index up to seq {gone.seq}", _built_up_to(shoal, gone.seq), worker, log_path)
         searcher.refresh()  # serve the newest version, so the freshness table shows no lag

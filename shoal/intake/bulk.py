@@ -182,7 +182,7 @@ def _read(plan: ImportPlan, size: int) -> Iterator[ImportBatch]:
         for table in _rebatch(source.iter_batches(batch_size=size, columns=wanted), size, plan.rows):
             n = table.num_rows
             if vectors is not None:
-                block = np.asarray(vectors[offset : offset + n], dtype=np.float32)
+                block = _float32_or_given(np.asarray(vectors[offset : offset + n]))
             else:
                 assert plan.vector_column is not None
                 block = _vectors(table[plan.vector_column], dim, plan.vector_column)
@@ -268,6 +268,7 @@ def _plan_parquet(
             f"{path.name} has no vector column {vector_column!r} (its columns: {', '.join(schema.names)}); "
             "name it as the vectors column (shoal import: --vectors-column)"
         )
+    _refuse_repeated(schema, [vector_column], path)  # before schema.field, which cannot pick one of two
     _check_vector_type(schema.field(vector_column).type, spec.vector_dimension, vector_column)
     return meta.metadata.num_rows, _match_columns(spec, schema, attr_map, path)
 
@@ -304,7 +305,21 @@ def _match_columns(
             f"{path.name} has no column for attribute(s) {', '.join(missing)} (its columns: "
             f"{', '.join(schema.names)}); map columns to them with attr_map (shoal import: --attr-map COLUMN=ATTRIBUTE)"
         )
+    _refuse_repeated(schema, list(columns.values()), path)
     return columns
+
+
+def _refuse_repeated(schema: pa.Schema, wanted: list[str], path: Path) -> None:
+    """ValidationError naming the first of the `wanted` columns that `schema` holds more than once: a column is
+    read by name, and which of two same-named columns is meant cannot be told. A repeated column no one reads
+    is no matter."""
+    for name in wanted:
+        found = len(schema.get_all_field_indices(name))
+        if found > 1:
+            raise ValidationError(
+                f"{path.name} has {found} columns named {name!r}; the column read for it must be the only one "
+                "of that name (rename or drop the others)"
+            )
 
 
 # -- reading --------------------------------------------------------------------------------------------
@@ -393,12 +408,17 @@ def _vectors(column: pa.ChunkedArray | pa.Array, dim: int, name: str) -> np.ndar
     values = arr.flatten()
     if values.null_count:
         raise ValidationError(f"vector column {name!r}: coordinates must not be null")
-    given = values.to_numpy(zero_copy_only=False)
-    out = to_float32(given).reshape(len(arr), dim)  # past float32's range: inf, named below
+    return _float32_or_given(values.to_numpy(zero_copy_only=False).reshape(len(arr), dim))
+
+
+def _float32_or_given(given: np.ndarray) -> np.ndarray:
+    """Numbers read from a file as float32; as float64 where a value is past float32's range (without an overflow
+    warning), so that the upload's check names that number as past float32's range, not as "NaN or infinity",
+    which is what the cast made of it."""
+    out = to_float32(given)  # past float32's range: inf, no warning
     if given.dtype != np.float32 and not np.isfinite(out).all():
-        # The values as given, so that the upload's check names a number past float32's range as such (not as
-        # "NaN or infinity", which is what the cast made of it).
-        return np.asarray(given, dtype=np.float64).reshape(len(arr), dim)
+        with np.errstate(over="ignore"):  # a float128 file past float64's range: inf, named by the check
+            return np.asarray(given, dtype=np.float64)
     return out
 
 

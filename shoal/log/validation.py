@@ -538,7 +538,8 @@ def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Probl
         if not _valid_arrow(name, arr, problems):
             return
         if kind is AttributeType.DATETIME and pa.types.is_timestamp(arr.type):
-            _utc_micros(name, arr, problems)  # notes instants out of range; nulls stay nulls
+            # Notes instants out of range; nulls stay nulls. Never stored, so a nanosecond part loses nothing.
+            _utc_micros(name, arr, problems, exact=False)
             return
         if arr.type == ARROW_TYPES[kind] and kind not in (AttributeType.GUID, AttributeType.FLOAT64):
             return  # typed as the attribute: every value present is of its type
@@ -644,15 +645,23 @@ _MAX_US = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // _MICROSECOND
 _PER_UNIT_US = {"s": 1_000_000, "ms": 1_000, "us": 1}
 
 
-def _utc_micros(name: str, values: pa.Array | pa.ChunkedArray, problems: _Problems) -> pa.Array:
+SUB_MICROSECOND = "has sub-microsecond precision; datetimes are stored in microseconds"
+
+
+def _utc_micros(name: str, values: pa.Array | pa.ChunkedArray, problems: _Problems, *, exact: bool = True) -> pa.Array:
     """An Arrow timestamp column (any unit; naive taken as UTC, as naive datetimes are) as UTC microseconds,
     noting every instant outside years 1..9999 in UTC: a reader of the log could not turn it into a datetime.
-    Column-wise: no Python object per value."""
+    With `exact` (values that are stored), every nanosecond value that is not a whole microsecond is noted too:
+    it is refused rather than floored, which would store another instant (and merge two keys that differ below a
+    microsecond into one point). Column-wise: no Python object per value."""
     arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     # The stored integers are instants since the epoch in the column's unit; a timezone only labels them.
-    ticks = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    ticks = arr.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)  # a null is 0: a whole microsecond
     unit = arr.type.unit
     if unit == "ns":
+        if exact:
+            for pos in np.flatnonzero(ticks % 1_000)[:MAX_PROBLEMS]:
+                problems.add(SUB_MICROSECOND, int(pos), name)
         micros = ticks // 1_000  # nanoseconds span years 1677..2262 only: always in range
     else:
         per = _PER_UNIT_US[unit]

@@ -2,7 +2,8 @@
 
 Every scalar is read as text first (YAML's BaseLoader), so a version written `1.10` stays "1.10" instead of
 becoming the number 1.1; numbers and booleans are converted only where a field needs one. Unknown keys are
-ignored, as Vektonn ignores them. Keys are matched without regard to case.
+ignored, as Vektonn ignores them. Keys are matched without regard to case; a key given twice (in any case) in one
+mapping is refused.
 
 Every value is checked for its shape (text, list or mapping) before it is used: a malformed file is refused with
 a ValidationError naming the file and the field, never a Python error from deep inside.
@@ -68,6 +69,23 @@ def _keys_folded(name: str, data: dict[Any, Any]) -> dict[str, Any]:
     return folded
 
 
+class _UniqueKeyLoader(yaml.BaseLoader):
+    """YAML's BaseLoader (every scalar as text) refusing a key given twice in one mapping, at every level: PyYAML
+    keeps the last of the two without a word, so `vectorDimension: 3` then `vectorDimension: 4` would define 4."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+        seen: dict[str, yaml.Node] = {}
+        for key_node, _ in node.value:
+            # BaseLoader reads every scalar key as its text; a list or mapping key is left to PyYAML's own error.
+            if isinstance(key_node, yaml.ScalarNode):
+                first = seen.setdefault(key_node.value, key_node)
+                if first is not key_node:
+                    lines = (first.start_mark.line + 1, key_node.start_mark.line + 1)
+                    where = f"line {lines[0]}" if lines[0] == lines[1] else f"lines {lines[0]} and {lines[1]}"
+                    raise ValidationError(Problem(f"key {key_node.value!r} is given twice ({where})"))
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load(path: Path) -> dict[str, Any]:
     """The file's top-level mapping, keys lower-cased; ValidationError (without the path) when it is none."""
     # The glob finds anything named like a YAML file; read_text cannot read a directory or a dangling link.
@@ -82,7 +100,7 @@ def _load(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ValidationError(Problem(f"cannot be read: {exc.strerror or exc}")) from None
     try:
-        data = yaml.load(text, Loader=yaml.BaseLoader)  # noqa: S506 - BaseLoader builds no objects
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a BaseLoader: it builds no objects
     except yaml.YAMLError as exc:
         raise ValidationError(Problem(f"not valid YAML: {exc}")) from None
     if not isinstance(data, dict):
