@@ -116,3 +116,44 @@ def test_a_part_pinned_to_a_seq_answers_at_exactly_it(make_settings: Callable[..
         plain = httpx.post(search, json=BODY, headers={"X-Shoal-Required-Token": str(first),
                                                        "X-Shoal-Answer-Seq": str(second)}, timeout=60)
         assert _ys(plain) == dict.fromkeys(IDS, 200) and "X-Shoal-Seq" not in plain.headers
+
+
+@pytest.mark.timeout(600)
+def test_a_tag_taken_before_a_reindex_that_changed_the_metric_merges_by_the_old_metric(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    settings = make_settings("local", anonymous_tenant="")
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec("S", "1", 2, {"id": "int64"}, ["id"]))
+        shoal.create_index(IndexSpec("R", "1", "S", "1", algorithm="flat", metric="dot_product", shard_count=2))
+        shoal.producer("S", "1").upload([DataPoint({"id": i}, [float(i + 1), 1.0]) for i in IDS])
+        builder = ShardBuilder(shoal.engine, shoal.storage)
+        for shard in shoal.get_index("R", "1").shards:
+            builder.materialize(shard.id)
+        shoal.tag_index("R", "1", "before")
+        assert shoal.reindex("R", "1", metric="euclidean", wait=True).state == "swapped"
+        _, key = create_key(shoal.engine, settings.tenant, "read")
+    ports = {"a": free_port(), "b": free_port()}
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(yaml.safe_dump({
+        "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
+        "indexes": [{"tenant": settings.tenant, "index": "R", "version": "1", "shards": {"a": [0], "b": [1]}}],
+    }))
+    body = {"k": 3, "queryVectors": [{"isSparse": False, "coordinates": [1.0, 0.0]}]}
+    auth = {"Authorization": f"ApiKey {key}"}
+    with api_process(settings) as (_, one), \
+            api_process(settings, port=ports["a"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="a") as (_, a), \
+            api_process(settings, port=ports["b"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="b") as (_, b), \
+            api_process(settings, SHOAL_PLACEMENT_FILE=str(placement)) as (_, router):  # serves no shard
+        for tag in ({"X-Shoal-Tag": "before"}, {}):
+            want = httpx.post(f"{one}/api/v1/search/R/1", json=body, headers=auth | tag, timeout=60)
+            assert want.status_code == 200, want.text
+            for node in (a, b, router):
+                got = httpx.post(f"{node}/api/v1/search/R/1", json=body, headers=auth | tag, timeout=60)
+                assert got.status_code == 200, got.text
+                # Before, the tagged parts (dot product: larger is nearer) were merged as euclidean, the metric
+                # of the generation serving now: the caller got the smallest products of the parts' best.
+                assert got.content == want.content, f"{tag or 'current'} through {node}"
+        tagged = httpx.post(f"{one}/api/v1/search/R/1", json=body, headers=auth | {"X-Shoal-Tag": "before"},
+                            timeout=60).json()[0]["nearestDataPoints"]
+        assert [p["distance"] for p in tagged] == [20.0, 19.0, 18.0]  # the largest products, nearest first

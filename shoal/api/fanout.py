@@ -36,6 +36,9 @@ SHARDS_HEADER = "x-shoal-shards"
 PARTIAL_HEADER = "x-shoal-allow-partial"
 MISSING_HEADER = "X-Shoal-Missing-Shards"
 SEQ_HEADER = "X-Shoal-Seq"  # a part's answer: the seq it reflects (at_least and strong)
+# A part's answer: `higher` or `lower` is nearer, by the metric of the generation it searched (a tag taken before a
+# reindex answers from the old generation, whose metric may be another).
+NEARER_HEADER = "X-Shoal-Nearer"
 PIN_HEADER = "x-shoal-answer-seq"  # a part asked again: answer at exactly this seq, or the lowest past it it can
 # What a part carries of the caller's request: who it is, and which state it must reflect.
 PASSED = ("authorization", "x-shoal-consistency", "x-shoal-required-token", "x-shoal-tag", "x-shoal-as-of")
@@ -43,8 +46,9 @@ PASSED = ("authorization", "x-shoal-consistency", "x-shoal-required-token", "x-s
 # seq meanwhile (a build swapped in during the search), so a few are plenty.
 SEQ_ROUNDS = 4
 
-# One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects if it says).
-Answered = tuple[list[int], list[dict[str, Any]], int | None]
+# One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects and whether higher
+# is nearer, where it says).
+Answered = tuple[list[int], list[dict[str, Any]], int | None, bool | None]
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class LocalPart:
     higher_is_nearer: bool
     shard_count: int
     seq: int | None = None  # the seq it reflects (at_least and strong, with shards of its own)
+    searched: bool = False  # whether `higher_is_nearer` is that of the generation its shards were searched in
 
 
 class PeerError(Exception):
@@ -113,7 +118,7 @@ class FanOut:
             else:
                 part = await run_in_threadpool(local, mine)
         except BaseException:
-            remote_task.cancel()
+            _abandon(remote_task)
             raise
         try:
             remote, missing = await remote_task
@@ -123,7 +128,7 @@ class FanOut:
             return Response(exc.content, status_code=exc.status, media_type=exc.content_type)
         missing |= lost
         # Shards the placement names on no node, or beyond the index's own: the index's shards decide.
-        missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _ in remote for s in shards}
+        missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _, _ in remote for s in shards}
         missing = {s for s in missing if s < part.shard_count}
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
             raise ShardsUnavailableError(
@@ -131,11 +136,11 @@ class FanOut:
                 f"{name}/{version} answered from no node (placement: {self._where(placed, missing)}); retry, or "
                 f"send {PARTIAL_HEADER}: true to accept the other shards' results", sorted(missing))
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
-        parts += [(min(shards), results) for shards, results, _ in remote]
+        parts += [(min(shards), results) for shards, results, _, _ in remote]
         # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a
         # search is refused the same whether one process serves the index or several.
         check_merged(parts, part.k, ctx.handle.shoal.settings.max_search_hits)
-        content = merge(parts, part.k, part.higher_is_nearer)
+        content = merge(parts, part.k, _direction(name, version, part, bool(mine), remote))
         extra = {MISSING_HEADER: ",".join(map(str, sorted(missing)))} if missing else {}
         return Response(content, media_type="application/json", headers=extra)
 
@@ -148,13 +153,13 @@ class FanOut:
         are); ConflictError after SEQ_ROUNDS rounds. Also the shards no node answered for when asked again."""
         lost: set[int] = set()
         for _ in range(SEQ_ROUNDS):
-            seqs = [s for _, _, s in remote if s is not None]
+            seqs = [s for _, _, s, _ in remote if s is not None]
             if mine and part.seq is not None:
                 seqs.append(part.seq)
             if not seqs or min(seqs) == max(seqs):
                 return part, remote, lost
             top = max(seqs)
-            behind = {shard for shards, _, s in remote if s is not None and s < top for shard in shards}
+            behind = {shard for shards, _, s, _ in remote if s is not None and s < top for shard in shards}
             remote = [r for r in remote if r[2] is None or r[2] >= top]
             remote_task = asyncio.ensure_future(
                 self._remote(placed, name, version, body, headers, set(mine), behind, top))
@@ -162,7 +167,7 @@ class FanOut:
                 if mine and part.seq is not None and part.seq < top:
                     part = await run_in_threadpool(local, mine, top)
             except BaseException:
-                remote_task.cancel()
+                _abandon(remote_task)
                 raise
             again, gone = await remote_task
             remote += again
@@ -207,9 +212,10 @@ class FanOut:
 
     async def _ask(
         self, node: str, shards: list[int], name: str, version: str, body: bytes, headers: dict[str, str],
-    ) -> tuple[list[dict[str, Any]], int | None] | None:
-        """One node's results for `shards`, and the seq it says they reflect; None when it cannot answer for
-        them now (unreachable, timed out, 5xx); PeerError when it refuses the caller's request."""
+    ) -> tuple[list[dict[str, Any]], int | None, bool | None] | None:
+        """One node's results for `shards`, the seq it says they reflect and whether it says higher is nearer;
+        None when it cannot answer for them now (unreachable, timed out, 5xx); PeerError when it refuses the
+        caller's request."""
         url = f"{self.placement.urls[node].rstrip('/')}/api/v1/search/{name}/{version}"
         try:
             async with self.client.post(url, data=body,
@@ -218,6 +224,7 @@ class FanOut:
                 status = response.status
                 kind = response.headers.get("content-type", "application/json")
                 seq_text = response.headers.get(SEQ_HEADER)
+                nearer = {"higher": True, "lower": False}.get(response.headers.get(NEARER_HEADER, ""))
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
                         type(exc).__name__, exc)
@@ -236,7 +243,7 @@ class FanOut:
         if not isinstance(results, list):
             return None
         seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
-        return results, seq
+        return results, seq, nearer
 
     def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
         return "; ".join(f"shard {s} on {', '.join(placed.nodes.get(s, ())) or 'no node'}" for s in sorted(missing))
@@ -244,6 +251,28 @@ class FanOut:
     async def close(self) -> None:
         """Close the pooled connections."""
         await self.client.close()
+
+
+def _abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel the other nodes' requests of a search this process's part refused: their outcome (a node's own
+    refusal, PeerError, when it came first) is the caller's error over again, retrieved so that asyncio does not
+    log it as never retrieved."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _direction(name: str, version: str, local: LocalPart, mine: bool, remote: list[Answered]) -> bool:
+    """Whether higher is nearer for the merge: as the parts searched (they say so; this process's own part only
+    when it has shards), else as this process's view of the index's current generation; ConflictError when parts
+    searched generations whose metrics rank opposite ways (a reindex that changed the metric swapping in on one
+    node before another), which no merge can rank."""
+    said = {nearer for _, _, _, nearer in remote if nearer is not None}
+    if mine and local.searched:
+        said.add(local.higher_is_nearer)
+    if len(said) > 1:
+        raise ConflictError(f"index {name}/{version}: its shards' nodes searched generations whose metrics rank "
+                            "opposite ways (a reindex swapping in); retry")
+    return said.pop() if said else local.higher_is_nearer
 
 
 def check_merged(parts: list[tuple[int, list[dict[str, Any]]]], k: int, max_hits: int) -> None:

@@ -27,7 +27,15 @@ from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
-from shoal.api.fanout import PIN_HEADER, SEQ_HEADER, SHARDS_HEADER, FanOut, LocalPart, parse_shards
+from shoal.api.fanout import (
+    NEARER_HEADER,
+    PIN_HEADER,
+    SEQ_HEADER,
+    SHARDS_HEADER,
+    FanOut,
+    LocalPart,
+    parse_shards,
+)
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
 from shoal.config.settings import Settings
@@ -233,6 +241,7 @@ class _Answer:
     content: bytes  # the SearchResultDto list
     k: int
     seq: int | None  # a part's: the seq it reflects (at_least and strong only; shoal.api.fanout)
+    higher_is_nearer: bool | None  # a part's: the direction of the metric of the generation it searched
 
 
 def _search_answer(
@@ -275,7 +284,9 @@ def _search_answer(
         raise QueryError.of(exc) from None
     # Each result echoes its query vector as sent (not as the float32 the search used), as Vektonn does.
     content = wire.encode_search_results(source, query.query_vectors, results, query.retrieve_vectors)
-    return _Answer(content, query.k, answered.seq if answered is not None else None)
+    if answered is None:
+        return _Answer(content, query.k, None, None)
+    return _Answer(content, query.k, answered.seq, answered.higher_is_nearer)
 
 
 def _local_part(ctx: TenantContext, name: str, version: str, body: bytes, headers: Mapping[str, str],
@@ -283,8 +294,9 @@ def _local_part(ctx: TenantContext, name: str, version: str, body: bytes, header
     """This process's part of a fanned-out search (shoal.api.fanout); not timed: `fanned_out` times the whole."""
     answer = _search_answer(ctx, name, version, body, headers, shards, pin)
     view = ctx.handle.searcher.view(name, version)
-    return LocalPart(orjson.loads(answer.content), answer.k, view.higher_is_nearer, len(view.index.shards),
-                     answer.seq)
+    nearer = view.higher_is_nearer if answer.higher_is_nearer is None else answer.higher_is_nearer
+    return LocalPart(orjson.loads(answer.content), answer.k, nearer, len(view.index.shards), answer.seq,
+                     answer.higher_is_nearer is not None)
 
 
 async def fanned_out(fanout: FanOut, ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes,
@@ -302,8 +314,10 @@ def _search_blocking(request: Request, name: str, version: str, body: bytes,
     # Timed here, whether it answers or raises: the fast path observed nothing of a search it passed on.
     with _timed(request.app.state.metrics, ctx.tenant, request.headers):
         answer = _search_answer(ctx, name, version, body, request.headers, None)
-    extra = {SEQ_HEADER: str(answer.seq)} if answer.seq is not None else None
-    return Response(answer.content, media_type=JSON, headers=extra)
+    extra = {SEQ_HEADER: str(answer.seq)} if answer.seq is not None else {}
+    if answer.higher_is_nearer is not None:
+        extra[NEARER_HEADER] = "higher" if answer.higher_is_nearer else "lower"
+    return Response(answer.content, media_type=JSON, headers=extra or None)
 
 
 async def _search(request: Request, name: str, version: str) -> Response:

@@ -147,12 +147,15 @@ _STALE_RELOADS = 3
 class AnsweredAt:
     """Where a search part reports the one seq its answer reflects (every write up to it, none after): the
     node fanning a search out (shoal.api.fanout) asks again, pinned to the highest, the parts that answered
-    below it, so every shard of a placed index answers at one seq as in one process."""
+    below it, so every shard of a placed index answers at one seq as in one process. Also the direction of the
+    metric of the generation it searched (a tag taken before a reindex searches the old one, whose metric may
+    be another): the parts are merged by it."""
 
-    __slots__ = ("seq",)
+    __slots__ = ("higher_is_nearer", "seq")
 
     def __init__(self) -> None:
         self.seq: int | None = None
+        self.higher_is_nearer: bool | None = None
 
 
 def check_hits(view: IndexView, tails: Mapping[int, Tail], queries: Any, k: int, max_hits: int) -> None:
@@ -307,7 +310,7 @@ class SearchService:
                 check_seq(as_of, "as_of")
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
                                         retrieve_vectors, consistency, tag, as_of, search_params, filters, shards,
-                                        max_hits)
+                                        max_hits, answered)
         key = (scope.tenant_id, index_name, index_version)
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         try:
@@ -373,6 +376,8 @@ class SearchService:
             if not view.shards:
                 q = prepare_queries(view.source.spec, queries)  # a bad query is still refused
                 return [Hits([], [], ()) for _ in range(len(q))]
+        if answered is not None:
+            answered.higher_is_nearer = view.higher_is_nearer
         if consistency is None or consistency.level == "eventual":
             required = 0
         elif consistency.level == "at_least":
@@ -605,7 +610,7 @@ class SearchService:
         self, scope: Scope, name: str, version: str, queries: Any, k: int, split_filter: Mapping[str, Any] | None,
         retrieve_vectors: bool, consistency: Consistency | None, tag: str | None, as_of: int | None,
         search_params: Mapping[str, int] | None, filters: Mapping[str, Any] | Filter | None = None,
-        wanted: Collection[int] | None = None, max_hits: int | None = None,
+        wanted: Collection[int] | None = None, max_hits: int | None = None, answered: AnsweredAt | None = None,
     ) -> list[Hits]:
         from shoal.index import history
 
@@ -651,6 +656,8 @@ class SearchService:
         q = prepare_queries(source.spec, queries)  # a bad query is refused even when no shard is searched
         if not shards:
             return [Hits([], [], ()) for _ in range(len(q))]
+        if answered is not None:
+            answered.higher_is_nearer = view.higher_is_nearer
         params = view.engine_class.check_search_params(search_params)
         matches = split_matcher(index.spec, source.spec, split_filter)
         flt = _checked_filter(view, filters) if filters is not None else None
