@@ -8,6 +8,8 @@ that waited it out would fail every wait below.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,6 +66,34 @@ def test_a_consumer_replacing_a_dead_one_leads_at_once(
         folded = shoal.fold("events", "1")
         assert folded["id"].to_pylist() == [1]
         assert [list(v) for v in folded[VECTOR].to_pylist()] == [[2.0, 0.0]]
+
+
+def test_shoal_up_restarts_a_killed_consumer_that_leads_at_once(
+    intake_settings: Callable[..., Settings], worker_catalog: str, tmp_path: Path
+) -> None:
+    """`shoal up` saw its consumer die: the one it starts in its place takes the next message at once."""
+    settings = intake_settings(intake_visibility_timeout_s=3600, database_url=worker_catalog, merge_interval_s=0)
+    log = tmp_path / "up.log"
+    with Shoal(settings, notify=False) as shoal, Publisher(settings) as publisher:
+        shoal.create_data_source(SPEC)
+        with open(log, "wb") as out:
+            up = subprocess.Popen([sys.executable, "-m", "shoal", "up", "--no-api", "--pool", "solo"],
+                                  env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            publisher.publish("events", "1", [DataPoint({"id": 1}, [1.0, 0.0])])
+            wait_for(lambda: _head(shoal) == 1, 90, "shoal up's consumer to lead and commit")
+            pid = int(re.search(r"^intake:.*\(pid (\d+)\)", log.read_text(), re.MULTILINE).group(1))  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: "consumer restarted (pid" in log.read_text(), 60, "shoal up to restart the consumer")
+            publisher.publish("events", "1", [DataPoint({"id": 2}, [2.0, 0.0])])
+            wait_for(lambda: _head(shoal) == 2, 60, "the restarted consumer to lead within a minute (lease: 1 h)")
+        finally:
+            stop_process(up)  # type: ignore[arg-type]
+            try:
+                os.killpg(up.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.parametrize("option", ["--consumer-id", "--replaces"])

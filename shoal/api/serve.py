@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import importlib.util
 import logging
 import multiprocessing
@@ -22,6 +23,7 @@ from prometheus_client import multiprocess
 
 from shoal.api.http_protocol import NoDelayHttpProtocol
 from shoal.api.metrics import MULTIPROC_DIR
+from shoal.errors import ConfigurationError
 
 APP_FACTORY = "shoal.api.app:create_app"
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ def server_options() -> dict[str, Any]:
 
 def serve(app: Any, *, host: str, port: int, workers: int = 1, access_log: bool = True) -> None:
     """Serve `app` (with workers > 1: the app factory, once per process) until SIGINT or SIGTERM. Exits with
-    status 3 (SystemExit), as uvicorn does when it cannot start, when the workers kept exiting (a crash loop)."""
+    status 3 (SystemExit), as uvicorn does when it cannot start, when the workers kept exiting (a crash loop).
+    With workers > 1, ConfigurationError before anything starts when the port is in use."""
     options = server_options() | {"host": host, "port": port, "access_log": access_log}
     if workers > 1:
         if not _Supervisor(workers, options).run():
@@ -52,6 +55,22 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ConfigurationError in one line when host:port is taken, by anyone: probed without SO_REUSEPORT, which
+    would bind beside any other SO_REUSEPORT listener of this user (another `shoal api --workers`, which would
+    then get half the connections) and fail only on a listener without it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigurationError(f"port {port} on {host} is in use: cannot start the HTTP API (choose "
+                                         "another port or stop what uses it)") from None
+            raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _worker(options: dict[str, Any]) -> None:
@@ -84,7 +103,8 @@ class _Supervisor:
     def run(self) -> bool:
         """Start the workers and keep them running until told to stop; False when they were stopped because
         they kept exiting (a crash loop), True when SIGINT or SIGTERM stopped them."""
-        _listen(self.options["host"], self.options["port"]).close()  # a port in use fails here, once, clearly
+        # A port in use fails here, once, clearly; then the workers bind it side by side.
+        _check_port_free(self.options["host"], self.options["port"])
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop.set())
         # Set before any worker starts: a spawned worker inherits it, and prometheus_client reads it on import.

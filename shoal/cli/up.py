@@ -1,14 +1,17 @@
 """`shoal up`: everything one machine needs, in the foreground: a worker with beat and task events, the
 message consumer, the HTTP API and, on request, Flower, each a supervised child process.
 
-Ctrl-C (or SIGTERM) stops every child, the worker last and warmly. A child that dies on its own is started
-again after a backoff (1 s, doubling up to 30 s; back to 1 s once a run lasted a minute), and `shoal up` says
-so with the tail of its log; with --no-restart it stops the others instead and ends with status 1.
+Ctrl-C (or SIGTERM, or SIGHUP: the terminal closed) stops every child, the worker last and warmly, and with
+each child every process of its session (each child leads one: a worker's beat and pool processes end with it).
+A child that dies on its own is started again after a backoff (1 s, doubling up to 30 s; back to 1 s once a run
+lasted a minute), and `shoal up` says so with the tail of its log; with --no-restart it stops the others instead
+and ends with status 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -33,6 +36,7 @@ from shoal.cli.worker import (
     check_catalog,
     check_storage,
     describe_servers,
+    kill_session,
     start_worker_process,
     stop_worker_process,
     worker_argv,
@@ -47,6 +51,7 @@ RESTART_FIRST_S = 1.0  # the first restart of a dead child waits this long; each
 RESTART_MAX_S = 30.0  # ... up to this
 RESTART_STABLE_S = 60.0  # a run this long resets the backoff: the child was healthy, its death is news
 RESTART_TAIL_LINES = 5  # lines of a dead child's log shown when it is restarted
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -74,15 +79,51 @@ def _say(text: str) -> None:
 
 
 def _start(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start `argv` in its own session (the terminal's Ctrl-C reaches only `shoal up`), output to `log_path`."""
+    """Start `argv` in its own session (the terminal's Ctrl-C reaches only `shoal up`), output to `log_path`;
+    it gets SIGTERM should `shoal up` die without stopping it (Linux)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child holds it; ours is closed below
     try:
         return subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_parent_death_signal(),
         )
     finally:
         log.close()
+
+
+def _tell(text: str) -> None:
+    """A line on stderr, taken literally, that cannot stop the stopping: once the terminal is gone (it hung up:
+    EIO; the pipe's reader ended: rich's SystemExit) nothing more is said, and the children are stopped all the
+    same."""
+    try:
+        err.print(text, markup=False, soft_wrap=True)
+    except (OSError, SystemExit):
+        err.quiet = True
+        # What is left in stderr's buffer would fail again at exit: it goes nowhere instead.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send the child SIGTERM when `shoal up` dies (PR_SET_PDEATHSIG), so a
+    `shoal up` killed with SIGKILL leaves no child running (SIGTERM: a worker still stops its beat and pool).
+    None where prctl is not available (not Linux): there the children of a killed `shoal up` go on."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # Runs in the forked child before exec: the prctl call, resolved above, and two system calls only.
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # `shoal up` died before the prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def _mark(log_path: Path, name: str) -> None:
@@ -132,7 +173,8 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
 def _stop_all(children: list[Child]) -> None:
     """Stop the children in reverse start order (the worker, started first, last: its running tasks finish).
 
-    A second Ctrl-C or SIGTERM while stopping kills whatever is still running.
+    A second Ctrl-C or SIGTERM while stopping kills whatever is still running. Each child's session goes with
+    it (`stop_worker_process`): nothing a child started outlives `shoal up`.
     """
     pending = list(reversed(children))
     try:
@@ -140,13 +182,12 @@ def _stop_all(children: list[Child]) -> None:
             child = pending[0]
             how = stop_worker_process(child.proc, child.stop_timeout)  # type: ignore[arg-type]
             pending.pop(0)
-            err.print(f"{child.name} {how}")
+            _tell(f"{child.name} {how}")
     except KeyboardInterrupt:
         for child in pending:
-            if child.proc.poll() is None:
-                child.proc.kill()
-                child.proc.wait()
-            err.print(f"{child.name} killed")
+            kill_session(child.proc)  # the child and everything it started (a worker's beat and pool)
+            child.proc.wait()
+            _tell(f"{child.name} killed")
 
 
 def up(
@@ -194,14 +235,18 @@ def up(
     SHOAL_MERGE_INTERVAL_S (0: never). Run `shoal up` on one machine only (beat must run once per
     deployment); add workers elsewhere with `shoal worker --no-beat`.
 
-    Ctrl-C or SIGTERM stops everything (the worker last, letting running tasks finish; press it again to
-    kill). A child that dies on its own is started again after a backoff (1 s doubling to 30 s), and said so;
-    with --no-restart the others are stopped instead and `shoal up` exits with status 1.
+    Ctrl-C, SIGTERM or SIGHUP (the terminal closed) stops everything (the worker last, letting running tasks
+    finish; press Ctrl-C again to kill). A child that dies on its own is started again after a backoff (1 s
+    doubling to 30 s), and said so; with --no-restart the others are stopped instead and `shoal up` exits with
+    status 1.
     """
     from shoal.api.security import check_exposure
     from shoal.searcher.placement import Placement
     from shoal.servers.broker import broker_url
 
+    if api and flower and port == flower_port:
+        # Both would bind it: one would fail and be restarted forever while the other was announced ready.
+        fail(f"--port and --flower-port are both {port}: the HTTP API and Flower need ports of their own")
     settings = load_settings()
     if allow_anonymous_writes:
         settings = settings.model_copy(update={"allow_anonymous_writes": True})
@@ -229,10 +274,13 @@ def up(
 
     children: list[Child] = []
     died: Child | None = None
-    previous_term = signal.getsignal(signal.SIGTERM)
-    # SIGTERM ends `shoal up` the way Ctrl-C does (the children get theirs from us, in order).
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGTERM ends `shoal up` the way Ctrl-C does (the children get theirs from us, in order), and so does SIGHUP:
+    # its terminal closed, and the children, in sessions of their own, would go on without it.
     with contextlib.suppress(ValueError):  # ValueError: not the main thread (then only Ctrl-C stops it)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        if previous[signal.SIGHUP] is not signal.SIG_IGN:  # under nohup it stays ignored, as asked
+            signal.signal(signal.SIGHUP, _hung_up)
     try:
         try:
             schedule = settings.data_dir / SCHEDULE_FILE
@@ -240,15 +288,15 @@ def up(
                 beat=True, schedule=schedule, concurrency=concurrency, loglevel=loglevel.value,
                 pool=pool.value if pool else None, events=True,
             )
-            children.append(_child("worker", logs, lambda: start_worker_process(argv, logs / "worker.log", env),
+            children.append(_child("worker", logs, lambda: start_worker_process(argv, logs / "worker.log", env,
+                                                                                _parent_death_signal()),
                                    stop_timeout=stop_timeout))
             merges = (f"merges every {settings.merge_interval_s:g} s" if settings.merge_interval_s > 0
                       else "no merge sweep (SHOAL_MERGE_INTERVAL_S=0)")
             _say(f"worker:  celery -A {CELERY_APP} worker --beat --task-events (pid {children[-1].proc.pid}); "
                  f"beat sweeps lagging shards every {settings.sweep_interval_s:g} s, {merges}")
             if consumer:
-                consume = [sys.executable, "-m", "shoal", "consume"]
-                children.append(_child("consumer", logs, lambda: _start(consume, logs / "consumer.log", env)))
+                children.append(_child("consumer", logs, _consumer_launch(logs / "consumer.log", env)))
                 _say(f"intake:  shoal consume (pid {children[-1].proc.pid}), group {settings.intake_group!r} on "
                      f"exchange {settings.intake_exchange!r}")
             if api:
@@ -270,17 +318,46 @@ def up(
             err.print("Ctrl-C stops everything" + ("; a child that dies is restarted" if restart else ""))
             died = _supervise(children, restart=restart)
         except KeyboardInterrupt:
-            err.print("stopping ...")
+            _tell("stopping ...")
         finally:
             # Whatever ended the run (Ctrl-C, SIGTERM, a dead child, a failed start), no child outlives it.
             _stop_all([c for c in children if c is not died])
     finally:
         with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, previous_term)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     if died is not None:
-        err.print(f"last lines of {died.log_path}:", markup=False, soft_wrap=True)
-        err.print(log_tail(died.log_path) or "(empty)", markup=False, soft_wrap=True)
+        _tell(f"last lines of {died.log_path}:")
+        _tell(log_tail(died.log_path) or "(empty)")
         raise typer.Exit(1)
+
+
+def _consumer_launch(log_path: Path, env: dict[str, str]) -> Callable[[], subprocess.Popen[bytes]]:
+    """How to start (and restart) the consumer: under an id of `shoal up`'s choosing, and, from the second start
+    on, naming the one before it, which `shoal up` saw exit (its session killed with it): the new one frees the
+    group's lead at once rather than standing by until the dead one's lease (SHOAL_INTAKE_VISIBILITY_TIMEOUT_S, 300
+    s by default) runs out, intake stopped meanwhile."""
+    from shoal.intake.delivery import new_consumer_id
+
+    last: list[str] = []
+
+    def launch() -> subprocess.Popen[bytes]:
+        consumer_id = new_consumer_id()
+        argv = [sys.executable, "-m", "shoal", "consume", "--consumer-id", consumer_id]
+        if last:
+            argv += ["--replaces", last[-1]]
+        proc = _start(argv, log_path, env)
+        last[:] = [consumer_id]
+        return proc
+
+    return launch
+
+
+def _hung_up(signum: int, frame: object) -> None:
+    """SIGHUP: stop as on SIGTERM. A closing terminal may send it more than once (the kernel and the shell):
+    the repeats are ignored, so that they do not kill the children a first one is stopping in order."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _child(name: str, logs: Path, launch: Callable[[], subprocess.Popen[bytes]], **options: object) -> Child:
@@ -302,6 +379,7 @@ def _supervise(children: list[Child], *, restart: bool = True) -> Child:
             code = child.proc.poll()
             if code is not None:
                 if not restart or child.launch is None:
+                    kill_session(child.proc)  # what it left running (a worker's beat) goes with it
                     err.print(f"error: the {child.name} exited unexpectedly with code {code}; stopping the others")
                     return child
                 _schedule_restart(child, code, now)
@@ -317,8 +395,7 @@ def _schedule_restart(child: Child, code: int, now: float) -> None:
     after a start and starts over after a long healthy run."""
     # What the dead child left running in its session (a worker's pool processes and beat, should it have ended
     # without stopping them) goes too: the restarted child starts its own.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid, signal.SIGKILL)
+    kill_session(child.proc)
     healthy = now - child.started_at >= RESTART_STABLE_S
     child.backoff = RESTART_FIRST_S if healthy or not child.backoff else min(child.backoff * 2, RESTART_MAX_S)
     child.restart_at = now + child.backoff

@@ -5,9 +5,12 @@ Also the helpers that start such a worker as a child process (`shoal demo` does)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import IO, Annotated
@@ -73,9 +76,15 @@ def worker_argv(
     return argv
 
 
-def start_worker_process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `python -m celery -A shoal.workers.app ARGV` as a child in its own session (Ctrl-C at the
-    terminal does not reach it), stdout and stderr appended to `log_path`."""
+def start_worker_process(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `python -m celery -A shoal.workers.app ARGV` as a child leading its own session (Ctrl-C at the
+    terminal does not reach it; `stop_worker_process` ends the whole session), stdout and stderr appended to
+    `log_path`; `preexec_fn` runs in the child before exec (`shoal up`'s signal on its own death)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - the child holds it; ours is closed below
     try:
@@ -86,26 +95,42 @@ def start_worker_process(argv: list[str], log_path: Path, env: dict[str, str] | 
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     finally:
         log.close()
 
 
+def kill_session(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL every process left in the session `proc` leads (all children here are started with
+    start_new_session): a worker's beat and pool processes outlive a worker that was killed or died, and an
+    orphaned beat would go on scheduling sweeps beside the next one."""
+    if proc.pid <= 0:  # killpg(0) would be our own process group
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def stop_worker_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> str:
-    """Stop a worker child: SIGTERM (Celery's warm shutdown), SIGKILL if it has not exited in `timeout` s.
+    """Stop a child leading its own session (a worker, from `start_worker_process`): SIGTERM (Celery's warm
+    shutdown), SIGKILL to its whole session if it has not exited in `timeout` s. Whatever is left in its
+    session once it ended (or if it had ended already) is killed too: no process of it outlives this call.
 
     Returns how it ended: "stopped", "killed" or "had exited".
     """
     if proc.poll() is not None:
+        kill_session(proc)
         return "had exited"
     proc.terminate()
     try:
         proc.wait(timeout)
-        return "stopped"
+        how = "stopped"
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_session(proc)
         proc.wait(timeout)
-        return "killed"
+        how = "killed"
+    kill_session(proc)  # a warm stop ends its beat and pool first; anything still there is a straggler
+    return how
 
 
 def describe_servers(settings: Settings, broker: str) -> list[str]:
