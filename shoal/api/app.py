@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import version
@@ -24,6 +25,21 @@ from shoal.api.process_tuning import freeze_startup_objects, keep_large_blocks
 from shoal.api.security import metrics_view
 from shoal.api.state import Tenants
 from shoal.config.settings import Settings
+
+
+def _without_422(document: dict[str, Any]) -> None:
+    """Remove the 422 FastAPI documents on every operation with parameters or a body: no route answers it (an
+    invalid request is a 400 in the route's error shape, documented beside it), and with it the schemas only
+    it refers to (HTTPValidationError, ValidationError)."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            if isinstance(operation, dict):
+                operation.get("responses", {}).pop("422", None)
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):  # the first refers to the second
+        schema = schemas.pop(name, None)
+        if schema is not None and f'"#/components/schemas/{name}"' in json.dumps(document):
+            schemas[name] = schema  # still referred to elsewhere: kept
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -68,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in vektonn.body_definitions().items():
                 schemas.setdefault(name, schema)
+            _without_422(document)
             app.openapi_schema = document
         return app.openapi_schema
 

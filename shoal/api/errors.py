@@ -22,9 +22,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
 
 from shoal.datasets.errors import ErrorCode, action_of
 from shoal.errors import (
@@ -112,6 +113,8 @@ FIELD_CODES = {
 # Starlette's own HTTP errors (no route, wrong method, ...) in the dataset API's shape.
 HTTP_CODES = {401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED",
               413: "PAYLOAD_TOO_LARGE", 429: "TOO_MANY_REQUESTS"}
+# The tag of the dataset API's routes (shoal.api.datasets' router): a route carrying it answers in that API's shape.
+DATASET_TAG = "datasets"
 
 
 def _catalog_outage(exc: BaseException | None) -> bool:
@@ -255,10 +258,44 @@ async def _on_request_error(_: Request, exc: Exception) -> JSONResponse:
     return vektonn_request_error(exc)
 
 
+def vektonn_http_error(exc: StarletteHTTPException) -> Response:
+    """An HTTP error of Starlette's or FastAPI's own (no such route, a method the route lacks, a body that is
+    no JSON it can read) in Vektonn's shape, with its status and headers (`Allow` on a 405): Vektonn's client
+    reads `errorMessages` from any error, and fails on `{"detail": ...}` ("Failed to parse json")."""
+    headers = dict(exc.headers or {})
+    if exc.status_code < 200 or exc.status_code in (204, 205, 304):  # a status that carries no body
+        return Response(status_code=exc.status_code, headers=headers)
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's "There was an error parsing the body": say why (not UTF-8, an integer of more than 4300
+        # digits, nesting past the decoder's limit), as the dataset routes do.
+        message = f"invalid request: the body could not be parsed: {str(exc.__cause__).split(';')[0][:200]}"
+    return _vektonn(exc.status_code, [message], headers)
+
+
+def _dataset_route(route: BaseRoute | None) -> bool:
+    return DATASET_TAG in (getattr(route, "tags", None) or ())
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    # The route the path matched (fully, or but for the method: a 405), when one did; Starlette records it.
+    route = request.scope.get("route")
+    if _dataset_route(route):
+        response = dataset_response(request, exc)
+        if response is not None:
+            return response
+    if route is None and exc.status_code == 404:  # no route: say which request found none
+        exc = StarletteHTTPException(404, f"no route matches {request.method} {request.url.path}", exc.headers)
+    return vektonn_http_error(exc)
+
+
 def install(app: FastAPI) -> None:
-    """Answer every core error (and unparsable requests) in Vektonn's shape, app-wide; the dataset routes
-    answer their own in theirs before these handlers see them."""
+    """Answer every core error (and unparsable requests, unknown routes, methods a route lacks) in Vektonn's
+    shape, app-wide; the dataset routes answer their own in theirs: those raised in the route, before these
+    handlers see them, and a method one of them lacks here."""
     app.add_exception_handler(RequestValidationError, _on_request_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
     for cls in CORE:
         app.add_exception_handler(cls, _on_core_error)
     app.add_exception_handler(DBAPIError, _on_driver_error)

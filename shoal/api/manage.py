@@ -6,12 +6,13 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from shoal.api.security import TenantContext, deleter_tenant, reader_tenant, writer_tenant
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.client import Shoal
+from shoal.datasets import rules as dataset_rules
 from shoal.errors import IndexDefinitionError, PermissionDeniedError
 from shoal.index.generations import JobRecord
 from shoal.index.spec import vektonn_metric_problem
@@ -19,12 +20,19 @@ from shoal.log.records import DATASET_KEY, DataSourceSpec, IndexSpec, check_name
 from shoal.vektonn.dto import ErrorDto
 
 router = APIRouter(prefix="/api/v1", tags=["management"])
-ERRORS = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}, 409: {"model": ErrorDto}}
+ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorDto} for s in (400, 401, 403, 404, 409, 503)}
+
+
+class ManagementBody(BaseModel):
+    """A management request body: a field it does not define is refused (400 naming it), not ignored, so a
+    misspelt one (`vectorsAreSparce`, `shardcount`) never writes a definition other than the one asked for."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 # Numbers and booleans are strict: `true` or "3" for a dimension, "yes" or 1 for a flag, are refused (400 naming
 # the field) rather than coerced and stored, as the Python API's DataSourceSpec and IndexSpec refuse them.
-class DataSourceBody(BaseModel):
+class DataSourceBody(ManagementBody):
     name: str
     version: str
     vectorDimension: StrictInt  # noqa: N815 - Vektonn's field names
@@ -35,7 +43,7 @@ class DataSourceBody(BaseModel):
     customMetadata: dict[str, Any] = Field(default_factory=dict)  # noqa: N815
 
 
-class IndexBody(BaseModel):
+class IndexBody(ManagementBody):
     name: str
     version: str
     dataSourceName: str  # noqa: N815
@@ -119,12 +127,20 @@ def get_source(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 
 def _not_a_dataset(shoal: Shoal, source_name: str, source_version: str, what: str) -> None:
-    """Refuse (403) to drop what a dataset holds: a write key would destroy the dataset for good (no trash)
-    and leave its caches answering it, past the dataset API's own delete (soft, or ?hard=true for admin keys)."""
+    """Refuse (403) to drop what a dataset holds (its data source, or its own index, which `_is_datasets_index`
+    tells): a write key would destroy the dataset for good (no trash) and leave its caches answering it, past
+    the dataset API's own delete (soft, or ?hard=true for admin keys)."""
     if DATASET_KEY in shoal.get_data_source(source_name, source_version).spec.custom_metadata:
         raise PermissionDeniedError(
             f"{what} belongs to dataset {source_name!r}: delete the dataset through DELETE "
             f"/api/v1/datasets/{source_name} (to the trash, or with ?hard=true and an admin key)")
+
+
+def _is_datasets_index(spec: IndexSpec) -> bool:
+    """True when the index would be a dataset's own, should its data source be a dataset's: the dataset API names
+    it as the dataset, over the dataset's source, both at its version. Other indexes made over a dataset's source
+    (POST /api/v1/indexes) are no part of the dataset, and are dropped as any other."""
+    return spec.name == spec.source_name and spec.version == spec.source_version == dataset_rules.VERSION
 
 
 @router.delete("/data-sources/{name}/{version}", responses=ERRORS, status_code=204)
@@ -172,9 +188,11 @@ def get_index(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 @router.delete("/indexes/{name}/{version}", responses=ERRORS, status_code=204)
 def drop_index(name: str, version: str, ctx: Deleter) -> Response:
-    """Delete an index with its versions and files; not a dataset's (403)."""
+    """Delete an index with its versions and files; not a dataset's own (403), though other indexes over its
+    data source are dropped as any other."""
     spec = ctx.handle.shoal.get_index(name, version).spec
-    _not_a_dataset(ctx.handle.shoal, spec.source_name, spec.source_version, f"index {name!r} version {version!r}")
+    if _is_datasets_index(spec):
+        _not_a_dataset(ctx.handle.shoal, spec.source_name, spec.source_version, f"index {name!r} version {version!r}")
     ctx.handle.shoal.drop_index(name, version)
     return Response(status_code=204)
 
@@ -185,7 +203,7 @@ def index_status(name: str, version: str, ctx: Reader) -> list[dict[str, Any]]:
     return [asdict(s) for s in ctx.handle.shoal.index_status(name, version)]
 
 
-class AliasBody(BaseModel):
+class AliasBody(ManagementBody):
     indexName: str  # noqa: N815 - Vektonn-style field names
     indexVersion: str  # noqa: N815
 
@@ -223,11 +241,12 @@ def drop_alias(alias: str, ctx: Writer) -> Response:
     return Response(status_code=204)
 
 
-class ReindexBody(BaseModel):
+class ReindexBody(ManagementBody):
     algorithm: str | None = None
     metric: str | None = None
     params: dict[str, Any] | None = None
-    gate: float | None = None
+    # A number (an integer is one): `true` or "0.5" is refused, 400 naming the field, as the Python API refuses it.
+    gate: StrictFloat | None = None
 
 
 def _job(j: JobRecord) -> dict[str, Any]:

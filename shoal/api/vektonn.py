@@ -48,7 +48,7 @@ from shoal.vektonn.dto import ErrorDto, InputDataPointOrTombstoneDto, SearchQuer
 from shoal.vektonn.upload_json import EmptyUploadError
 
 router = APIRouter(prefix="/api/v1", tags=["vektonn"])
-ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorDto}, 404: {"model": ErrorDto}}
+ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorDto} for s in (400, 401, 403, 404, 503)}
 TOKEN_HEADER = "X-Shoal-Write-Token"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 JSON = "application/json"

@@ -34,13 +34,13 @@ from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog, inser
 from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
-from shoal.errors import ConflictError, NotFoundError, ReindexConflictError, ValidationError
+from shoal.errors import ConflictError, IndexDefinitionError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
 from shoal.index.generations import HIDDEN, Generations, JobRecord, generation_ids, hidden_version, is_hidden
 from shoal.index.segment import vectors_of
 from shoal.index.segment_cache import SegmentCache
 from shoal.index.sharding import shard_numbers
-from shoal.index.spec import resolve_index
+from shoal.index.spec import resolve_index, vektonn_metric_problem
 from shoal.log.reader import fold, read_log
 from shoal.log.records import IndexSpec
 from shoal.log.validation import SEQ
@@ -71,7 +71,13 @@ def start_reindex(
 ) -> JobRecord:
     """Record a reindex of the index (name, version) with a new algorithm, metric or params (each defaults to
     the current one) and create its generation; ReindexConflictError if one is running already, also when
-    another call starts one at the same moment (exactly one of them starts a job)."""
+    another call starts one at the same moment (exactly one of them starts a job). A metric given beside a
+    Vektonn type (FaissIndex.L2) must be the type's own, as on create: any other is refused (IndexDefinitionError,
+    nothing started), never replaced by the type's."""
+    if algorithm is not None and metric is not None:
+        problem = vektonn_metric_problem(algorithm, metric)  # explicit: the caller named this metric
+        if problem is not None:
+            raise IndexDefinitionError([problem])
     gens = Generations(indexes.engine)
     current = indexes.get_index(name, version)
     if gens.running(indexes.tenant_id, name, version) is not None:  # the usual answer, without a lock

@@ -26,6 +26,9 @@ MAX_SEQ = 2**63 - 1  # seqs (and so write tokens) are Postgres bigints
 # small. A dataset's definition (its metadata nested two levels down) fits within both.
 MAX_CUSTOM_METADATA_DEPTH = 64
 MAX_CUSTOM_METADATA_BYTES = 256 * 1024
+# A data source's description, in characters: the dataset API's bound (shoal.datasets.rules.MAX_DESCRIPTION), so
+# one description cannot make every listing of the tenant's data sources megabytes long.
+MAX_DESCRIPTION = 10_000
 
 # Data source names and versions as Vektonn writes them ("QuickStart.Source", "1.0"). The first character
 # must be a letter or digit, so "." and ".." (or a hidden file) can never be formed and no name can leave
@@ -183,12 +186,19 @@ class DataSourceSpec:
             raise ValidationError(problems)
 
     def check_storable(self) -> None:
-        """Raise ValidationError when the custom metadata could not be stored and answered as JSON (too deep,
-        too large, not JSON, not valid Unicode). Checked before a definition is written, not when one is read:
-        a definition stored before these bounds must still load, so it can be listed and dropped."""
+        """Raise ValidationError listing what keeps this definition from being stored and answered: custom
+        metadata that is not JSON within its bounds (too deep, too large, not valid Unicode), a description of more
+        than MAX_DESCRIPTION characters. Checked before a definition is written, not when one is read: a
+        definition stored before these bounds must still load, so it can be listed and dropped."""
+        problems = []
         rule = json_problem(self.custom_metadata, MAX_CUSTOM_METADATA_DEPTH, MAX_CUSTOM_METADATA_BYTES)
         if rule is not None:
-            raise ValidationError(Problem(f"customMetadata {rule}"))
+            problems.append(Problem(f"customMetadata {rule}"))
+        if len(self.description) > MAX_DESCRIPTION:  # a str: validate() refused anything else
+            problems.append(Problem(f"description must be at most {MAX_DESCRIPTION} characters, got "
+                                    f"{len(self.description)}"))
+        if problems:
+            raise ValidationError(problems)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of this definition (the catalog stores it this way)."""
