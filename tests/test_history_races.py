@@ -186,8 +186,11 @@ def test_an_as_of_search_racing_a_compaction_refuses_rather_than_answer_from_the
         with pytest.raises(NotFoundError, match=r"the log below seq \d+ was compacted"):
             searcher.search(index, "1", query, 1, as_of=appeared)
         assert dropped == [1]  # the race happened: the compaction dropped the entry the answer needed
-        with pytest.raises(NotFoundError, match=r"the log below seq \d+ was compacted"):
+        with pytest.raises(NotFoundError, match=r"the log below seq \d+ was compacted") as refused:
             searcher.search(index, "1", query, 1, as_of=appeared)  # as a search after the compaction
+        # What would answer, said as it is: a version above the bound never answers a seq below it (the message
+        # asked for "a version at or above" the bound).
+        assert "or later, a seq a kept version was built to exactly, or a tag" in str(refused.value)
     finally:
         searcher.close()
 

@@ -73,11 +73,14 @@ def test_reindex_swaps_rolls_back_and_old_generation_expires(local_shoal: Shoal)
         # Past its keep time the generation that does not serve goes, rows and files.
         root = Path(local_shoal.storage.root)
         before = _files(root)
-        assert any("~g2" in f for f in before)
+        # Every generation's files lie under the index's own version (DESIGN's layout), the one built aside too
+        # (its files were under the hidden version, `1~g2/gen-2/`).
+        assert any("/indexes/ix/1/gen-2/" in f for f in before)
+        assert not any("~g" in f for f in before)
         tenant_id = local_shoal.catalog.tenant_id
         assert drop_expired_generations(local_shoal.engine, local_shoal.storage, keep_s=0, tenant_id=tenant_id) == 1
         after = _files(root)
-        assert not any("~g2" in f for f in after)
+        assert not any("/gen-2/" in f for f in after)
         assert _ids(searcher.search("ix", "1", queries, 10)) == flat
     finally:
         searcher.close()

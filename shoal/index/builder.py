@@ -38,6 +38,7 @@ from shoal.index.segment import (
 from shoal.index.segment_cache import KeyCache
 from shoal.index.sharding import shard_numbers
 from shoal.log.reader import fold, read_log
+from shoal.log.records import GENERATION_MARK
 from shoal.log.validation import KEY
 from shoal.storage import Storage, layout
 from shoal.upkeep.gc import publishable
@@ -60,8 +61,12 @@ LEASE_POLL_S = 0.2  # how often a merge waiting to publish asks for the lease ag
 
 
 def shard_dir(index: IndexRecord, shard: ShardRecord, generation: int) -> str:
-    """Layout-relative folder of a shard's segments (DESIGN.md's storage layout)."""
-    return layout.shard_dir(index.tenant, index.spec.name, index.spec.version, generation, shard.shard_no)
+    """Layout-relative folder of a shard's segments (DESIGN.md's storage layout): under the index's own version
+    for every generation, `{version}/gen-{generation}/`, also while a generation is built aside under a hidden
+    version (`{version}~g{n}`, shoal.index.generations). (Generations built before this rule keep their files
+    in `{version}~g{n}/gen-{n}/`: their paths are in the catalog, and GC takes either folder for the index's.)"""
+    version = index.spec.version.partition(GENERATION_MARK)[0]
+    return layout.shard_dir(index.tenant, index.spec.name, version, generation, shard.shard_no)
 
 
 class ShardBuilder:

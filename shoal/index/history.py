@@ -172,9 +172,11 @@ def check_log_kept(
             f"the log below seq {compacted} was compacted: tag {tag!r} stands for seq {seq}, and a shard it "
             f"pinned was built only to seq {lowest}; take the tag again"
         )
+    # (A version above the bound cannot answer a seq below it: time travel starts from versions at or below it.)
     raise NotFoundError(
-        f"the log below seq {compacted} was compacted: time travel to seq {seq} needs a version at or "
-        f"above {compacted}, or a tag"
+        f"the log below seq {compacted} was compacted: time travel to seq {seq} would read it from seq {lowest}, "
+        f"where the kept versions at or below seq {seq} stop; search seq {compacted} or later, a seq a kept "
+        f"version was built to exactly, or a tag"
     )
 
 
