@@ -164,10 +164,11 @@ def test_stats_count_the_index_files_of_the_generation_a_reindex_swapped_in(open
     r = http.post("/datasets/docs/reindex?async=false", json={"index_config": {"M": 32}})
     assert r.status_code == 202 and r.json()["state"] == "swapped", r.text
     after = storage()
-    # The new generation lives in its own folder (1~g2) beside the first one, kept for rollback: both count.
-    assert sorted(p.name for p in folder.iterdir()) == ["1", "1~g2"]
+    # The new generation lives in its own folder (1/gen-2) beside the first one's, kept for rollback: both count.
+    assert sorted(p.name for p in folder.iterdir()) == ["1"]
+    assert sorted(p.name for p in (folder / "1").iterdir()) == ["gen-1", "gen-2"]
     assert (after["storage"]["index_bytes"], after["storage"]["index_files"]) == _files_under(folder)
-    assert after["storage"]["index_bytes"] - built["storage"]["index_bytes"] == _files_under(folder / "1~g2")[0]
+    assert after["storage"]["index_bytes"] - built["storage"]["index_bytes"] == _files_under(folder / "1" / "gen-2")[0]
     assert after["storage"]["index_bytes"] >= after["memory_usage_bytes"] > 0  # what serves is counted
     assert after["storage_size"] == sum(after["storage"][k] for k in ("log_bytes", "index_bytes", "metadata_bytes"))
 

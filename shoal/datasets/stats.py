@@ -133,9 +133,9 @@ class Stats(DatasetScope):
         )
 
     def _index_bytes(self, name: str) -> tuple[int, int]:
-        """Bytes and number of the files of every generation of the dataset's index in storage: the folder of
-        its first (`indexes/{name}/1/`) and those of the generations reindexes built (`1~g{n}/`), which keep
-        their folder when swapped in. So the serving generation counts, as do one being built and the one
+        """Bytes and number of the files of every generation of the dataset's index in storage: under
+        `indexes/{name}/1/` (`gen-{n}/` per generation), and the folders `1~g{n}/` where generations built by an
+        earlier release kept their files. So the serving generation counts, as do one being built and the one
         kept for rollback (SHOAL_REINDEX_KEEP_S), and versions awaiting garbage collection, until deleted."""
         versions = [rules.VERSION] + [
             folder for folder in self.shoal.storage.subfolders(f"{indexes_dir(self.tenant)}/{name}")
