@@ -7,8 +7,11 @@ each naming the point's position in the batch, the attribute and the rule.
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import itertools
 import math
+import operator
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from collections.abc import Set as AbstractSet
@@ -646,6 +649,39 @@ _PER_UNIT_US = {"s": 1_000_000, "ms": 1_000, "us": 1}
 
 
 SUB_MICROSECOND = "has sub-microsecond precision; datetimes are stored in microseconds"
+# A fraction of a second (or, in an ISO 8601 offset, of its seconds) with a non-zero digit past the sixth.
+_FRACTION_BELOW_MICROSECOND = re.compile(r"[.,][0-9]{6}[0-9]*[1-9]")
+# A Unix time written as a string, which pydantic reads (in seconds, or in milliseconds past 2e10).
+_UNIX_TIME_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)")
+_UNIX_MILLISECONDS_FROM = 20_000_000_000
+
+
+def sub_microsecond_text(text: str) -> bool:
+    """Whether the date and time `text` spells (ISO 8601, or a Unix time as pydantic reads a number string) has
+    non-zero digits below the microsecond. Python's and pydantic's parsers drop (or round) those digits, so a
+    text they read is checked here first: such an instant is refused, never floored into another (two keys
+    100 ns apart, as .NET writes DateTime, would become one point). Trailing zeros are whole microseconds."""
+    if _FRACTION_BELOW_MICROSECOND.search(text):
+        return True
+    if not _UNIX_TIME_TEXT.fullmatch(text):
+        return False
+    # Seconds carry six digits to the microsecond, milliseconds three (Decimal compares exactly, however long).
+    places = 3 if abs(decimal.Decimal(text)) > _UNIX_MILLISECONDS_FROM else 6
+    return text.partition(".")[2][places:].strip("0") != ""
+
+
+_SEVEN_DIGIT_FRACTION = re.compile(r"\.[0-9]{7}")  # starts with a literal: re scans for it in C
+_YEAR_END = operator.itemgetter(slice(4, 5))  # "-" in ISO 8601 text as pydantic takes it ("2024-..."), not in a number
+
+
+def any_sub_microsecond_text(texts: list[str]) -> bool:
+    """Whether sub_microsecond_text holds for any of `texts`, for a column that pydantic read: a few scans in C
+    over the column, and a test per value only when one may break the rule (a fraction of seven digits or more, a
+    comma fraction, or a value that is no ISO 8601 text, such as a Unix time)."""
+    joined = "\n".join(texts)
+    if _SEVEN_DIGIT_FRACTION.search(joined) or "," in joined or {*map(_YEAR_END, texts)} - {"-"}:
+        return any(map(sub_microsecond_text, texts))
+    return False
 
 
 def _utc_micros(name: str, values: pa.Array | pa.ChunkedArray, problems: _Problems, *, exact: bool = True) -> pa.Array:

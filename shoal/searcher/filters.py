@@ -9,9 +9,11 @@ Shape (one JSON object; its entries are ANDed):
     {"section": {"$ne": "doc"}}                          inequality ($eq spells equality out)
     {"$and": [f, ...]}  {"$or": [f, ...]}  {"$not": f}   combinations
 
-Datetime operands are ISO 8601 strings (naive ones are UTC, as stored). A row whose attribute is null matches
-no comparison (and so matches its `$not`). Anything else (an attribute the data source lacks, a value of the
-wrong type, an unknown operator) raises ValidationError naming the attribute.
+Datetime operands are ISO 8601 strings (naive ones are UTC, as stored), to the microsecond: one with non-zero
+digits below it is refused (Python's parser would floor it, and `$lt` the next microsecond would miss the stored
+one). A row whose attribute is null matches no comparison (and so matches its `$not`). Anything else (an
+attribute the data source lacks, a value of the wrong type, an unknown operator) raises ValidationError naming
+the attribute.
 
 The dataset API keeps each vector's metadata as JSON text in the attribute `metadata`: a filter built with
 `json_attribute="metadata"` also takes metadata fields, as `metadata.<field>` or a bare name that is no
@@ -33,8 +35,8 @@ import pyarrow.compute as pc
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, unicode_text
-from shoal.log.validation import ARROW_TYPES, NOT_UNICODE, check_value
-from shoal.searcher.json_fields import comparable, field_values, json_scalar, row_test
+from shoal.log.validation import ARROW_TYPES, NOT_UNICODE, check_value, sub_microsecond_text
+from shoal.searcher.json_fields import comparable, field_values, json_scalar, row_test, sub_microsecond_datetime
 from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache
 
@@ -59,6 +61,10 @@ def _bad(rule: str, attribute: str | None) -> ValidationError:
     return ValidationError(Problem(rule, attribute=attribute or "filter"))
 
 
+def _sub_microsecond(raw: str, name: str) -> ValidationError:
+    return _bad(f"filter value {raw[:50]!r} has sub-microsecond precision; datetimes are kept to the microsecond", name)
+
+
 def _datetime(raw: Any, name: str) -> dt.datetime:
     if isinstance(raw, dt.datetime):
         value = raw
@@ -67,6 +73,8 @@ def _datetime(raw: Any, name: str) -> dt.datetime:
             value = dt.datetime.fromisoformat(raw.replace("Z", "+00:00") if raw.endswith("Z") else raw)
         except ValueError:
             raise _bad(f"filter value is not an ISO 8601 datetime: {raw[:50]!r}", name) from None
+        if sub_microsecond_text(raw):  # fromisoformat dropped digits past the sixth: it would compare another instant
+            raise _sub_microsecond(raw, name)
     else:
         raise _bad(f"filter value must be a datetime (ISO 8601 string), got {type(raw).__name__}", name)
     checked, err = check_value(AttributeType.DATETIME, value)
@@ -209,12 +217,17 @@ class _Parser:
                     raise _bad(f"{op} takes a list of JSON scalars", name)
                 if not all(map(unicode_text, operand)):
                     raise _bad(f"filter value: {NOT_UNICODE}", name)
+                for v in operand:
+                    if sub_microsecond_datetime(v):
+                        raise _sub_microsecond(v, name)
                 conditions.append((op, [comparable(v) for v in operand]))
                 continue
             if not json_scalar(operand):
                 raise _bad(f"{op} takes a JSON scalar", name)
             if not unicode_text(operand):
                 raise _bad(f"filter value: {NOT_UNICODE}", name)
+            if sub_microsecond_datetime(operand):
+                raise _sub_microsecond(operand, name)
             target = comparable(operand)
             if op in _RANGE and not isinstance(target, int | float | dt.datetime | str):
                 raise _bad(f"{op} needs a number, a datetime or a string", name)

@@ -3,8 +3,10 @@ is per row, and how a condition compares it, over a whole table at once.
 
 Fields are schemaless, so a condition compares a value only with a value of its own kind: numbers with numbers
 (a bool is no number), strings with strings, bools with bools, and ISO 8601 strings as datetimes where the
-operand is one. Anything else (another kind, a missing field, a JSON null, an object or a list) matches no
-comparison, and so matches `$ne` and `$nin`. `$eq: null` matches the rows without a value.
+operand is one. Operands are whole microseconds (the parser refuses one with non-zero digits below: see
+sub_microsecond_datetime); a stored string with such digits compares as the instant it spells, between two
+microseconds, never floored. Anything else (another kind, a missing field, a JSON null, an object or a list)
+matches no comparison, and so matches `$ne` and `$nin`. `$eq: null` matches the rows without a value.
 
 A field is read once per table into numpy arrays by kind (`FieldValues`); a condition is then a few numpy
 passes, as an attribute's is, not a Python test per row. The per-row tests stay as the reading they must
@@ -23,10 +25,11 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from shoal.log.validation import sub_microsecond_text
 from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache
 
-__all__ = ["FieldValues", "comparable", "field_values", "json_scalar", "row_test"]
+__all__ = ["FieldValues", "comparable", "field_values", "json_scalar", "row_test", "sub_microsecond_datetime"]
 
 Test = Callable[[Any], bool]
 
@@ -55,6 +58,12 @@ def comparable(v: Any) -> Any:
     return v
 
 
+def sub_microsecond_datetime(v: Any) -> bool:
+    """Whether `v` is a string that reads as a datetime with non-zero digits below the microsecond: as an operand
+    it is refused (Python's parser floors it, so it would compare as another instant)."""
+    return isinstance(v, str) and _maybe_datetime(v) is not None and sub_microsecond_text(v)
+
+
 def _maybe_datetime(s: str) -> dt.datetime | None:
     if len(s) < 10 or not s[:4].isdigit() or s[4] != "-":
         return None
@@ -79,15 +88,19 @@ def _kind(v: Any) -> int:
     return _OTHER
 
 
-def _coerce(v: Any, target: Any) -> Any:
-    """A value in the kind of `target`: a stored datetime string compares as a datetime."""
-    if isinstance(target, dt.datetime) and isinstance(v, str):
-        return _maybe_datetime(v)
-    return v
+def _instant(v: Any) -> int | None:
+    """A row's value as a datetime operand compares with it: a string that reads as a datetime, as twice its
+    microseconds since the epoch, plus 1 when it has digits below the microsecond (it then lies strictly between
+    two whole microseconds, where every operand is: 2 × its microseconds); None for any other value."""
+    if not isinstance(v, str):
+        return None
+    moment = _maybe_datetime(v)  # floored to the microsecond
+    return None if moment is None else 2 * _micros(moment) + sub_microsecond_text(v)
 
 
 def _equal(v: Any, target: Any) -> bool:
-    v = _coerce(v, target)
+    if isinstance(target, dt.datetime):
+        return _instant(v) == 2 * _micros(target)
     return v is not None and _kind(v) == _kind(target) and v == target
 
 
@@ -102,9 +115,16 @@ def row_test(op: str, target: Any) -> Test:
     if op == "$ne":
         return lambda v: (v is not None) if target is None else not _equal(v, target)
     compare = _ORDER[op]
+    if isinstance(target, dt.datetime):
+        goal = 2 * _micros(target)
+
+        def instant_test(v: Any) -> bool:
+            instant = _instant(v)
+            return instant is not None and bool(compare(instant, goal))
+
+        return instant_test
 
     def test(v: Any) -> bool:
-        v = _coerce(v, target)
         return v is not None and _kind(v) == _kind(target) and bool(compare(v, target))
 
     return test
@@ -166,8 +186,8 @@ class FieldValues:
         if kind == _STRING:
             return self.strings.equal(target)
         if kind == _DATETIME:
-            micros, valid = self._datetimes()
-            return valid & (micros == _micros(target))
+            instants, valid = self._datetimes()
+            return valid & (instants == 2 * _micros(target))
         return np.zeros(len(self.raw), dtype=bool)  # null: equal to no value (json_scalar admits nothing else)
 
     def _order(self, op: str, target: Any) -> np.ndarray | None:
@@ -179,20 +199,21 @@ class FieldValues:
             return self.is_number & compare(self.numbers, target) if self._exact(target) else None
         if kind == _BOOL:
             return self.is_bool & compare(self.bools, target)
-        micros, valid = self._datetimes()
-        return valid & compare(micros, _micros(target))
+        instants, valid = self._datetimes()
+        return valid & compare(instants, 2 * _micros(target))
 
     def _exact(self, target: int | float) -> bool:
         return self.exact and (type(target) is float or -_EXACT_INT <= target <= _EXACT_INT)
 
     def _datetimes(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per row, the microseconds of its string read as a datetime, and whether it reads as one."""
+        """Per row, its string read as a datetime (as `_instant` gives it), and whether it reads as one."""
         if self._dates is None:
             # Each distinct string is read once; the entry past the end is the rows without a string.
-            read = [_maybe_datetime(s) for s in self.strings.distinct]
-            micros = np.array([_micros(d) if d is not None else 0 for d in read] + [0], dtype=np.int64)
-            valid = np.array([d is not None for d in read] + [False], dtype=bool)
-            self._dates = (micros[self.strings.ranks], valid[self.strings.ranks])
+            read = [_instant(s) for s in self.strings.distinct]
+            # Years 1..9999 are within ±2^58 microseconds of the epoch: twice that fits int64.
+            instants = np.array([i if i is not None else 0 for i in read] + [0], dtype=np.int64)
+            valid = np.array([i is not None for i in read] + [False], dtype=bool)
+            self._dates = (instants[self.strings.ranks], valid[self.strings.ranks])
         return self._dates
 
 

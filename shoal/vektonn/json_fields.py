@@ -26,7 +26,8 @@ import datetime as dt
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,7 +36,7 @@ import pydantic
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, SparseVector, unicode_text
-from shoal.log.validation import MAX_PROBLEMS, NOT_UNICODE
+from shoal.log.validation import MAX_PROBLEMS, NOT_UNICODE, SUB_MICROSECOND, sub_microsecond_text
 
 JSON = "application/json"
 
@@ -82,6 +83,15 @@ Entry = tuple[str, str, Any]
 Vector = tuple[bool, list[float], list[int] | None]
 
 Shaped = TypeVar("Shaped")
+
+
+@dataclass(frozen=True)
+class SubMicrosecond:
+    """A dateTime slot's value with non-zero digits below the microsecond (.NET writes 7 fractional digits), as
+    phase 1 gives it: `floored` is what pydantic read. Phase 2 (attributes_dict) refuses it where the value is
+    stored and takes it as `floored` where it is only checked for its type (a tombstone's other attributes)."""
+
+    floored: dt.datetime
 
 
 # -- the body -------------------------------------------------------------------------------------------------
@@ -310,7 +320,8 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
         moment.astimezone(dt.UTC)  # "0001-01-01T00:00:00+01:00" is before year 1 in UTC, where it is stored
     except OverflowError:
         return None, f"date and time out of range in UTC: {raw[:50]!r}"
-    return moment, None
+    # pydantic drops digits past the sixth: whether that lost anything is phase 2's question (see SubMicrosecond).
+    return (SubMicrosecond(moment) if sub_microsecond_text(raw) else moment), None
 
 
 def _wrong_type(slot: str, wanted: str, raw: Any) -> str:
@@ -397,9 +408,14 @@ def dense_numbers(raw: Any) -> np.ndarray | None:
 
 
 def attributes_dict(
-    spec: DataSourceSpec, entries: list[Entry], position: int | None, problems: list[Problem]
+    spec: DataSourceSpec, entries: list[Entry], position: int | None, problems: list[Problem],
+    *, exact: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """{key: value}: each key once, each declared attribute in its type's slot, guids as canonical text."""
+    """{key: value}: each key once, each declared attribute in its type's slot, guids as canonical text.
+
+    A dateTime with digits below the microsecond is a problem (SUB_MICROSECOND) for the attributes in `exact`
+    (every one when None): those values are stored or compared. Elsewhere (a tombstone's non-key attributes,
+    never stored) it is only checked for its type, as columns_to_table checks such a column."""
     out: dict[str, Any] = {}
     for key, slot, value in entries:
         if key in out:
@@ -409,6 +425,11 @@ def attributes_dict(
         if declared is not None and slot != SLOT[declared]:
             problems.append(Problem(f"expected a {SLOT[declared]} value, got {slot}", position, key))
             continue
+        if type(value) is SubMicrosecond:
+            if declared is not None and (exact is None or key in exact):
+                problems.append(Problem(SUB_MICROSECOND, position, key))
+                continue
+            value = value.floored  # not stored (or not an attribute at all: points_to_table says so)
         out[key] = str(value) if declared is AttributeType.GUID else value
     return out
 

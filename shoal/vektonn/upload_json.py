@@ -27,7 +27,14 @@ import pydantic
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, Tombstone
-from shoal.log.validation import ARROW_TYPES, MAX_PROBLEMS, columns_to_table, points_to_table, to_float32
+from shoal.log.validation import (
+    ARROW_TYPES,
+    MAX_PROBLEMS,
+    any_sub_microsecond_text,
+    columns_to_table,
+    points_to_table,
+    to_float32,
+)
 from shoal.vektonn.json_fields import (
     GUID,
     HYPHENATED_GUID,
@@ -186,7 +193,7 @@ def _fast_batch(
             # The other attributes of tombstones in Vektonn's form: checked for their type, then dropped.
             for name in types.keys() - permanent:
                 given = [v for v in columns[name][1][start:end] if v is not _UNSET]
-                if given and _fast_column(types[name], given) is None:
+                if given and _fast_column(types[name], given, exact=False) is None:
                     return None
         if deleted[start]:
             vectors = None
@@ -204,9 +211,10 @@ def _fast_batch(
     return parts[0] if len(parts) == 1 else pa.concat_tables(parts).combine_chunks()
 
 
-def _fast_column(kind: AttributeType, values: list[Any]) -> Any:
+def _fast_column(kind: AttributeType, values: list[Any], *, exact: bool = True) -> Any:
     """One attribute's values as a column columns_to_table takes without a per-value check where it can, or
-    None when a value is of the wrong JSON type or breaks a rule."""
+    None when a value is of the wrong JSON type or breaks a rule. `exact=False`: the values are only checked for
+    their type (a tombstone's other attributes), so a datetime below the microsecond passes."""
     seen = set(map(type, values))  # C-level pass: the JSON types present in the column
     if kind is AttributeType.STRING:
         return pa.array(values, pa.string()) if seen == {str} else None
@@ -244,6 +252,8 @@ def _fast_column(kind: AttributeType, values: list[Any]) -> Any:
         moments = _DATETIMES.validate_python(values)
     except pydantic.ValidationError:
         return None
+    if exact and any_sub_microsecond_text(values):
+        return None  # pydantic dropped digits below the microsecond: the exact path names the point
     try:
         # Naive datetimes are taken as UTC, as batch.check_value takes them.
         utc = [m.replace(tzinfo=dt.UTC) if m.tzinfo is None else m.astimezone(dt.UTC) for m in moments]
@@ -313,7 +323,9 @@ def _records(spec: DataSourceSpec, items: list[Shaped], empty_sparse: bool = Tru
     problems: list[Problem] = []
     records: list[DataPoint | Tombstone] = []
     for pos, (entries, vector, deleted) in enumerate(items):
-        attributes = attributes_dict(spec, entries, pos, problems)
+        # A tombstone stores its key alone: its other attributes are checked for their type only.
+        attributes = attributes_dict(spec, entries, pos, problems,
+                                     exact=spec.permanent_attributes if deleted else None)
         if deleted:
             if vector is not None:
                 problems.append(Problem("a tombstone carries no vector", pos, "vector"))
