@@ -47,18 +47,20 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     """Beat's entries for these settings: the materialization sweep and, unless its interval is 0, the
     merge sweep. Tasks of the schedule take no arguments and coalesce, so overlapping runs are harmless.
 
+    Each entry's task expires after its own interval: while no worker is free to take them, beat's runs would
+    pile up in the queue, and a returning worker would run every stale one ahead of the index work queued after
+    them. A run dropped that way is harmless, since the next run does the same work.
+
     Later periodic work (log retention and compaction, artifact GC) gets its own entry here, each with its
     own SHOAL_*_INTERVAL_S setting.
     """
-    entries: dict[str, dict[str, Any]] = {
-        "sweep-lagging-shards": {"task": SWEEP, "schedule": settings.sweep_interval_s},
-    }
+    intervals: dict[str, tuple[str, float]] = {"sweep-lagging-shards": (SWEEP, settings.sweep_interval_s)}
     if settings.merge_interval_s > 0:
-        entries["sweep-due-merges"] = {"task": SWEEP_MERGES, "schedule": settings.merge_interval_s}
+        intervals["sweep-due-merges"] = (SWEEP_MERGES, settings.merge_interval_s)
     if settings.generations_interval_s > 0:  # generations kept for rollback past SHOAL_REINDEX_KEEP_S
-        entries["sweep-generations"] = {"task": SWEEP_GENERATIONS, "schedule": settings.generations_interval_s}
+        intervals["sweep-generations"] = (SWEEP_GENERATIONS, settings.generations_interval_s)
     if settings.purge_interval_s > 0:  # the trash: purge soft-deleted datasets whose retention ended
-        entries["purge-trash"] = {"task": PURGE_TRASH, "schedule": settings.purge_interval_s}
+        intervals["purge-trash"] = (PURGE_TRASH, settings.purge_interval_s)
     # The log's upkeep: compaction of logs worth it, expiry past retention_days, deletion of unreferenced files.
     for key, task, interval in (
         ("sweep-compaction", SWEEP_COMPACTION, settings.compaction_interval_s),
@@ -66,8 +68,11 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         ("collect-garbage", COLLECT_GARBAGE, settings.gc_interval_s),
     ):
         if interval > 0:
-            entries[key] = {"task": task, "schedule": interval}
-    return entries
+            intervals[key] = (task, interval)
+    return {
+        key: {"task": task, "schedule": interval, "options": {"expires": interval}}
+        for key, (task, interval) in intervals.items()
+    }
 
 
 @app.on_configure.connect

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from shoal.errors import CommitError, NotFoundError
+from shoal.errors import CommitError, LeaseBusyError, NotFoundError
 from shoal.log import compaction, retention
 from shoal.upkeep import gc
 from shoal.workers.app import app
-from shoal.workers.base import ShoalTask
+from shoal.workers.base import LEASE_RETRY_MARGIN_S, ShoalTask
 from shoal.workers.context import WorkerContext
 from shoal.workers.names import (
     APPLY_RETENTION,
@@ -27,7 +27,7 @@ from shoal.workers.names import (
     SWEEP_GENERATIONS,
     SWEEP_MERGES,
 )
-from shoal.workers.triggers import enqueue, notify_indexers, started
+from shoal.workers.triggers import enqueue, keep_pending, mark_pending, notify_indexers, started
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,11 @@ REINDEX_FAILED_STEP_DELAY_S = 10.0
 
 @app.task(base=ShoalTask, bind=True, name=MATERIALIZE_SHARD)
 def materialize_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
-    """Bring one index shard up to its data source's head; queue a merge when the policy asks for one."""
+    """Bring one index shard up to its data source's head; queue a merge when the policy asks for one.
+
+    While another live process holds the shard's lease (builds it), at most one materialization of the shard waits
+    for it: the first to find it busy keeps the shard's pending mark until Celery's retry runs it again, so
+    commits and sweeps meanwhile queue nothing; any other ends at once as `{'shard': N, 'busy': True}`."""
     ctx = self.context
     rt = ctx.runtime
     started(rt.redis(), MATERIALIZE_SHARD, shard_id)
@@ -50,8 +54,31 @@ def materialize_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     except NotFoundError:
         log.info("shard %s is gone (index dropped); nothing to do", shard_id)
         return {"shard": shard_id, "dropped": True}
+    except LeaseBusyError as exc:
+        # The holder is alive (a dead process's lease is taken over at once) and may have read the head before
+        # the commit this task is for, so the shard is built again after it: by this task's retry when this task
+        # sets the mark; else by the task that set it (queued, or retrying as this one would), which runs after
+        # this moment. A task Celery will not retry (out of retries) fails as before and sets no mark: the next
+        # commit or sweep queues the shard again.
+        if _celery_retries(self, exc) and not mark_pending(
+            rt.redis(), MATERIALIZE_SHARD, shard_id, rt.settings.pending_ttl_s + _retry_wait_bound(self, exc)
+        ):
+            log.info("index shard %s is being built elsewhere and another task is pending for it; this one ends",
+                     shard_id)
+            return {"shard": shard_id, "busy": True}
+        raise
     _queue_merge_if_due(ctx, shard_id)
     return {"shard": shard_id, "version": result.version_id, "watermark": result.watermark, "changed": result.changed}
+
+
+def _retry_wait_bound(task: ShoalTask, exc: LeaseBusyError) -> float:
+    """The longest Celery's retry of `task` after `exc` waits before it runs: the backoff's cap, or less when the
+    holder's lease ends sooner (ShoalTask.retry). A retry's pending mark lasts this much longer than a queued
+    task's, as `enqueue`'s does with a countdown."""
+    wait = float(task.retry_backoff_max)
+    if exc.retry_in is not None:
+        wait = min(wait, max(exc.retry_in, 0.0) + LEASE_RETRY_MARGIN_S)
+    return wait
 
 
 def _queue_merge_if_due(ctx: WorkerContext, shard_id: int) -> bool:
@@ -93,9 +120,11 @@ def merge_shard(self: ShoalTask, shard_id: int) -> dict[str, Any]:
     rt = ctx.runtime
     # The pending mark stays set until the merge ends (not cleared as it starts, as other tasks do): a merge
     # queued meanwhile would build the same segments again, only to lose the publish. So this task queues
-    # what is due after it itself.
+    # what is due after it itself. The merge builds without the shard's lease and may outlast the mark's expiry
+    # (SHOAL_PENDING_TTL_S): the mark is renewed while it runs, and expires soon after its worker dies.
     try:
-        result = ctx.builder.merge(shard_id)
+        with keep_pending(rt.redis(), MERGE_SHARD, shard_id, rt.settings.pending_ttl_s):
+            result = ctx.builder.merge(shard_id)
     except NotFoundError:
         return {"shard": shard_id, "dropped": True}
     finally:

@@ -1,0 +1,206 @@
+"""Task coalescing with real workers: while a shard's build lease is held by a live process, commits and beat's
+sweeps leave at most one materialization of the shard waiting for it (not one more per commit and per sweep),
+and the shard is built up to the last commit once the lease is free; a merge that runs longer than
+SHOAL_PENDING_TTL_S keeps its pending mark, so no second merge of the same segments starts beside it; beat's
+runs expire after their interval, so a worker that was away drops the stale ones instead of running them all."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from conftest import settings_env, start_worker, stop_process, wait_for
+
+from shoal import DataSourceSpec, Shoal
+from shoal.catalog.indexes import ShardCatalog
+from shoal.config.settings import Settings
+from shoal.index.builder import MergePolicy, ShardBuilder
+from shoal.index.lease import default_owner
+from shoal.index.manifest import Manifest
+from shoal.log.records import IndexSpec
+from shoal.workers.app import beat_schedule
+from shoal.workers.names import MATERIALIZE_SHARD, MERGE_SHARD, QUEUE, SWEEP, SWEEP_MERGES
+
+DIM = 8
+SPEC = DataSourceSpec("docs", "1", DIM, {"id": "int64"}, ["id"])
+
+
+@pytest.fixture
+def wsettings(make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str) -> Callable[..., Settings]:
+    """Settings on a catalog of the test's own (beat sweeps all of it) with the real broker and a sweep every
+    second; keyword arguments override."""
+
+    def make(**overrides: object) -> Settings:
+        values: dict[str, object] = {"database_url": worker_catalog, "redis_url": redis_url, "sweep_interval_s": 1.0,
+                                     "merge_interval_s": 0.0, **overrides}
+        return make_settings("local", **values)
+
+    return make
+
+
+def _index(shoal: Shoal) -> int:
+    """An empty data source with a flat index `ix`/`1` over it; returns its shard's id."""
+    shoal.create_data_source(SPEC)
+    index = shoal.create_index(IndexSpec("ix", "1", "docs", "1", algorithm="flat", metric="euclidean",
+                                         id_attributes=["id"]))
+    return index.shards[0].id
+
+
+def _upload(shoal: Shoal, ids: range) -> int:
+    """Commit points with these ids; returns the commit's seq."""
+    vectors = np.random.default_rng(ids.start).normal(size=(len(ids), DIM)).astype(np.float32)
+    return shoal.producer("docs", "1").upload_columns(vectors, {"id": np.asarray(ids, dtype=np.int64)}).seq
+
+
+def _started(settings: Settings, *, beat: bool = False) -> subprocess.Popen[str]:
+    """A real worker (with an embedded beat when `beat`), returned once it takes tasks."""
+    worker = start_worker(settings, beat=beat)
+    wait_for(lambda: " ready." in _log(worker) or worker.poll() is not None, 60, "the worker to start")
+    assert worker.poll() is None, _log(worker)[-3000:]
+    return worker
+
+
+def _log(worker: subprocess.Popen[str]) -> str:
+    """The worker's log so far."""
+    return Path(worker.log_path).read_text()  # type: ignore[attr-defined]
+
+
+def _received(workers: list[subprocess.Popen[str]], task: str) -> set[str]:
+    """The ids of the `task` runs these workers received (a Celery retry keeps its task's id)."""
+    return {m for w in workers for m in re.findall(rf"{re.escape(task)}\[([0-9a-f-]+)\] received", _log(w))}
+
+
+def _succeeded(workers: list[subprocess.Popen[str]], task: str) -> int:
+    """How many runs of `task` these workers finished without an error."""
+    return sum(len(re.findall(rf"{re.escape(task)}\[[0-9a-f-]+\] succeeded", _log(w))) for w in workers)
+
+
+def test_a_long_build_elsewhere_leaves_one_materialization_waiting_and_the_shard_built_after_it(
+    wsettings: Callable[..., Settings],
+) -> None:
+    """A live process holds the shard's lease (a long build) while five commits land and beat sweeps the lagging
+    shard every second: the worker receives at most two materializations of the shard (one waits, retrying, for
+    the lease; a commit may slip in as it starts a retry), not one per commit and sweep; once the lease is
+    released, the shard is built up to the last commit."""
+    settings = wsettings()
+    with Shoal(settings) as shoal:
+        shard_id = _index(shoal)
+        shards = ShardCatalog(shoal.engine)
+        holder = default_owner()  # this test process: alive, so its lease is never taken over
+        assert shards.acquire_lease(shard_id, holder, 600.0)
+        worker = _started(settings, beat=True)
+        try:
+            last = 0
+            for i in range(5):  # each commit queues a materialization of the shard (coalesced)
+                last = _upload(shoal, range(10 * i, 10 * i + 10))
+            sweeps = _succeeded([worker], SWEEP)
+            wait_for(lambda: _succeeded([worker], SWEEP) >= sweeps + 5, 60, "five sweeps of the lagging shard")
+            received = _received([worker], MATERIALIZE_SHARD)
+            assert 1 <= len(received) <= 2, received
+            assert shoal.index_status("ix", "1")[0].built_watermark == 0  # the holder's lease kept the worker out
+
+            shards.release_lease(shard_id, holder)
+            wait_for(lambda: shoal.index_status("ix", "1")[0].built_watermark == last, 90,
+                     "the shard to be built up to the last commit once the lease is free")
+            assert len(_received([worker], MATERIALIZE_SHARD)) <= 2
+            assert " raised unexpected" not in _log(worker), _log(worker)[-3000:]
+        finally:
+            stop_process(worker)
+            shards.release_lease(shard_id, holder)
+
+
+def test_a_merge_longer_than_the_pending_ttl_is_not_started_twice(wsettings: Callable[..., Settings]) -> None:
+    """One merge is due; it builds and then waits to publish while this process holds the shard's lease, far
+    longer than SHOAL_PENDING_TTL_S (1 s), as beat's merge sweep runs every second and a second worker stands
+    idle: no second merge of the shard is queued or started; the one merge publishes once the lease is free."""
+    settings = wsettings(merge_interval_s=1.0, pending_ttl_s=1.0, max_segments=2, min_merge_segments=2,
+                         quick_build_backlog_seqs=0)
+    with Shoal(settings, notify=False) as shoal:
+        shard_id = _index(shoal)
+        builder = ShardBuilder(shoal.engine, shoal.storage, policy=MergePolicy(2, 0.3, 2))
+        for i in range(3):  # three segments, two allowed: one merge is due
+            _upload(shoal, range(100 * i, 100 * i + 100))
+            builder.materialize(shard_id)
+        shards = ShardCatalog(shoal.engine)
+        holder = default_owner()
+        assert shards.acquire_lease(shard_id, holder, 600.0)
+        workers = [_started(settings, beat=True), _started(settings)]
+
+        def merges() -> set[str]:
+            return _received(workers, MERGE_SHARD)
+
+        try:
+            built = f"merge of shard {shard_id}:"
+            wait_for(lambda: any(built in _log(w) for w in workers), 60, "the merge to build (it then waits)")
+            sweeps = _succeeded(workers, SWEEP_MERGES)
+            # Four merge sweeps later (over 3 s: the mark, unrenewed, would have expired) the merge still waits,
+            # alone (a second merge would also keep the idle worker busy, so the sweeps would stop).
+            wait_for(lambda: _succeeded(workers, SWEEP_MERGES) >= sweeps + 4 or len(merges()) > 1, 60,
+                     "four more merge sweeps")
+            assert len(merges()) == 1, merges()
+
+            shards.release_lease(shard_id, holder)
+            wait_for(lambda: _succeeded(workers, MERGE_SHARD) == 1, 60, "the merge to publish")
+            active = shards.active_version(shard_id)
+            # The two smallest merged into one (min_merge_segments=2): two segments are left, as max_segments allows.
+            assert active is not None and len(Manifest.of(active.manifest).segments) == 2
+            assert len(merges()) == 1
+            assert sum(_log(w).count(built) for w in workers) == 1  # one build of the merged segment
+        finally:
+            for worker in workers:
+                stop_process(worker)
+            shards.release_lease(shard_id, holder)
+
+
+def test_every_beat_entry_expires_after_its_interval(make_settings: Callable[..., Settings]) -> None:
+    """Beat's runs are idempotent sweeps: one still queued when the next is due is dropped, not run late."""
+    schedule = beat_schedule(make_settings(sweep_interval_s=2.5, merge_interval_s=30, generations_interval_s=600,
+                                           purge_interval_s=3600, compaction_interval_s=300,
+                                           retention_interval_s=3600, gc_interval_s=600))
+    assert len(schedule) == 7, schedule
+    for name, entry in schedule.items():
+        assert entry["options"] == {"expires": entry["schedule"]}, name
+    assert schedule["sweep-lagging-shards"]["options"] == {"expires": 2.5}
+
+
+def test_a_worker_back_after_beat_ran_alone_drops_the_stale_sweeps(wsettings: Callable[..., Settings]) -> None:
+    """Beat runs with no worker: its sweeps queue up, each expiring after its interval (1 s). A worker that
+    starts once they expired discards them instead of running them one by one."""
+    settings = wsettings()
+    client = redis.Redis.from_url(str(settings.redis_url))
+
+    def queued_sweeps() -> list[dict[str, object]]:
+        messages = [json.loads(m) for m in client.lrange(QUEUE, 0, -1)]
+        return [m["headers"] for m in messages if m["headers"]["task"] == SWEEP]
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    with open(settings.data_dir / "beat.log", "w") as out:
+        beat = subprocess.Popen([sys.executable, "-m", "celery", "-A", "shoal.workers.app", "beat", "--loglevel",
+                                 "INFO", "--schedule", str(settings.data_dir / "beat-schedule")],
+                                env=settings_env(settings), stdout=out, stderr=subprocess.STDOUT, text=True)
+    worker = None
+    try:
+        try:
+            wait_for(lambda: len(queued_sweeps()) >= 3, 60, "beat to queue three sweeps with no worker")
+        finally:
+            stop_process(beat)
+        stale = queued_sweeps()
+        assert all(h.get("expires") for h in stale), stale
+        latest = max(dt.datetime.fromisoformat(str(h["expires"])) for h in stale)
+        wait_for(lambda: dt.datetime.now(dt.UTC) > latest, 30, "the queued sweeps to expire")
+        worker = started = _started(settings)
+        wait_for(lambda: _log(started).count(f"Discarding revoked task: {SWEEP}[") >= len(stale), 60,
+                 "the worker to discard every stale sweep")
+        assert _succeeded([started], SWEEP) == 0, _log(started)[-3000:]
+    finally:
+        if worker is not None:
+            stop_process(worker)
+        client.close()
