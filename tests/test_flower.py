@@ -182,7 +182,8 @@ def test_flower_shows_namespaced_tasks_with_id_arguments(fshoal: Shoal) -> None:
 def test_beat_schedule_follows_the_settings(make_settings) -> None:  # type: ignore[no-untyped-def]
     schedule = beat_schedule(make_settings(sweep_interval_s=2.5, merge_interval_s=30))
     assert schedule["sweep-lagging-shards"] == {"task": TASKS + "sweep", "schedule": 2.5, "options": {"expires": 2.5}}
-    assert schedule["sweep-due-merges"] == {"task": TASKS + "sweep_merges", "schedule": 30.0}
+    assert schedule["sweep-due-merges"] == {"task": TASKS + "sweep_merges", "schedule": 30.0,
+                                          "options": {"expires": 30.0}}
     # Other upkeep may have entries of its own, each a task of the same module.
     assert all(re.fullmatch(r"shoal\.workers\.tasks\.[a-z_]+", e["task"]) for e in schedule.values()), schedule
     no_merges = beat_schedule(make_settings(sweep_interval_s=10, merge_interval_s=0))
