@@ -18,14 +18,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
-from shoal.catalog.models import DataSource, Index, IndexFile, IndexShard, LogSegment, ReindexJob, Tenant
+from shoal.catalog.models import (
+    DataSource,
+    Index,
+    IndexFile,
+    IndexShard,
+    IndexVersion,
+    LogSegment,
+    ReindexJob,
+    Tenant,
+)
 from shoal.datasets.errors import not_found
 from shoal.datasets.rules import VERSION
-from shoal.log.records import DATASET_KEY
+from shoal.log.records import DATASET_KEY, GENERATION_MARK
 
 if TYPE_CHECKING:  # only a type here: shoal.client reaches this module through the reindex's mirror refresh
     from shoal.client import Shoal
@@ -334,3 +343,20 @@ class DatasetCatalog:
                        Index.deleted_at.is_(None))
             )
             return sorted(set(rows))
+
+    def index_files(self, source_id: int, name: str) -> set[str]:
+        """The layout-relative paths of the files the catalog's index versions reference for every generation
+        of the dataset's index (`name` version `1` and its hidden `1~g{n}` generations) over its data source
+        `source_id`: serving, being built, kept for rollback. One query. An index of the same name over another
+        source (a trashed or dropped dataset's, whose files share the folders) is not the dataset's."""
+        with Session(self.engine) as s:
+            rows = s.scalars(
+                select(IndexFile.path)
+                .join(IndexVersion, IndexVersion.id == IndexFile.version_id)
+                .join(IndexShard, IndexShard.id == IndexVersion.shard_id)
+                .join(Index, Index.id == IndexShard.index_id)
+                .where(Index.tenant_id == self.tenant_id, Index.data_source_id == source_id, Index.name == name,
+                       or_(Index.version == VERSION,
+                           Index.version.startswith(VERSION + GENERATION_MARK, autoescape=True)))
+            )
+            return set(rows)

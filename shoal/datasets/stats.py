@@ -16,15 +16,15 @@ import pyarrow as pa
 
 from shoal.catalog.repo import SegmentRecord, list_segments
 from shoal.datasets import rules
-from shoal.datasets.catalog import LogTotals
+from shoal.datasets.catalog import DatasetRecord, LogTotals
 from shoal.datasets.errors import not_found
 from shoal.datasets.results import Dataset, DatasetStats, IndexBuild, IndexStats, MetadataStats, StorageUse
 from shoal.datasets.scope import DatasetScope
 from shoal.errors import NotFoundError
 from shoal.log.reader import fold, read_log
-from shoal.log.records import GENERATION_MARK, json_depth
+from shoal.log.records import json_depth
 from shoal.log.validation import KEY, OP
-from shoal.storage.layout import dataset_dir, index_dir, indexes_dir
+from shoal.storage.layout import dataset_dir, indexes_dir
 
 METADATA_SAMPLE = 100_000  # live vectors whose metadata keys are counted (the first ones in seq order)
 TOP_METADATA_KEYS = 50
@@ -61,7 +61,7 @@ class Stats(DatasetScope):
         segments = list_segments(self.shoal.engine, record.source_id)
         live = self._live_state(record.source_id, segments)
         log_bytes = sum(s.bytes for s in segments)
-        index_bytes, index_files = self._index_bytes(record.name)
+        index_bytes, index_files = self._index_bytes(record)
         mirror_bytes, _ = self._bytes_under(dataset_dir(self.tenant, record.name))
         try:
             shards = tuple(self.shoal.index_status(record.name, rules.VERSION))
@@ -132,17 +132,19 @@ class Stats(DatasetScope):
             content_types=dict(by["content_type"].most_common(TOP_METADATA_KEYS)),
         )
 
-    def _index_bytes(self, name: str) -> tuple[int, int]:
-        """Bytes and number of the files of every generation of the dataset's index in storage: under
-        `indexes/{name}/1/` (`gen-{n}/` per generation), and the folders `1~g{n}/` where generations built by an
-        earlier release kept their files. So the serving generation counts, as do one being built and the one
-        kept for rollback (SHOAL_REINDEX_KEEP_S), and versions awaiting garbage collection, until deleted."""
-        versions = [rules.VERSION] + [
-            folder for folder in self.shoal.storage.subfolders(f"{indexes_dir(self.tenant)}/{name}")
-            if folder.startswith(f"{rules.VERSION}{GENERATION_MARK}")
-        ]
-        sizes = [self._bytes_under(index_dir(self.tenant, name, v)) for v in versions]
-        return sum(b for b, _ in sizes), sum(n for _, n in sizes)
+    def _index_bytes(self, record: DatasetRecord) -> tuple[int, int]:
+        """Bytes and number of the files in storage of every generation of the dataset's index that the catalog
+        references: the serving generation, one being built and the one kept for rollback (SHOAL_REINDEX_KEEP_S).
+        The index folders (`indexes/{name}/1/gen-{n}/`, and `1~g{n}/` where an earlier release built
+        generations) are keyed by name, so they also hold the files of a trashed or hard-deleted dataset of the
+        same name: only the files the catalog's rows for this dataset's data source name count (files no row
+        references, such as pruned versions awaiting GC, do not). One catalog query, one listing."""
+        owned = self.catalog.index_files(record.source_id, record.name)
+        if not owned:
+            return 0, 0
+        files = [f for f in self.shoal.storage.describe_files(f"{indexes_dir(self.tenant)}/{record.name}")
+                 if f.path in owned]
+        return sum(f.size for f in files), len(files)
 
     def _bytes_under(self, folder: str) -> tuple[int, int]:
         """Bytes and number of files anywhere under a layout-relative folder (0, 0 if there is none)."""
