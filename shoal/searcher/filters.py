@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +197,8 @@ class _Parser:
         arrow_type = ARROW_TYPES[kind]
         parts: list[Mask] = []
         for op, operand in self._ops(name, value):
+            if kind is AttributeType.FLOAT64:
+                op, operand = _exact_on_floats(op, operand)
             if op in ("$in", "$nin"):
                 if not isinstance(operand, list):
                     raise _bad(f"{op} takes a list of values", name)
@@ -327,6 +330,35 @@ def _number(scalar: pa.Scalar, column_type: pa.DataType) -> Any:
     if pa.types.is_timestamp(column_type):
         return scalar.cast(pa.int64()).as_py() if scalar.type == column_type else None
     return scalar.as_py()
+
+
+def _inexact(value: Any) -> bool:
+    """Whether `value` is an integer no float64 holds exactly (past 2^53, within float64's range)."""
+    if isinstance(value, bool) or not isinstance(value, int) or -(2**53) <= value <= 2**53:
+        return False
+    try:
+        return float(value) != value
+    except OverflowError:  # past float64's range: check_value refuses it, naming it
+        return False
+
+
+def _exact_on_floats(op: str, operand: Any) -> tuple[str, Any]:
+    """The condition on a float64 attribute that compares stored floats with an integer operand exactly, as
+    Python does (and as filters on the dataset API's metadata do), where the integer is one no float64 holds:
+    converted, 2^53 + 1 became 2^53, so `$eq` matched a point holding 2^53 and `$lt` missed it. No float equals
+    such an integer; a range compares with the float next to it on the operator's side."""
+    if op in ("$in", "$nin") and isinstance(operand, list):
+        return op, [v for v in operand if not _inexact(v)]
+    if not _inexact(operand):
+        return op, operand
+    if op == "$eq":
+        return "$in", []
+    if op == "$ne":
+        return "$nin", []
+    nearest = float(operand)
+    if op in ("$lt", "$lte"):  # v < x, for a float v and an x no float equals: v <= the float below x
+        return "$lte", nearest if nearest < operand else math.nextafter(nearest, -math.inf)
+    return "$gte", nearest if nearest > operand else math.nextafter(nearest, math.inf)
 
 
 def _compare(name: str, op: str, scalar: pa.Scalar) -> Mask:
