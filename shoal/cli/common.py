@@ -2,6 +2,10 @@
 
 Errors Shoal raises on purpose are printed as one red line on stderr with exit status 1; bad usage exits
 with 2 (Typer's own convention).
+
+The consoles print strings literally (no rich markup, no :emoji: codes): what they print holds names,
+descriptions, attribute values, paths and reasons that may contain "[...]" or ":...:". A message styled on
+purpose passes markup=True with its data escaped (rich.markup.escape), or prints a rich Text.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from shoal.runtime import Runtime
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, markup=False, emoji=False)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False)
 PIPE_WIDTH = 200  # columns of piped or captured output
 
 Tenant = Annotated[

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from shoal.cli.common import load_settings, out
 from shoal.cli.worker import check_catalog, check_storage
@@ -42,15 +43,21 @@ def consume(
                 raise typer.BadParameter(str(exc), param_hint=option) from None
     settings = load_settings()
     if dead:
-        letters = dead_letters(settings, group)
-        table = Table(title=f"dead letters of group {group or settings.intake_group} ({len(letters)}, now removed)")
-        for col in ("tenant", "source", "version", "message id", "reason"):
-            table.add_column(col)
-        for d in letters:
-            h = d["headers"]
-            table.add_row(*(str(h.get(k, "")) for k in ("shoal-tenant", "shoal-source", "shoal-version",
-                                                         "shoal-message-id", "shoal-dead-reason")))
-        out.print(table)
+        name = group or settings.intake_group
+
+        def show(letters: list[dict[str, Any]]) -> None:
+            # Called before the letters are removed: a table that fails to print (or a closed pipe) loses none.
+            table = Table(title=f"dead letters of group {name} ({len(letters)}, now removed)")
+            for col in ("tenant", "source", "version", "message id", "reason"):
+                table.add_column(col)
+            for d in letters:
+                h = d["headers"]
+                # Text: a reason quotes what the message held, which rich must not read as markup.
+                table.add_row(*(Text(str(h.get(k, ""))) for k in ("shoal-tenant", "shoal-source", "shoal-version",
+                                                                  "shoal-message-id", "shoal-dead-reason")))
+            out.print(table)
+
+        dead_letters(settings, group, show=show)
         return
     # As `shoal api` and `shoal worker` do: a consumer started on a storage it cannot use requeued every message
     # about once a second, for ever.

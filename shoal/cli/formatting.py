@@ -63,9 +63,17 @@ def record_json(record: SourceRecord) -> dict[str, Any]:
     }
 
 
+def json_default(value: Any) -> Any:
+    """How echo_json writes what JSON has no type for: datetimes, dates and times in ISO 8601 (as every
+    created_at of a --json output is), anything else as str()."""
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    return str(value)
+
+
 def echo_json(value: Any) -> None:
     """Print `value` as indented JSON on stdout (plain, no markup), for scripts."""
-    typer.echo(json.dumps(value, indent=2, default=str))
+    typer.echo(json.dumps(value, indent=2, default=json_default))
 
 
 def params_text(params: Mapping[str, Any]) -> str:

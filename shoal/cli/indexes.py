@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from shoal.catalog.indexes import IndexRecord
 from shoal.cli.common import AsJson, Tenant, open_shoal, out, split_all, split_pairs, typer_app
@@ -129,10 +130,11 @@ def index_create(
                 existed = shoal.get_index(name, version) is not None
         record = shoal.create_index(spec, exist_ok=exist_ok)  # IndexDefinitionError names every broken rule
     what = "exists already (same definition)" if existed else "created"
-    out.print(
-        f"Index [bold]{name}[/]/[bold]{version}[/] {what} in tenant {record.tenant!r} {_describe(record)}.",
-        markup=True,
-    )
+    # Text, not markup: the names and the description are the user's text, printed as they are.
+    out.print(Text.assemble(
+        "Index ", (name, "bold"), "/", (version, "bold"),
+        f" {what} in tenant {record.tenant!r} {_describe(record)}.",
+    ))
     if not existed:
         out.print("Workers build it from the log (run `shoal worker`); `shoal status` shows how far they are.")
 

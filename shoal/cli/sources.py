@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from shoal.cli.common import AsJson, Name, Tenant, Version, open_shoal, out, split_all, split_pairs, typer_app
 from shoal.cli.formatting import attributes_text, count, echo_json, print_listing, record_json, when
@@ -83,13 +84,14 @@ def source_create(
                 existed = shoal.get_data_source(name, version) is not None
         record = shoal.create_data_source(spec, exist_ok=exist_ok)
     what = "exists already (same definition)" if existed else "created"
-    out.print(
-        f"Data source [bold]{name}[/]/[bold]{version}[/] {what} in tenant {record.tenant!r}: "
+    # Text, not markup: names and attributes are the user's text, printed as they are.
+    out.print(Text.assemble(
+        "Data source ", (name, "bold"), "/", (version, "bold"),
+        f" {what} in tenant {record.tenant!r}: "
         f"{spec.vector_dimension}-d {'sparse' if sparse else 'dense'}, "
         f"attributes {attributes_text(spec)}, key ({', '.join(spec.permanent_attributes)})"
         + (f", head seq {record.head_seq}" if existed else ""),
-        markup=True,
-    )
+    ))
 
 
 @source_app.command("get")

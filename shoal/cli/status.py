@@ -97,7 +97,7 @@ def freshness_table(rows: list[ShardStatus], title: str) -> Table:
             count(s.head),
             count(s.built_watermark),
             count(s.served_watermark),
-            f"[yellow]{count(s.lag_seqs)}[/]" if lagging else "0",
+            Text(count(s.lag_seqs), style="yellow") if lagging else "0",
             f"{s.lag_seconds:.1f}",
             count(s.young_tier_seqs),
             f"{s.young_tier_age_s:.1f}",

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -66,7 +67,7 @@ def tenant_create(
     """Create a tenant (an error if it exists already)."""
     with catalog_engine() as engine:
         tenant_id = create_tenant(engine, name)
-    out.print(f"Tenant [bold]{name}[/] created (id {tenant_id}).", markup=True)
+    out.print(f"Tenant [bold]{escape(name)}[/] created (id {tenant_id}).", markup=True)
 
 
 @tenant_app.command("list")
@@ -95,9 +96,11 @@ def key_create(
     """Create an API key and print it once: it is stored hashed and cannot be shown again."""
     with catalog_engine() as engine:
         record, plaintext = create_key(engine, tenant, role, name)
+    # The secret first, plainly: it exists nowhere else, so nothing printed before it may stand in its way.
+    typer.echo(plaintext)
     err.print(
-        f"API key [bold]{record.key_id}[/] created for tenant [bold]{tenant}[/] with role {record.role.value}"
-        + (f" ({name})" if name else "") + ".",
+        f"API key [bold]{escape(record.key_id)}[/] created for tenant [bold]{escape(tenant)}[/] with role "
+        f"{record.role.value}" + (f" ({escape(name)})" if name else "") + ".",
         markup=True,
     )
     err.print(
@@ -105,7 +108,6 @@ def key_create(
         "Send it as the header 'Authorization: ApiKey <key>'.",
         markup=True,
     )
-    typer.echo(plaintext)
 
 
 @key_app.command("list")
@@ -130,7 +132,8 @@ def key_revoke(key_id: Annotated[str, typer.Argument(help="The key id (the 12 he
     with catalog_engine() as engine:
         record = revoke_key(engine, key_id)
     out.print(
-        f"API key [bold]{record.key_id}[/] of tenant [bold]{record.tenant}[/] revoked at {when(record.revoked_at)}; "
+        f"API key [bold]{escape(record.key_id)}[/] of tenant [bold]{escape(record.tenant)}[/] revoked at "
+        f"{when(record.revoked_at)}; "
         f"running services stop accepting it within {CACHE_TTL_S:.0f} s.",
         markup=True,
     )

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -582,21 +583,42 @@ class IntakeConsumer:
             self._runtime = None
 
 
-def dead_letters(settings: Settings, group: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
-    """Read (and remove) up to `limit` messages from a group's dead-letter queue: headers, content type, body."""
+def dead_letters(
+    settings: Settings,
+    group: str | None = None,
+    *,
+    limit: int = 1000,
+    show: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Read and remove up to `limit` messages from a group's dead-letter queue: headers, content type, body.
+
+    With `show`, it is called with the letters before any is removed: if it raises (SystemExit included), none
+    is removed and all go back to the queue (`shoal consume --dead` prints them there: a table that failed to
+    print, or a closed pipe, must not lose them).
+    """
     group = settings.intake_group if group is None else check_group(group)
     queue = topology.dead_queue(settings.intake_exchange, group)
     out: list[dict[str, Any]] = []
+    messages: list[Message] = []
     with Connection(broker_url(settings)) as conn:
-        bound = queue(conn.channel())
-        bound.declare()
-        while len(out) < limit:
-            message = bound.get(no_ack=False, accept=None)
-            if message is None:
-                break
-            out.append({"headers": dict(message.headers or {}), "content_type": message.content_type,
-                        "body": message.body})
-            message.ack()
+        channel = conn.channel()
+        try:
+            bound = queue(channel)
+            bound.declare()
+            while len(out) < limit:
+                message = bound.get(no_ack=False, accept=None)
+                if message is None:
+                    break
+                messages.append(message)
+                out.append({"headers": dict(message.headers or {}), "content_type": message.content_type,
+                            "body": message.body})
+            if show is not None:
+                show(out)
+            for message in messages:
+                message.ack()
+        finally:
+            # Unacked messages (show raised) go back to the queue when their channel closes.
+            channel.close()
     return out
 
 
