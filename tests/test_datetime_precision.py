@@ -243,3 +243,15 @@ def test_dataset_metadata_datetimes_compare_to_the_digit(served: tuple[str, Sett
             assert r.status_code == 400 and r.json()["error_code"] == "VALIDATION_ERROR", r.text
             operand = DAY + ("1234561Z" if "$gte" in flt["published"] else "1234569Z")
             assert f"'published': {BELOW_US.format(operand)}" in r.json()["message"], r.text
+
+
+def test_a_cli_split_value_below_a_microsecond_is_refused() -> None:
+    """`shoal search --split at=...`: fromisoformat floored the digits past the sixth, naming another instant."""
+    from shoal.cli.search import split_value
+    from shoal.errors import ValidationError
+    from shoal.log.records import AttributeType
+
+    whole = split_value(AttributeType.DATETIME, "at", "2024-01-01T00:00:00.1234560+00:00")
+    assert whole.microsecond == 123456
+    with pytest.raises(ValidationError, match="sub-microsecond"):
+        split_value(AttributeType.DATETIME, "at", "2024-01-01T00:00:00.1234561+00:00")

@@ -17,6 +17,7 @@ from shoal.cli.indexes import IndexName, IndexVersion
 from shoal.engines.metrics import Metric, higher_is_nearer
 from shoal.errors import Problem, QueryError, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, SparseVector, WriteToken
+from shoal.log.validation import SUB_MICROSECOND, sub_microsecond_text
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.execute import Hit
 
@@ -119,7 +120,10 @@ def split_value(kind: AttributeType, name: str, text: str) -> Any:
                 raise ValueError
             return lowered in ("true", "1")
         if kind is AttributeType.DATETIME:
-            return dt.datetime.fromisoformat(text)
+            value = dt.datetime.fromisoformat(text)
+            if sub_microsecond_text(text):  # fromisoformat dropped the digits: it would name another instant
+                raise ValidationError(Problem(f"{text!r} {SUB_MICROSECOND}", attribute=name))
+            return value
     except ValueError:
         raise ValidationError(Problem(f"{text!r} is not a {kind.value} value", attribute=name)) from None
     return text  # string and guid (checked by the searcher)
