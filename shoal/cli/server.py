@@ -31,7 +31,8 @@ def server_start() -> None:
         out.print(f"broker:  uses SHOAL_REDIS_URL {mask_url(settings.redis_url)} (no embedded Valkey)")
     else:
         out.print(f"broker:  embedded Valkey running at {mask_url(ensure_valkey(settings.data_dir))}")
-    out.print(f"storage: {settings.resolved_storage_uri}")
+    storage = settings.resolved_storage_uri  # an s3:// URI masked (a local path is no URL: shown as it is)
+    out.print(f"storage: {mask_url(storage) if storage.startswith('s3://') else storage}")
 
 
 @server_app.command("stop")
@@ -72,7 +73,7 @@ def server_status() -> None:
     storage = settings.resolved_storage_uri
     s3 = storage.startswith("s3://")
     table.add_row("storage", "S3" if s3 else "local", "-" if s3 else ("exists" if Path(storage).is_dir() else "absent"),
-                  storage)
+                  mask_url(storage) if s3 else storage)
     out.print(table)
 
 

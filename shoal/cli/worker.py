@@ -136,7 +136,9 @@ def stop_worker_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) ->
 def describe_servers(settings: Settings, broker: str) -> list[str]:
     """Where the worker's catalog, broker and storage are, one line each (passwords masked)."""
     catalog = mask_url(settings.database_url) if settings.database_url else f"embedded Postgres in {settings.data_dir}"
-    return [f"catalog: {catalog}", f"broker:  {mask_url(broker)}", f"storage: {settings.resolved_storage_uri}"]
+    storage = settings.resolved_storage_uri  # an s3:// URI masked (a local path is no URL: shown as it is)
+    storage = mask_url(storage) if storage.startswith("s3://") else storage
+    return [f"catalog: {catalog}", f"broker:  {mask_url(broker)}", f"storage: {storage}"]
 
 
 def check_storage(settings: Settings) -> None:

@@ -94,8 +94,11 @@ def config_file() -> Path | None:
 class Settings(BaseSettings):
     """Everything Shoal can be told. Environment beats the config file, which beats the defaults."""
 
-    # No float setting may be inf or NaN (1e400 reads as inf): every one is a duration, ratio or gate.
-    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="forbid", allow_inf_nan=False)
+    # No float setting may be inf or NaN (1e400 reads as inf): every one is a duration, ratio or gate. Inputs are
+    # never part of an error: a refused URL may carry a password or key (each check names what is wrong itself).
+    model_config = SettingsConfigDict(
+        env_prefix="SHOAL_", extra="forbid", allow_inf_nan=False, hide_input_in_errors=True
+    )
 
     data_dir: Path = Field(
         default_factory=lambda: Path(platformdirs.user_data_dir("shoal")),
@@ -322,6 +325,11 @@ class Settings(BaseSettings):
         # Resolved here, once, so every process (and child process) of a deployment means the same directory.
         return storage_location(value) if value else value
 
+    @field_validator("s3_endpoint_url")
+    @classmethod
+    def _s3_endpoint_url(cls, value: str | None) -> str | None:
+        return check_s3_endpoint_url(value) if value else value
+
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
@@ -382,9 +390,12 @@ class Settings(BaseSettings):
         for secret in ("s3_secret_key", "metrics_token"):
             if shown.get(secret):
                 shown[secret] = "***"
-        for name in ("database_url", "redis_url"):
+        for name in ("database_url", "redis_url", "s3_endpoint_url"):
             if shown.get(name):
                 shown[name] = mask_url(shown[name])
+        # Credentials in an s3:// URI are refused (storage_location); masked anyway, should one get this far.
+        if str(shown.get("storage_uri") or "").startswith("s3://"):
+            shown["storage_uri"] = mask_url(shown["storage_uri"])
         return shown
 
 
@@ -422,10 +433,20 @@ def storage_location(uri: str) -> str:
     """`uri` as Shoal opens it: an s3:// URI as given, checked; a local one (a path or a file:// URI) as an
     absolute path, ~ expanded. ValueError saying what is wrong with it otherwise.
 
-    An s3:// URI needs a bucket and no empty path component (s3://bucket//p is not a prefix S3 paths can
-    have). A file:// URI names no host but localhost and is percent-decoded (file:///tmp/my%20dir).
+    An s3:// URI needs a bucket, carries no credentials (the message then never shows the URI: it holds the
+    secret) and has no empty, '.' or '..' path component (s3://bucket//p is not a prefix S3 paths can have; S3
+    keeps '.' and '..' in keys as written, but the request paths of writes resolve them while listings match
+    the prefix literally, so GC, stats and the storage checks would see nothing under it). A file:// URI names
+    no host but localhost and is percent-decoded (file:///tmp/my%20dir); a local path's '.' and '..' are
+    resolved.
     """
     parts = urlsplit(uri)
+    if parts.scheme == "s3" and "@" in parts.netloc:
+        # pyarrow's own form, s3://ACCESS:SECRET@bucket/prefix: never echoed.
+        raise ValueError(
+            "an s3:// storage URI cannot carry credentials (s3://KEY:SECRET@bucket/...): put them in "
+            "SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY, and name the storage s3://bucket/prefix"
+        )
     if parts.scheme in ("s3", "file") and (parts.query or parts.fragment):
         raise ValueError(f"{uri!r} has a query or fragment ('?' or '#'), which a storage URI cannot have")
     if parts.scheme == "s3":
@@ -434,6 +455,11 @@ def storage_location(uri: str) -> str:
         prefix = parts.path.removeprefix("/").removesuffix("/")
         if parts.path.startswith("//") or (prefix and "" in prefix.split("/")):
             raise ValueError(f"{uri!r} has an empty path component ('//'): use s3://bucket/prefix")
+        if any(part in (".", "..") for part in prefix.split("/")):
+            raise ValueError(
+                f"{uri!r} has a '.' or '..' path component, which S3 does not resolve (files would be written "
+                "where listings never look): name the prefix without them, e.g. s3://bucket/prefix"
+            )
         return uri
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost"):
@@ -446,6 +472,41 @@ def storage_location(uri: str) -> str:
     else:
         raise ValueError(f"unsupported storage URI {uri!r}: use a local path or s3://bucket/prefix")
     return str(Path(path).expanduser().resolve())
+
+
+def check_s3_endpoint_url(url: str) -> str:
+    """`url` unchanged when it is an S3 endpoint Shoal can use: http:// or https://, a host and an optional port,
+    nothing else; else ValueError naming SHOAL_S3_ENDPOINT_URL and what is wrong.
+
+    pyarrow takes only the scheme, host and port of an endpoint, so a path or query would be dropped without a
+    word, and credentials in it (user:password@) would be taken for part of the host name: all are refused, and
+    a URL carrying credentials is never shown (they go in SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY).
+    """
+    if "@" in url:
+        raise ValueError(
+            "SHOAL_S3_ENDPOINT_URL cannot carry credentials (user:password@host): put them in SHOAL_S3_ACCESS_KEY "
+            "and SHOAL_S3_SECRET_KEY, and give the endpoint as http(s)://host:port"
+        )
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # a broken IPv6 host
+        raise ValueError(
+            f"SHOAL_S3_ENDPOINT_URL {url!r} is not a URL ({exc}): use e.g. http://127.0.0.1:9000"
+        ) from None
+    named = f"SHOAL_S3_ENDPOINT_URL {url!r}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{named} is not an http:// or https:// URL (e.g. http://127.0.0.1:9000)")
+    if parts.path not in ("", "/"):
+        raise ValueError(
+            f"{named} has a path ({parts.path!r}), which S3 requests would not use: give the endpoint as "
+            "http(s)://host:port"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"{named} has a query or fragment ('?' or '#'), which S3 requests would not use: give the endpoint as "
+            "http(s)://host:port"
+        )
+    return url
 
 
 def _toml_source(settings_cls: type[BaseSettings], path: Path) -> TomlConfigSettingsSource:

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from shoal.config.settings import Settings, mask_url, storage_location
+from shoal.config.settings import Settings, check_s3_endpoint_url, mask_url, storage_location
 from shoal.errors import ConfigurationError, StorageUnavailableError, StorageUnreachableError
 
 T = TypeVar("T")
@@ -125,12 +125,11 @@ class Storage:
             )
         endpoint = None
         if settings.s3_endpoint_url:
-            endpoint = urlparse(settings.s3_endpoint_url)
-            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
-                raise ConfigurationError(
-                    f"SHOAL_S3_ENDPOINT_URL {mask_url(settings.s3_endpoint_url)!r} is not an http:// or https:// "
-                    "URL (e.g. http://127.0.0.1:9000)"
-                )
+            try:
+                # Settings read from the environment are checked already; ones built by model_copy are not.
+                endpoint = urlparse(check_s3_endpoint_url(settings.s3_endpoint_url))
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
         try:
             fs = pafs.S3FileSystem(
                 access_key=settings.s3_access_key,
@@ -148,7 +147,7 @@ class Storage:
             raise (StorageUnreachableError if unreachable else ConfigurationError)(
                 _s3_problem(settings, uri, exc)) from None
         if not found:
-            raise ConfigurationError(f"S3 bucket {bucket!r} of storage {uri!r} does not exist")
+            raise ConfigurationError(f"S3 bucket {bucket!r} of storage {mask_url(uri)!r} does not exist")
         return cls(fs, f"{bucket}{parsed.path}".rstrip("/"), local=False)
 
     def path(self, relative: str) -> str:
@@ -232,6 +231,27 @@ class Storage:
         """True when an object exists at `relative` (StorageUnavailableError when the storage cannot say)."""
         with self._reaching(f"look up {relative}"):
             return self.fs.get_file_info(self.path(relative)).type == pafs.FileType.File
+
+    def enclosing_files(self, name: str) -> list[str]:
+        """The full paths of the files called `name` in the folders enclosing the root (its parent, the parent's
+        parent, ... up to the bucket or the filesystem root), nearest first: one lookup per folder.
+
+        A folder the storage refuses to look into (an S3 policy granting only this root's prefix) is skipped:
+        nothing can be said about it. StorageUnavailableError when the storage cannot be reached."""
+        found: list[str] = []
+        for folder in PurePosixPath(self.root).parents:
+            if str(folder) == ".":  # above an S3 bucket: nothing
+                break
+            candidate = str(folder / name)
+            try:
+                with self._reaching(f"look up {candidate}"):
+                    if self.fs.get_file_info(candidate).type == pafs.FileType.File:
+                        found.append(candidate)
+            except StorageUnavailableError:
+                raise
+            except OSError:  # refused (ACCESS_DENIED), or not a folder one may look into
+                continue
+        return found
 
     def delete_quietly(self, path: str, *, absolute: bool = False) -> None:
         """Delete a file if present; never raises (used for garbage whose deletion is best effort)."""
@@ -332,7 +352,8 @@ def _s3_problem(settings: Settings, uri: str, exc: BaseException) -> str:
         check = "check SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY (or the AWS credential chain)"
     else:
         check = "check SHOAL_S3_ENDPOINT_URL and SHOAL_S3_REGION"
-    return f"cannot reach S3 bucket {urlparse(uri).netloc!r} of storage {uri!r} at {where}: {reason}; {check}"
+    bucket = urlparse(uri).netloc
+    return f"cannot reach S3 bucket {bucket!r} of storage {mask_url(uri)!r} at {where}: {reason}; {check}"
 
 
 def _fsync_path(path: str) -> None:

@@ -16,6 +16,13 @@ the storage root holds `shoal-catalog.json` naming it:
 
 One catalog may use several storage roots (tests do): each root's marker names the same catalog. The marker lives
 beside `tenants/`, outside every folder GC scans, so nothing of Shoal's ever deletes it.
+
+A root may not lie inside another storage (s3://b/dep/tenants/x under s3://b/dep): that storage's GC scans its
+tenants' folders and would delete every file of this one, its marker included. So the start also looks for a
+marker in each folder enclosing the root (one lookup each) and refuses the root if one is there, whichever
+catalog it names. A storage nested so before its outer one had a marker is spared by GC itself, which skips any
+folder holding a marker (`shoal.upkeep.gc`). Folders below the root are not searched at start: that would take a
+full listing of the storage.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings
     at once both succeed.
     """
     mine = catalog_id(engine)
+    _refuse_nested(storage, settings, mine)
     marker = read_marker(storage)
     if marker is None:
         if storage.holds_files(ROOT) and not _holds_any_of(storage, _referenced_sample(engine)):
@@ -118,6 +126,29 @@ def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings
             f"{marker.catalog_id}, but catalog {_catalog_name(settings)} is {mine}; {_check(settings)}"
         )
     return mine
+
+
+def _refuse_nested(storage: Storage, settings: Settings, mine: str) -> None:
+    """ConfigurationError when a folder enclosing the storage's root holds a marker: the root lies inside another
+    storage (another deployment's, or another root of this catalog), whose garbage collection scans its tenants'
+    folders and would take every file here for one of its own unreferenced ones. One lookup per enclosing
+    folder; a folder the storage may not look into is skipped."""
+    found = storage.enclosing_files(MARKER)
+    if not found:
+        return
+    outer_root = found[0].removesuffix(f"/{MARKER}")
+    outer = outer_root if storage.local else f"s3://{outer_root}"
+    try:
+        with storage.fs.open_input_file(found[0]) as f:
+            named = str(uuid.UUID(json.loads(f.read_buffer().to_pybytes())["catalog_id"]))
+        whose = "this catalog's own" if named == mine else f"catalog {named}'s"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        whose = "unreadable"
+    raise ConfigurationError(
+        f"storage {_storage_name(settings)} lies inside storage {outer} (its {MARKER} is {whose}): that "
+        "storage's garbage collection would take this one's files for unreferenced ones of its own; give "
+        "SHOAL_STORAGE_URI a root outside every other storage"
+    )
 
 
 def check_storage_identity(engine: Engine, storage: Storage) -> None:

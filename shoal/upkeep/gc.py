@@ -44,6 +44,12 @@ dropped.
 
 Once the last file of an index segment's folder is gone, the folder goes too (an empty directory locally,
 the directory marker pyarrow leaves on S3): builds make a new one every time.
+
+A folder holding a storage marker (`shoal-catalog.json`) is the root of another storage nested inside this one's
+folders (another deployment's, set up by mistake): none of its files is this catalog's to judge, so the scan
+skips it and everything below it, and no marker is ever deleted, nor a queued file in the folder of a queued
+marker (a dropped dataset folder holding one). Processes refuse to start on a root nested so once the outer
+storage has its marker (`shoal.storage.identity`); this protects the inner one when it came first.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from sqlalchemy import Connection, Engine
 
 from shoal.catalog.locks import set_lock_timeout
 from shoal.storage import Storage, layout
-from shoal.storage.identity import check_storage_identity
+from shoal.storage.identity import MARKER, check_storage_identity
 from shoal.upkeep import gc_queue as garbage
 
 log = logging.getLogger(__name__)
@@ -77,7 +83,7 @@ class GcResult:
     queued: int = 0  # unreferenced files the scan found and queued
     deleted: int = 0  # files deleted, each one logged
     already_gone: int = 0  # queued files that were not there any more (a previous run deleted them)
-    kept: int = 0  # queued files a row turned out to reference: taken off the queue, not deleted
+    kept: int = 0  # queued files a row turned out to reference, or another storage's: taken off the queue
     pending: int = 0  # queued files still in their grace period
 
     def to_json(self) -> dict[str, Any]:
@@ -155,6 +161,17 @@ def delete_queued(
     counting into `result`; `announce` hears of each file deleted. Returns the first storage error (the files
     it hit stay queued, or for files the scan found keep their deletion record, and the next run deletes them;
     the rest still go), None when there was none."""
+    # Another storage's files (a marker, the rest of a folder holding one: a dropped folder listed whole) are
+    # never this catalog's garbage: taken off the queue, left in place.
+    roots = _nested_roots(r.path for r in rows)
+    foreign = [r for r in rows if _in_nested_storage(r.path, roots)]
+    if foreign:
+        log.warning("gc: kept %d queued files such as %s: %s marks them as another storage's (taken off the "
+                    "queue)", len(foreign), foreign[0].path, MARKER)
+        with engine.begin() as conn:
+            garbage.forget(conn, [r.id for r in foreign])
+        result.kept += len(foreign)
+        rows = [r for r in rows if not _in_nested_storage(r.path, roots)]
     by_owner: dict[Owner | None, list[garbage.GarbageRow]] = defaultdict(list)
     for row in rows:
         by_owner[_owner(row.path)].append(row)
@@ -172,15 +189,25 @@ def delete_queued(
 def _scan(
     engine: Engine, storage: Storage, grace_s: float, now: dt.datetime, tenant: str | None, result: GcResult
 ) -> None:
+    # A storage nested at `tenants/` or at a tenant's folder holds its marker there (not in a folder listed below).
+    # StorageUnavailableError while the storage cannot be reached (the gc task retries it).
+    if storage.exists(f"{layout.ROOT}/{MARKER}"):
+        log.warning("gc: scanned nothing: %s/%s marks the tenants' folder as another storage's root", layout.ROOT,
+                    MARKER)
+        return
     for name in [tenant] if tenant else garbage.tenants(engine):
-        found: list[tuple[str, dt.datetime | None]] = []
-        for folder in layout.FOLDERS:
-            # StorageUnavailableError while the storage cannot be reached (the gc task retries it).
-            found += [
-                (f.path, f.mtime)
-                for f in storage.describe_files(layout.tenant_folder(name, folder))
-                if layout.is_managed(f.path)
-            ]
+        if storage.exists(f"{layout.ROOT}/{name}/{MARKER}"):
+            log.warning("gc: skipped tenant %s: %s in its folder marks it as another storage's root", name, MARKER)
+            continue
+        listed = [f for folder in layout.FOLDERS for f in storage.describe_files(layout.tenant_folder(name, folder))]
+        roots = _nested_roots(f.path for f in listed)
+        if roots:
+            log.warning("gc: skipped %s: each holds %s, the root of another storage nested in this one",
+                        ", ".join(sorted(roots)), MARKER)
+        found = [
+            (f.path, f.mtime) for f in listed
+            if layout.is_managed(f.path) and not _in_nested_storage(f.path, roots)
+        ]
         if not found:
             continue
         # Read after listing: a file whose commit or publish landed meanwhile is seen as referenced.
@@ -318,6 +345,24 @@ def _remove(
         except OSError as exc:  # only tidiness: the folder holds no file
             log.info("gc: could not remove the empty folder %s: %s", folder, exc)
     return done, failure
+
+
+def _nested_roots(paths: Iterable[str]) -> set[str]:
+    """The folders, among those of `paths`, that hold a storage marker: roots of other storages nested in this
+    one's folders (this storage's own marker, at its root, is none)."""
+    return {folder for folder, _, name in (path.rpartition("/") for path in paths) if folder and name == MARKER}
+
+
+def _in_nested_storage(path: str, roots: set[str]) -> bool:
+    """True for a marker (never deleted, wherever it lies) and for a file in one of `roots` or below."""
+    folder, _, name = path.rpartition("/")
+    if name == MARKER:
+        return True
+    while folder:
+        if folder in roots:
+            return True
+        folder = folder.rpartition("/")[0]
+    return False
 
 
 def _segment_folder(path: str) -> str | None:
