@@ -87,6 +87,7 @@ class FanOut:
 
     def __init__(self, placement: Placement, timeout_s: float) -> None:
         self.placement = placement
+        self._unpinned: set[str] = set()  # nodes found not to say the seq of their parts (an older release)
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -243,6 +244,13 @@ class FanOut:
         if not isinstance(results, list):
             return None
         seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
+        if seq is None and _one_seq_asked(headers) and node not in self._unpinned:
+            # A node of an older release (during a rolling upgrade) neither says its seq nor takes a pin: its part
+            # is merged as that release merged it, each node at its own seq. Said once per node.
+            self._unpinned.add(node)
+            log.warning("node %s answered an at_least or strong part without %s: it runs an older release, so "
+                        "searches fanned out to it may show some shards' writes of a batch and not others' until "
+                        "every node of the placement is upgraded", node, SEQ_HEADER)
         return results, seq, nearer
 
     def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
@@ -251,6 +259,13 @@ class FanOut:
     async def close(self) -> None:
         """Close the pooled connections."""
         await self.client.close()
+
+
+def _one_seq_asked(headers: Mapping[str, str]) -> bool:
+    """Whether a part asked with these headers must say its seq: at_least or strong, not a time travel."""
+    if "x-shoal-tag" in headers or "x-shoal-as-of" in headers:
+        return False
+    return headers.get("x-shoal-consistency") in ("strong", "at_least") or "x-shoal-required-token" in headers
 
 
 def _abandon(task: asyncio.Future[Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -336,6 +337,12 @@ class Settings(BaseSettings):
         # Checked at startup: a malformed URL failed later, inside the first catalog connection, as a traceback.
         return check_database_url(value) if value else value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        # Checked at startup: a malformed URL failed later, in whatever first printed or opened it, as a traceback.
+        return check_redis_url(value) if value else value
+
     @field_validator("anonymous_tenant")
     @classmethod
     def _anonymous_name(cls, value: str | None) -> str | None:
@@ -474,6 +481,25 @@ def storage_location(uri: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def check_redis_url(url: str) -> str:
+    """`url` unchanged when redis-py can read it (redis://, rediss:// or unix://, a host or socket path, a port
+    that is a number); else ValueError naming SHOAL_REDIS_URL, with the URL's password masked."""
+    shown = mask_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise ValueError(f"SHOAL_REDIS_URL {shown!r} is not a URL redis can use ({exc})") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"SHOAL_REDIS_URL {shown!r} must start with redis://, rediss:// or unix://")
+    if parts.scheme == "unix" and not parts.path:
+        raise ValueError(f"SHOAL_REDIS_URL {shown!r} names no socket path (unix:///path/to/socket)")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"SHOAL_REDIS_URL {shown!r} names no host (e.g. redis://127.0.0.1:6379/0)")
+    del port
+    return url
+
+
 def check_s3_endpoint_url(url: str) -> str:
     """`url` unchanged when it is an S3 endpoint Shoal can use: http:// or https://, a host and an optional port,
     nothing else; else ValueError naming SHOAL_S3_ENDPOINT_URL and what is wrong.
@@ -532,12 +558,20 @@ def _half_of_memory() -> int:
 _SECRET_PARAMS = frozenset({"password", "sslpassword"})
 
 
+# A URL's user:password@, as SQLAlchemy reads it: the password runs to the first "@", "/", "?" and "#" included
+# (a base64 password often holds "/"), where urlsplit ends the authority at the first of those.
+_USERINFO_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:)[^@]*@")
+
+
 def mask_url(url: str) -> str:
     """`url` with any password replaced by `***`, in its user part or as a query parameter (safe to print or
-    log)."""
-    parts = urlsplit(url)
-    if parts.password:
-        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+    log); never raises (a URL it cannot read is shown as its scheme alone)."""
+    masked = _USERINFO_PASSWORD.sub(r"\1***@", url, count=1)
+    try:
+        parts = urlsplit(masked)
+    except ValueError:  # e.g. a broken IPv6 host: nothing of it is shown
+        scheme = masked.partition("://")[0] if "://" in masked else ""
+        return f"{scheme}://***" if scheme.isalnum() else "***"
     if parts.query:
         pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
         parts = parts._replace(query="&".join(

@@ -1,0 +1,54 @@
+"""URLs in settings: a password is masked however it is spelt (a base64 one holds "/"; "?" and "#" too, which
+SQLAlchemy takes as part of it), and a Redis URL redis cannot use is refused at start naming SHOAL_REDIS_URL,
+without its password (it was accepted, then `shoal settings` and every command printing it raised a traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy.engine import make_url
+
+from shoal.config.settings import Settings, mask_url
+
+
+@pytest.mark.parametrize("password", ["s3cr/et", "pa?ss", "pa#ss", "plain", "a/b+c=="])
+def test_a_catalog_password_is_masked_however_it_is_spelt(password: str) -> None:
+    url = f"postgresql://postgres:{password}@/shoal?host=/tmp/pg"
+    assert make_url(url).password == password  # what the catalog connects with
+    shown = mask_url(url)
+    assert password not in shown and "***" in shown
+    assert shown.startswith("postgresql://postgres:***@")
+
+
+def test_mask_url_never_raises_and_shows_nothing_of_a_url_it_cannot_read() -> None:
+    assert mask_url("redis://:topsecret@[::1") == "redis://***"
+    assert mask_url("postgresql://u@h/db?password=zz") == "postgresql://u@h/db?password=***"
+    assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://:topsecret@[::1", "is not a URL redis can use"),
+    ("http://127.0.0.1:6379", "must start with redis://"),
+    ("redis://h:abc/0", "is not a URL redis can use"),
+    ("redis://", "names no host"),
+])
+def test_a_redis_url_redis_cannot_use_is_refused_naming_the_setting(url: str, says: str, tmp_path: Path) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(redis_url=url, data_dir=tmp_path)
+    text = str(refused.value)
+    assert "SHOAL_REDIS_URL" in text and says in text and "topsecret" not in text
+    # The command line says so in one line, no traceback (it printed one from `shoal settings`).
+    done = subprocess.run([sys.executable, "-m", "shoal.cli", "settings"], capture_output=True, text=True,
+                          timeout=120, env={"SHOAL_REDIS_URL": url, "SHOAL_DATA_DIR": str(tmp_path),
+                                            "PATH": "/usr/bin:/bin"})
+    assert done.returncode != 0 and "Traceback" not in done.stderr and "topsecret" not in done.stderr + done.stdout
+    assert "SHOAL_REDIS_URL" in done.stderr
+
+
+@pytest.mark.parametrize("url", ["redis://:pw@127.0.0.1:6379/0", "rediss://127.0.0.1/1", "unix:///tmp/v.sock"])
+def test_redis_urls_redis_takes_are_accepted(url: str, tmp_path: Path) -> None:
+    assert Settings(redis_url=url, data_dir=tmp_path).redis_url == url
