@@ -413,3 +413,37 @@ def api_process(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # uvicorn's worker processes, if any
         log.close()
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def started_under(folder: Path) -> list[int]:
+    """Pids of live processes whose command line names `folder` (the demo's worker names its schedule file)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(folder).encode() in cmdline.read_bytes() and alive(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.fixture
+def demo_dir(tmp_path: Path) -> Iterator[Path]:
+    """A data directory of the demo's own; at the end no worker of it is left and its servers are stopped."""
+    data_dir = tmp_path / "demo-data"
+    try:
+        yield data_dir
+    finally:
+        for pid in started_under(data_dir / "demo"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stop_embedded(data_dir)

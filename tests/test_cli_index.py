@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import typer
-from conftest import module_cli_env, wait_for
+from conftest import alive, module_cli_env, wait_for
 from typer.testing import CliRunner, Result
 
 from shoal import DataPoint, Shoal, SparseVector
@@ -38,7 +38,6 @@ from shoal.demo import DEMO_SPEC
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.index.builder import ShardBuilder
 from shoal.searcher.consistency import Consistency
-from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 DIM = 8
@@ -384,40 +383,6 @@ def test_worker_command_builds_indexes_with_beat(tenant: str, cli_env: Path) -> 
     assert proc.returncode == 0, text[-2000:]
 
 
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _started_under(folder: Path) -> list[int]:
-    """Pids of live processes whose command line names `folder` (the demo's worker names its schedule file)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(folder).encode() in cmdline.read_bytes() and _alive(int(cmdline.parent.name)):
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
-
-
-@pytest.fixture
-def demo_dir(tmp_path: Path) -> Iterator[Path]:
-    """A data directory of the demo's own; at the end no worker of it is left and its servers are stopped."""
-    data_dir = tmp_path / "demo-data"
-    try:
-        yield data_dir
-    finally:
-        for pid in _started_under(data_dir / "demo"):
-            os.kill(pid, signal.SIGKILL)
-        stop_embedded(data_dir)
-
-
-@pytest.mark.slow
 def test_demo_runs_the_whole_loop_and_reruns(demo_dir: Path) -> None:
     # An explicit environment: the demo's own data dir only (no catalog, broker or tenant of other tests).
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "COLUMNS"}
@@ -451,10 +416,10 @@ def test_demo_runs_the_whole_loop_and_reruns(demo_dir: Path) -> None:
     assert "built up to seq 2,007 already" in out and "at_least:2008" in out
     pid = int(re.search(r"worker left running: pid (\d+)", out).group(1))  # type: ignore[union-attr]
     try:
-        assert _alive(pid)
+        assert alive(pid)
     finally:
         os.kill(pid, signal.SIGTERM)
-        wait_for(lambda: not _alive(pid), 20, "the kept worker to stop")
+        wait_for(lambda: not alive(pid), 20, "the kept worker to stop")
     settings = Settings(data_dir=demo_dir, database_url=None, redis_url=None, storage_uri=None, tenant="default")
     with Shoal(settings) as client:
         assert client.get_data_source(DEMO_SPEC.name, DEMO_SPEC.version).head_seq == 2009

@@ -15,11 +15,9 @@ child process on a data directory of its own, as in test_cli_index.py.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -40,7 +38,6 @@ from shoal.demo import DEMO_SPEC, load_demo
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import DataSourceSpec
 from shoal.searcher.consistency import Consistency
-from shoal.servers.embedded import stop_embedded
 
 runner = CliRunner()
 SUB_MICRO = "has sub-microsecond precision; datetimes are stored in microseconds"
@@ -87,32 +84,6 @@ def tenants() -> list[str]:
 # -- shoal demo ---------------------------------------------------------------------------------------------
 
 
-def _started_under(folder: Path) -> list[int]:
-    """Pids of live processes whose command line names `folder` (the demo's worker names its schedule file)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if str(folder).encode() in cmdline.read_bytes():
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
-
-
-@pytest.fixture
-def demo_dir(tmp_path: Path) -> Iterator[Path]:
-    """A data directory of the demo's own; at the end no worker of it is left and its servers are stopped."""
-    data_dir = tmp_path / "demo-data"
-    try:
-        yield data_dir
-    finally:
-        for pid in _started_under(data_dir / "demo"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stop_embedded(data_dir)
-
-
-@pytest.mark.slow
 def test_demo_with_other_points_deletes_the_sample_ids_again(demo_dir: Path) -> None:
     # The demo's own data dir only: no catalog of other tests, whose shards its worker's beat would sweep.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "COLUMNS"}
