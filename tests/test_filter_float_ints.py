@@ -46,3 +46,20 @@ def test_integer_operands_past_2_53_compare_exactly_with_float64_values(
             assert sorted(h.attributes["id"] for h in hits) == _python(op, operand), (op, operand)
     finally:
         searcher.close()
+
+
+def test_in_given_a_big_integer_instead_of_a_list_is_refused(make_shoal: Callable[..., Shoal]) -> None:
+    """`$in` / `$nin` need a list on a float64 attribute too: a bare integer past 2^53 was read as `$gte` it."""
+    from shoal.errors import QueryError
+
+    shoal = make_shoal()
+    shoal.create_data_source(DataSourceSpec("S", "1", 2, {"id": "int64", "f": "float64"}, ["id"]))
+    shoal.create_index(IndexSpec("F", "1", "S", "1", algorithm="flat", metric="euclidean"))
+    shoal.producer("S", "1").upload([DataPoint({"id": i, "f": v}, [float(i), 0.0]) for i, v in VALUES.items()])
+    searcher = shoal.searcher(follow=False)
+    try:
+        for op in ("$in", "$nin"):
+            with pytest.raises(QueryError, match=r"\$n?in takes a list"):
+                searcher.search("F", "1", [[0.0, 0.0]], 10, filters={"f": {op: X}}, consistency=Consistency.strong())
+    finally:
+        searcher.close()

@@ -85,6 +85,22 @@ def test_a_root_inside_another_storage_is_refused_at_start(
         assert a.fold("src", "1").num_rows == 3
 
 
+def test_a_root_beside_another_storages_tenants_folder_starts(
+    make_settings: Callable[..., Settings], storage_kind: str, other_db: str
+) -> None:
+    """A root under another storage's root but outside its `tenants/` (s3://b/staging beside s3://b/tenants) is
+    no part of what that storage's GC, purges or drops touch: it starts and keeps its data through A's GC."""
+    outer = make_settings(storage_kind, gc_grace_s=0)
+    with Shoal(outer, notify=False) as a:
+        fill(a)
+        sibling = make_settings(storage_kind, storage_uri=inside(outer, "staging"), database_url=other_db)
+        with Shoal(sibling, notify=False) as b:
+            fill(b)
+            a.collect_garbage()
+            assert b.fold("src", "1").num_rows == 3
+        assert a.fold("src", "1").num_rows == 3
+
+
 @pytest.mark.parametrize("where", ["indexes", "tenant", "dataset"])
 def test_gc_spares_a_storage_nested_in_its_folders(
     make_settings: Callable[..., Settings], storage_kind: str, other_db: str, where: str

@@ -28,13 +28,15 @@ def test_mask_url_never_raises_and_shows_nothing_of_a_url_it_cannot_read() -> No
     assert mask_url("redis://:topsecret@[::1") == "redis://***"
     assert mask_url("postgresql://u@h/db?password=zz") == "postgresql://u@h/db?password=***"
     assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert mask_url("redis:///0") == "redis:///0"
 
 
 @pytest.mark.parametrize(("url", "says"), [
     ("redis://:topsecret@[::1", "is not a URL redis can use"),
-    ("http://127.0.0.1:6379", "must start with redis://"),
+    ("http://127.0.0.1:6379", "must specify one of the following schemes"),
     ("redis://h:abc/0", "is not a URL redis can use"),
-    ("redis://", "names no host"),
+    ("REDIS://127.0.0.1:6379/0", "must specify one of the following schemes"),
+    ("redis://127.0.0.1:6379/0?db=x", "Invalid value for 'db'"),
 ])
 def test_a_redis_url_redis_cannot_use_is_refused_naming_the_setting(url: str, says: str, tmp_path: Path) -> None:
     with pytest.raises(ValidationError) as refused:
@@ -49,6 +51,7 @@ def test_a_redis_url_redis_cannot_use_is_refused_naming_the_setting(url: str, sa
     assert "SHOAL_REDIS_URL" in done.stderr
 
 
-@pytest.mark.parametrize("url", ["redis://:pw@127.0.0.1:6379/0", "rediss://127.0.0.1/1", "unix:///tmp/v.sock"])
+@pytest.mark.parametrize("url", ["redis://:pw@127.0.0.1:6379/0", "rediss://127.0.0.1/1", "unix:///tmp/v.sock",
+                                 "redis:///0", "redis://:pw@/0"])
 def test_redis_urls_redis_takes_are_accepted(url: str, tmp_path: Path) -> None:
     assert Settings(redis_url=url, data_dir=tmp_path).redis_url == url

@@ -482,21 +482,15 @@ def storage_location(uri: str) -> str:
 
 
 def check_redis_url(url: str) -> str:
-    """`url` unchanged when redis-py can read it (redis://, rediss:// or unix://, a host or socket path, a port
-    that is a number); else ValueError naming SHOAL_REDIS_URL, with the URL's password masked."""
-    shown = mask_url(url)
+    """`url` unchanged when redis-py reads it (its own parser decides: redis://, rediss:// or unix://, a port
+    that is a number, known query arguments); else ValueError naming SHOAL_REDIS_URL, with the URL's password
+    masked."""
+    from redis.connection import parse_url
+
     try:
-        parts = urlsplit(url)
-        port = parts.port  # raises for a port that is not a number in 0..65535
+        parse_url(url)
     except ValueError as exc:
-        raise ValueError(f"SHOAL_REDIS_URL {shown!r} is not a URL redis can use ({exc})") from None
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"SHOAL_REDIS_URL {shown!r} must start with redis://, rediss:// or unix://")
-    if parts.scheme == "unix" and not parts.path:
-        raise ValueError(f"SHOAL_REDIS_URL {shown!r} names no socket path (unix:///path/to/socket)")
-    if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"SHOAL_REDIS_URL {shown!r} names no host (e.g. redis://127.0.0.1:6379/0)")
-    del port
+        raise ValueError(f"SHOAL_REDIS_URL {mask_url(url)!r} is not a URL redis can use: {exc}") from None
     return url
 
 
@@ -572,6 +566,8 @@ def mask_url(url: str) -> str:
     except ValueError:  # e.g. a broken IPv6 host: nothing of it is shown
         scheme = masked.partition("://")[0] if "://" in masked else ""
         return f"{scheme}://***" if scheme.isalnum() else "***"
+    if not parts.query:
+        return masked  # as given (urlunsplit would drop an empty host: redis:///0 as redis:/0)
     if parts.query:
         pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
         parts = parts._replace(query="&".join(

@@ -347,8 +347,8 @@ def _exact_on_floats(op: str, operand: Any) -> tuple[str, Any]:
     Python does (and as filters on the dataset API's metadata do), where the integer is one no float64 holds:
     converted, 2^53 + 1 became 2^53, so `$eq` matched a point holding 2^53 and `$lt` missed it. No float equals
     such an integer; a range compares with the float next to it on the operator's side."""
-    if op in ("$in", "$nin") and isinstance(operand, list):
-        return op, [v for v in operand if not _inexact(v)]
+    if op in ("$in", "$nin"):  # not a list: refused by the caller, as on any attribute
+        return op, [v for v in operand if not _inexact(v)] if isinstance(operand, list) else operand
     if not _inexact(operand):
         return op, operand
     if op == "$eq":

@@ -17,12 +17,13 @@ the storage root holds `shoal-catalog.json` naming it:
 One catalog may use several storage roots (tests do): each root's marker names the same catalog. The marker lives
 beside `tenants/`, outside every folder GC scans, so nothing of Shoal's ever deletes it.
 
-A root may not lie inside another storage (s3://b/dep/tenants/x under s3://b/dep): that storage's GC scans its
-tenants' folders and would delete every file of this one, its marker included. So the start also looks for a
-marker in each folder enclosing the root (one lookup each) and refuses the root if one is there, whichever
-catalog it names. A storage nested so before its outer one had a marker is spared by GC itself, which skips any
-folder holding a marker (`shoal.upkeep.gc`). Folders below the root are not searched at start: that would take a
-full listing of the storage.
+A root may not lie inside another storage's tenants' folders (s3://b/dep/tenants/x under s3://b/dep): that
+storage's GC scans them and would delete every file of this one, its marker included. So the start also looks for
+a marker in each folder enclosing the root (one lookup each) and refuses the root if it lies under that folder's
+`tenants/`, whichever catalog the marker names (a sibling of `tenants/`, s3://b/dep/staging, is no part of it).
+A storage nested so before its outer one had a marker is spared by GC itself, which skips any folder holding a
+marker (`shoal.upkeep.gc`). Folders below the root are not searched at start: that would take a full listing of
+the storage.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 
 import pyarrow as pa
 from sqlalchemy import Engine, select
@@ -133,7 +135,11 @@ def _refuse_nested(storage: Storage, settings: Settings, mine: str) -> None:
     storage (another deployment's, or another root of this catalog), whose garbage collection scans its tenants'
     folders and would take every file here for one of its own unreferenced ones. One lookup per enclosing
     folder; a folder the storage may not look into is skipped."""
-    found = storage.enclosing_files(MARKER)
+    # Only a root under an enclosing storage's `tenants/` folder is at risk: that storage's GC, purges and drops
+    # touch nothing else (a sibling such as s3://b/staging beside s3://b/tenants is no part of it).
+    root = PurePosixPath(storage.root)
+    found = [path for path in storage.enclosing_files(MARKER)
+             if root.relative_to(PurePosixPath(path).parent).parts[:1] == (ROOT,)]
     if not found:
         return
     outer_root = found[0].removesuffix(f"/{MARKER}")
