@@ -74,7 +74,7 @@ from rich.table import Table
 
 from shoal.catalog.db import resolve_database_url
 from shoal.client import Shoal
-from shoal.config.settings import Settings
+from shoal.config.settings import Settings, mask_url
 from shoal.index.builder import ShardBuilder
 from shoal.intake.codec import ARROW, JSON, encode_arrow
 from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
@@ -2142,7 +2142,7 @@ def main(argv: list[str] | None = None) -> int:
             postmaster = int(pidfile.read_text().split()[0])
         console.print(
             f"catalog: {'embedded Postgres in ' + str(tmp) if embedded else 'SHOAL_DATABASE_URL'}; "
-            f"storage: {shoal.storage.root}; broker: {settings.redis_url}"
+            f"storage: {shoal.storage.root}; broker: {mask_url(str(settings.redis_url))}"
         )
         server = Server(settings, database_url, storage_uri, tmp / "api.log", args.no_access_log, args.workers)
         cleanup.append(server.stop)

@@ -310,6 +310,27 @@ class Proc:
             return ""
 
 
+class ConsumerProc(Proc):
+    """`shoal consume`, started as `shoal up` starts it: under an id of its own, and from the second start on
+    naming the one before it (killed, or seen to exit), so that the new one frees the group's lead at once rather
+    than standing by until the dead one's lease runs out."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        super().__init__("consumer", argv, env, log)
+        self.base_argv = list(argv)
+        self.consumer_id: str | None = None
+
+    def start(self) -> None:
+        """Start a consumer under a new id; `--replaces` the previous one, which is no longer running."""
+        from shoal.intake.delivery import new_consumer_id
+
+        previous, self.consumer_id = self.consumer_id, new_consumer_id()
+        self.argv = [*self.base_argv, "--consumer-id", self.consumer_id]
+        if previous is not None:
+            self.argv += ["--replaces", previous]
+        super().start()
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.scandir("/proc"):
@@ -1081,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
             "api": Proc("api", [py, "-m", "shoal.cli", "api", "--host", "127.0.0.1", "--port", str(port),
                                 "--no-access-log"], env, tmp / "api.log"),
             "worker": Proc("worker", [py, "-m", "shoal.cli", "worker"], env, tmp / "worker.log"),
-            "consumer": Proc("consumer", [py, "-m", "shoal.cli", "consume"], env, tmp / "consumer.log"),
+            "consumer": ConsumerProc([py, "-m", "shoal.cli", "consume"], env, tmp / "consumer.log"),
         }
         for p in procs.values():
             p.start()

@@ -427,12 +427,24 @@ def shoal_graph(searcher: Searcher, index: str) -> Any:
     return searcher.view(index, "1").shards[0].segments[0].segment.splits[0].engine._index  # noqa: SLF001
 
 
+def graph_rows(searcher: Searcher, index: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Graph labels to rows: the engine holds each distinct vector once, as one node numbered in the order of its
+    first row, so with copies in the data a node's label is not its row (recall would be counted against the
+    wrong rows)."""
+    engine = searcher.view(index, "1").shards[0].segments[0].segment.splits[0].engine
+    if getattr(engine, "_node_of_row", None) is None:
+        return lambda labels: labels
+    first_row = engine._first_row  # noqa: SLF001
+    return lambda labels: first_row[np.asarray(labels, dtype=np.int64)]
+
+
 def run_search(
     shoal: Shoal, searcher: Searcher, mat: MatResult, data: Data, gt: np.ndarray, args: argparse.Namespace
 ) -> tuple[list[SearchRow], Breakdown, dict[str, float]]:
     index, q = mat.index, data.queries
     n = len(q)
     graph = shoal_graph(searcher, index)
+    to_rows = graph_rows(searcher, index)
     rows: list[SearchRow] = []
     for ef in args.efs:
         # hnswlib keeps ef on the index object: shoal's engine sets it (under its lock) before each search, to
@@ -452,7 +464,7 @@ def run_search(
             single.graph_qps.append(got["graph"][0])
             single.ours_recall = recall(np.array(got["ours"][1]), gt)
             single.raw_recall = recall(np.array(got["raw"][1]), gt)
-            single.graph_recall = recall(np.array(got["graph"][1]), gt)
+            single.graph_recall = recall(to_rows(np.array(got["graph"][1])), gt)
             # Each side twice per round, in ABCD DCBA order: one batched call is a single ~0.3 s timing, which a
             # burst of a neighbour's load on a shared machine can slow by 10-20%.
             sides = ("ours", "hits", "raw", "graph")
@@ -506,13 +518,27 @@ class StrongRow:
 def run_strong(
     shoal: Shoal, searcher: Searcher, data: Data, source: str, index: str, n: int, args: argparse.Namespace
 ) -> tuple[list[StrongRow], Breakdown | None]:
-    out: list[StrongRow] = []
     producer_rows = np.arange(max(args.tails)) + n  # rows after the indexed ones, wrapping around the base
     producer_rows %= data.total
+    q = data.queries
+    # Eventual searches on a searcher of their own, over the same loaded view (one runtime, one segment cache): a
+    # strong search leaves the log tail it read in its searcher's young tier, where that searcher's eventual
+    # searches would find it too; the reference is the served version alone.
+    served_only = shoal.searcher(follow=False)
+    try:
+        return _run_strong(shoal, searcher, served_only, data, source, index, n, args, producer_rows, q)
+    finally:
+        served_only.close()
+
+
+def _run_strong(
+    shoal: Shoal, searcher: Searcher, served_only: Searcher, data: Data, source: str, index: str, n: int,
+    args: argparse.Namespace, producer_rows: np.ndarray, q: np.ndarray,
+) -> tuple[list[StrongRow], Breakdown | None]:
+    out: list[StrongRow] = []
     added = 0
     head = n
     bd: Breakdown | None = None
-    q = data.queries
     for t in args.tails:
         if t > added:
             rows = producer_rows[added:t]
@@ -531,7 +557,7 @@ def run_strong(
             qi = q[j % len(q)][None, :]
             for level in (STRONG, EVENTUAL) if j % 2 == 0 else (EVENTUAL, STRONG):
                 t0 = time.perf_counter()
-                hits = searcher.search(index, "1", qi, K, consistency=level)[0]
+                hits = (searcher if level is STRONG else served_only).search(index, "1", qi, K, consistency=level)[0]
                 ms = (time.perf_counter() - t0) * 1e3
                 from_tail = sum(1 for h in hits if h.attributes["id"] >= TAIL_ID_BASE)
                 if level is STRONG:

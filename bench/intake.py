@@ -1018,6 +1018,9 @@ def main(argv: list[str] | None = None) -> int:
 
         broker = broker_url(base_settings)  # the configured Redis, or the embedded Valkey (started here)
         settings = Settings(**{**overrides, "redis_url": broker, "database_url": resolve_database_url(base_settings)})
+        if embedded:
+            # The embedded catalog's schema: Runtime auto-migrates only without a database URL.
+            Shoal(base_settings, notify=False).close()
         shoal = Shoal(settings, notify=False)
         cleanup.append(shoal.close)
         if not embedded:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -124,6 +125,7 @@ def main() -> int:
         raw_s = time.perf_counter() - raw0
     finally:
         stop_embedded(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # the catalog, broker and segments of the run
 
     steady = [s for t0, s, _, _ in samples if t0 < t_start]
     building = [s for t0, s, _, _ in samples if t_start <= t0 < t_swapped]
