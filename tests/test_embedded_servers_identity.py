@@ -110,6 +110,16 @@ def shoal_cli(data_dir: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> tu
     return result.exit_code, result.output
 
 
+def postgres_pid_taken(data_dir: Path, stranger: subprocess.Popen[str]) -> Path:
+    """`data_dir` with an embedded Postgres started, then killed, its postmaster.pid naming `stranger` (a process
+    that took the dead server's pid)."""
+    data_dir.mkdir()
+    ensure_postgres(data_dir)
+    lines = kill_postgres(data_dir)
+    (data_dir / "postgres" / "postmaster.pid").write_text("\n".join([str(stranger.pid), *lines[1:]]) + "\n")
+    return data_dir
+
+
 def kill_postgres(data_dir: Path) -> list[str]:
     """SIGKILL the embedded Postgres of `data_dir` (as the OOM killer would) and wait until its processes are gone;
     return the lines of the postmaster.pid it left."""
@@ -178,12 +188,8 @@ def test_stop_leaves_alone_a_process_that_took_a_dead_postgres_pid(
     data_dirs: Callable[[str], Path], stranger: subprocess.Popen[str]
 ) -> None:
     """The same for the embedded Postgres: pg_ctl stop signals whatever process its postmaster.pid names."""
-    data_dir = data_dirs("stale-postgres")
-    data_dir.mkdir()
-    ensure_postgres(data_dir)
-    lines = kill_postgres(data_dir)
+    data_dir = postgres_pid_taken(data_dirs("stale-postgres"), stranger)
     pidfile = data_dir / "postgres" / "postmaster.pid"
-    pidfile.write_text("\n".join([str(stranger.pid), *lines[1:]]) + "\n")
 
     stale: list[str] = []
     assert stop_embedded(data_dir, stale=stale) == []
@@ -196,11 +202,7 @@ def test_a_postgres_whose_pid_another_process_took_starts_again(
     data_dirs: Callable[[str], Path], stranger: subprocess.Popen[str]
 ) -> None:
     """Its pid running, the library took the dead server for running and the catalog was unreachable."""
-    data_dir = data_dirs("restart-postgres")
-    data_dir.mkdir()
-    ensure_postgres(data_dir)
-    lines = kill_postgres(data_dir)
-    (data_dir / "postgres" / "postmaster.pid").write_text("\n".join([str(stranger.pid), *lines[1:]]) + "\n")
+    data_dir = postgres_pid_taken(data_dirs("restart-postgres"), stranger)
 
     url = ensure_postgres(data_dir)
     assert postgres_folder(url) == (data_dir / "postgres").resolve()

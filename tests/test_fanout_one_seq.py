@@ -45,6 +45,17 @@ def _rewrite(shoal: Shoal, y: float) -> int:
     return shoal.producer("S", "1").upload([DataPoint({"id": i}, [float(i), y]) for i in IDS]).seq
 
 
+def _two_nodes(tmp_path: Path, tenant: str, index: str) -> tuple[dict[str, int], Path]:
+    """Ports for nodes a and b, and a placement file giving shard 0 of `index`/1 to a and shard 1 to b."""
+    ports = {"a": free_port(), "b": free_port()}
+    placement = tmp_path / "placement.yaml"
+    placement.write_text(yaml.safe_dump({
+        "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
+        "indexes": [{"tenant": tenant, "index": index, "version": "1", "shards": {"a": [0], "b": [1]}}],
+    }))
+    return ports, placement
+
+
 @pytest.mark.timeout(600)
 def test_nodes_built_to_different_seqs_answer_at_one_seq(
     make_settings: Callable[..., Settings], tmp_path: Path
@@ -61,12 +72,7 @@ def test_nodes_built_to_different_seqs_answer_at_one_seq(
         second = _rewrite(shoal, 100.0)  # seqs 21..40
         builder.materialize(shards[0].id)  # shard 0 reflects the second batch, shard 1 only the first
         _, key = create_key(shoal.engine, settings.tenant, "read")
-    ports = {"a": free_port(), "b": free_port()}
-    placement = tmp_path / "placement.yaml"
-    placement.write_text(yaml.safe_dump({
-        "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
-        "indexes": [{"tenant": settings.tenant, "index": "F", "version": "1", "shards": {"a": [0], "b": [1]}}],
-    }))
+    ports, placement = _two_nodes(tmp_path, settings.tenant, "F")
     auth = {"Authorization": f"ApiKey {key}"}
     with api_process(settings) as (_, one), \
             api_process(settings, port=ports["a"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="a") as (_, a), \
@@ -133,12 +139,7 @@ def test_a_tag_taken_before_a_reindex_that_changed_the_metric_merges_by_the_old_
         shoal.tag_index("R", "1", "before")
         assert shoal.reindex("R", "1", metric="euclidean", wait=True).state == "swapped"
         _, key = create_key(shoal.engine, settings.tenant, "read")
-    ports = {"a": free_port(), "b": free_port()}
-    placement = tmp_path / "placement.yaml"
-    placement.write_text(yaml.safe_dump({
-        "nodes": {n: f"http://127.0.0.1:{p}" for n, p in ports.items()},
-        "indexes": [{"tenant": settings.tenant, "index": "R", "version": "1", "shards": {"a": [0], "b": [1]}}],
-    }))
+    ports, placement = _two_nodes(tmp_path, settings.tenant, "R")
     body = {"k": 3, "queryVectors": [{"isSparse": False, "coordinates": [1.0, 0.0]}]}
     auth = {"Authorization": f"ApiKey {key}"}
     with api_process(settings) as (_, one), \

@@ -568,9 +568,8 @@ def mask_url(url: str) -> str:
         return f"{scheme}://***" if scheme.isalnum() else "***"
     if not parts.query:
         return masked  # as given (urlunsplit would drop an empty host: redis:///0 as redis:/0)
-    if parts.query:
-        pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
-        parts = parts._replace(query="&".join(
-            f"{p[0]}=***" if len(p) == 2 and unquote(p[0]).lower() in _SECRET_PARAMS else "=".join(p) for p in pairs
-        ))
+    pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
+    parts = parts._replace(query="&".join(
+        f"{p[0]}=***" if len(p) == 2 and unquote(p[0]).lower() in _SECRET_PARAMS else "=".join(p) for p in pairs
+    ))
     return urlunsplit(parts)

@@ -81,13 +81,18 @@ def read_marker(storage: Storage) -> Marker | None:
     except FileNotFoundError:
         return None
     try:
-        content = json.loads(data.to_pybytes())
-        return Marker(str(uuid.UUID(content["catalog_id"])), content.get("written_at"))
+        return _parse_marker(data)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigurationError(
             f"storage {describe(storage)}: {MARKER} is not a catalog marker ({type(exc).__name__}: {exc}); it names "
             "the catalog this storage belongs to: restore it, or remove it if this storage is this catalog's"
         ) from None
+
+
+def _parse_marker(data: pa.Buffer) -> Marker:
+    """The marker these bytes hold; ValueError, KeyError, TypeError or AttributeError when they hold none."""
+    content = json.loads(data.to_pybytes())
+    return Marker(str(uuid.UUID(content["catalog_id"])), content.get("written_at"))
 
 
 def ensure_storage_identity(engine: Engine, storage: Storage, settings: Settings) -> str:
@@ -146,7 +151,7 @@ def _refuse_nested(storage: Storage, settings: Settings, mine: str) -> None:
     outer = outer_root if storage.local else f"s3://{outer_root}"
     try:
         with storage.fs.open_input_file(found[0]) as f:
-            named = str(uuid.UUID(json.loads(f.read_buffer().to_pybytes())["catalog_id"]))
+            named = _parse_marker(f.read_buffer()).catalog_id
         whose = "this catalog's own" if named == mine else f"catalog {named}'s"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         whose = "unreadable"
