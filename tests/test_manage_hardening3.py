@@ -237,3 +237,27 @@ def test_openapi_documents_the_errors_the_routes_answer(served: tuple[str, Setti
     assert sorted(create) == ["201", "400", "401", "403", "404", "409", "500", "501", "503"]
     assert create["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorOut"}
 
+
+
+def test_a_405_names_every_method_the_path_serves_and_dataset_paths_answer_their_shape(
+    served: tuple[str, Settings],
+) -> None:
+    """A 405's `Allow` named only the first route of the path (`GET` for /api/v1/data-sources, which POST serves
+    too), so a client that trusts it never tries POST; and a path under /api/v1/datasets that no route serves
+    answered in Vektonn's shape, which a dataset API client cannot read."""
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.put("/api/v1/data-sources", json={})
+        assert r.status_code == 405, r.text
+        assert {m.strip() for m in r.headers["Allow"].split(",")} >= {"GET", "POST"}, r.headers["Allow"]
+        r = http.request("PATCH", "/api/v1/datasets/docs", json={})
+        assert r.status_code == 405, r.text
+        assert {m.strip() for m in r.headers["Allow"].split(",")} >= {"GET", "PUT", "DELETE"}, r.headers["Allow"]
+        for path in ("/api/v1/datasets/docs/nothing-here", "/api/v1/trash/docs/nothing/here"):
+            r = http.get(path)
+            assert r.status_code == 404, r.text
+            body = r.json()
+            assert body["success"] is False and body["error_code"] == "NOT_FOUND", r.text
+            assert path in body["message"], r.text
+        r = http.get("/api/v1/elsewhere")  # outside the dataset API: Vektonn's shape, as before
+        assert r.status_code == 404 and r.json() == {"errorMessages": ["no route matches GET /api/v1/elsewhere"]}

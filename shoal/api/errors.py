@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match
 
 from shoal.datasets.errors import ErrorCode, action_of
 from shoal.errors import (
@@ -277,10 +277,37 @@ def _dataset_route(route: BaseRoute | None) -> bool:
     return DATASET_TAG in (getattr(route, "tags", None) or ())
 
 
+# Paths only the dataset API serves: one of them that no route matches (a 404 with no route) answers in its shape.
+_DATASET_PATHS = ("/api/v1/datasets", "/api/v1/trash", "/api/v1/search/multi-dataset")
+
+
+def _dataset_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _DATASET_PATHS)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def _allowed_methods(request: Request) -> str | None:
+    """Every method some route of the app serves at this request's path, for a 405's `Allow`: Starlette names
+    only the first route that matched the path, while one path is often served by several (GET and POST)."""
+    routes = request.app.router.routes
+    # A route (or an included router) matches FULL only for a method it serves at this path.
+    allowed = [m for m in _METHODS if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
+    return ", ".join(allowed) or None
+
+
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 405:
+        allowed = _allowed_methods(request)
+        if allowed is not None:
+            exc = StarletteHTTPException(405, exc.detail, {**dict(exc.headers or {}), "Allow": allowed})
     # The route the path matched (fully, or but for the method: a 405), when one did; Starlette records it.
     route = request.scope.get("route")
+    if route is None and exc.status_code == 404 and _dataset_path(request.url.path):
+        exc = StarletteHTTPException(404, f"no route matches {request.method} {request.url.path}", exc.headers)
+        return dataset_response(request, exc) or vektonn_http_error(exc)
     if _dataset_route(route):
         response = dataset_response(request, exc)
         if response is not None:
