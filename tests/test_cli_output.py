@@ -217,3 +217,13 @@ def test_search_json_writes_datetimes_in_iso_8601(tenant: str, tmp_path: Path) -
     [hit] = found[0]["hits"]
     assert hit["attributes"]["d"] == "2024-01-02T03:04:05+00:00"
     assert dt.datetime.fromisoformat(hit["attributes"]["d"]) == dt.datetime(2024, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+
+
+def test_rollback_names_the_metric_and_no_empty_parameter_list(tenant: str, tmp_path: Path) -> None:
+    """`shoal rollback` printed `(flat, )`: an empty parameter list, and no metric, though a reindex may have
+    changed only the metric."""
+    shoal_cli("source", "create", "rb", "1", "--dim", "2", "--attr", "id:int64", "--permanent", "id")
+    shoal_cli("index", "create", "rb.flat", "1", "--source", "rb", "--source-version", "1", "--metric", "cosine")
+    shoal_cli("reindex", "rb.flat", "1", "--metric", "dot_product", "--wait")
+    out = shoal_cli("rollback", "rb.flat", "1").output
+    assert "again (flat, cosine)" in out, out

@@ -158,3 +158,29 @@ def test_a_tag_taken_before_a_reindex_that_changed_the_metric_merges_by_the_old_
         tagged = httpx.post(f"{one}/api/v1/search/R/1", json=body, headers=auth | {"X-Shoal-Tag": "before"},
                             timeout=60).json()[0]["nearestDataPoints"]
         assert [p["distance"] for p in tagged] == [20.0, 19.0, 18.0]  # the largest products, nearest first
+
+
+@pytest.mark.timeout(600)
+def test_a_router_whose_placement_names_a_shard_past_the_index_answers_from_the_real_ones(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    """Midway through a placement change the files disagree: a router's copy names shard 2 of a 2-shard index
+    on node b. It asked b for it, b refused that as the caller's mistake, and the caller's sound query got 400
+    "invalid query". Shards past the index's own are asked of no node."""
+    settings = make_settings("local", anonymous_tenant="")
+    with Shoal(settings, notify=False) as shoal:
+        _source_and_index(shoal)
+        _rewrite(shoal, 3.0)
+        _, key = create_key(shoal.engine, settings.tenant, "read")
+    ports, placement = _two_nodes(tmp_path, settings.tenant, "F")
+    stale = tmp_path / "router.yaml"
+    document = yaml.safe_load(placement.read_text())
+    document["indexes"][0]["shards"]["b"] = [1, 2]
+    stale.write_text(yaml.safe_dump(document))
+    auth = {"Authorization": f"ApiKey {key}", "X-Shoal-Consistency": "strong"}
+    with api_process(settings, port=ports["a"], SHOAL_PLACEMENT_FILE=str(stale), SHOAL_NODE="a") as (_, a), \
+            api_process(settings, port=ports["b"], SHOAL_PLACEMENT_FILE=str(placement), SHOAL_NODE="b") as (_, b):
+        for node in (a, b):
+            got = httpx.post(f"{node}/api/v1/search/F/1", json=BODY, headers=auth, timeout=60)
+            assert _ys(got) == dict.fromkeys(IDS, 3), node
+            assert "X-Shoal-Missing-Shards" not in got.headers, got.headers

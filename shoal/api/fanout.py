@@ -110,7 +110,15 @@ class FanOut:
         placed = self.placement.of(ctx.tenant, name, version)
         assert placed is not None
         mine = sorted(placed.local)
-        remote_task = asyncio.ensure_future(self._remote(placed, name, version, body, headers, set(mine)))
+        # Shards past the index's own (a placement file edited for another index, or not yet on every process)
+        # are asked of no node: a node refuses them as the caller's mistake (400), which this caller did not make.
+        searcher = ctx.handle.searcher
+        if not searcher.loaded(name, version):
+            await run_in_threadpool(searcher.view, name, version)  # the local part loads it anyway
+        count = len(searcher.view(name, version).index.shards)
+        mine = [s for s in mine if s < count]
+        remote_task = asyncio.ensure_future(
+            self._remote(placed, name, version, body, headers, set(mine), {s for s in placed.nodes if s < count}))
         try:
             if inline:
                 for _ in range(3):  # the task, the gather of its requests, and their writes
@@ -189,7 +197,7 @@ class FanOut:
         if pin is not None:
             passed[PIN_HEADER] = str(pin)
         tried: dict[int, int] = {}  # shard -> candidates tried
-        pending = {s for s in placed.nodes if s not in mine} if only is None else set(only)
+        pending = {s for s in placed.nodes if s not in mine} if only is None else set(only) - mine
         answered: list[Answered] = []
         missing: set[int] = set()
         while pending:

@@ -74,5 +74,6 @@ def rollback(name: IndexName, version: IndexVersion, tenant: Tenant = None) -> N
     with open_shoal(tenant, existing=True) as shoal:
         shoal.rollback(name, version)
         index = shoal.get_index(name, version)
-    out.print(f"index {name}/{version} serves generation {index.generation} again ({index.spec.algorithm}, "
-              + ", ".join(f"{k}={v}" for k, v in sorted(index.spec.params.items())) + ")")
+    spec = index.spec
+    described = [spec.algorithm, spec.metric, *(f"{k}={v}" for k, v in sorted(spec.params.items()))]
+    out.print(f"index {name}/{version} serves generation {index.generation} again ({', '.join(described)})")
