@@ -15,13 +15,22 @@ from sqlalchemy import Engine
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SegmentRecord, SourceRecord, head_of, list_segments
 from shoal.config.settings import Settings
-from shoal.errors import ConfigurationError, InvalidNameError, NotFoundError, ValidationError
+from shoal.errors import ConfigurationError, InvalidNameError, NotFoundError, PermissionDeniedError, ValidationError
 from shoal.index.generations import Generations, JobRecord
 from shoal.index.manifest import segments_of
 from shoal.intake.backpressure import Backpressure
 from shoal.intake.producer import Producer
 from shoal.log.reader import fold, read_log
-from shoal.log.records import GENERATION_MARK, DataSourceSpec, IndexSpec, WriteToken, check_name, refuse_dataset_key
+from shoal.log.records import (
+    DATASET_KEY,
+    GENERATION_MARK,
+    DataSourceSpec,
+    IndexSpec,
+    WriteToken,
+    check_name,
+    is_datasets_index,
+    refuse_dataset_key,
+)
 from shoal.log.validation import SEQ, segment_schema
 from shoal.runtime import Runtime
 from shoal.searcher.consistency import check_seq
@@ -223,6 +232,14 @@ class Shoal:
         from shoal.upkeep.drops import drop_index
 
         index = self.get_index(name, version)
+        spec = index.spec
+        # A dataset's own index goes only with its dataset: without it the dataset would still list and take
+        # uploads, yet every search, /stats and reindex of it answer "not found".
+        if is_datasets_index(spec) and DATASET_KEY in self.get_data_source(
+                spec.source_name, spec.source_version).spec.custom_metadata:
+            raise PermissionDeniedError(
+                f"index {name!r} version {version!r} belongs to dataset {spec.source_name!r}: delete the dataset "
+                f"(DELETE /api/v1/datasets/{spec.source_name}: to the trash, or with ?hard=true and an admin key)")
         paths = drop_index(self.engine, index.id, delete_after=self._drop_grace_end(), generations=True)
         if self.runtime.notify:
             self._announce_index(index)  # searchers stop serving it now, not at their next poll

@@ -10,7 +10,7 @@ import pytest
 from shoal import DataSourceSpec, Shoal
 from shoal.auth import create_key
 from shoal.config.settings import Settings
-from shoal.errors import IndexDefinitionError, ValidationError
+from shoal.errors import IndexDefinitionError, PermissionDeniedError, ValidationError
 from shoal.log.records import MAX_DESCRIPTION
 
 SOURCE = {"name": "M.Source", "version": "1", "vectorDimension": 2, "attributeValueTypes": {"id": "int64"},
@@ -135,6 +135,29 @@ def test_an_extra_index_over_a_datasets_source_can_be_dropped(served: tuple[str,
             assert r.status_code == 403 and "belongs to dataset 'docs'" in r.json()["errorMessages"][0], r.text
         assert http.get("/api/v1/datasets/docs").status_code == 200
         assert http.get("/api/v1/indexes/docs/1").status_code == 200
+
+
+def test_a_datasets_own_index_is_refused_to_the_python_api_and_the_cli_too(served: tuple[str, Settings]) -> None:
+    """Only the HTTP route refused to drop a dataset's own index: `Shoal.drop_index` and `shoal index drop` dropped
+    it, and the dataset went on listing and taking uploads while its search, /stats and reindex answered 404."""
+    from typer.testing import CliRunner
+
+    from shoal.cli import app
+
+    url, settings = served
+    keys = _keys(settings, "write")
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/api/v1/datasets", json={"name": "kept", "dimensions": 2, "index_type": "flat"},
+                      headers=keys["write"])
+        assert r.status_code == 201, r.text
+        with Shoal(settings, notify=False) as shoal, pytest.raises(PermissionDeniedError, match="belongs to dataset"):
+            shoal.drop_index("kept", "1")
+        env = {"SHOAL_DATA_DIR": str(settings.data_dir), "SHOAL_TENANT": settings.tenant,
+               "SHOAL_DATABASE_URL": settings.database_url or "", "SHOAL_STORAGE_URI": settings.storage_uri or ""}
+        result = CliRunner().invoke(app, ["index", "drop", "kept", "1", "--yes"], env={k: v for k, v in env.items() if v})
+        assert result.exit_code != 0 and "belongs to dataset 'kept'" in result.output, result.output
+        r = http.post("/api/v1/datasets/kept/search", json={"vector": [1.0, 0.0], "top_k": 1}, headers=keys["write"])
+        assert r.status_code == 200, r.text
 
 
 JSON = {"Content-Type": "application/json"}

@@ -12,7 +12,6 @@ from shoal.api.security import TenantContext, deleter_tenant, reader_tenant, wri
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
 from shoal.client import Shoal
-from shoal.datasets import rules as dataset_rules
 from shoal.errors import IndexDefinitionError, PermissionDeniedError
 from shoal.index.generations import JobRecord
 from shoal.index.spec import vektonn_metric_problem
@@ -127,20 +126,13 @@ def get_source(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 
 def _not_a_dataset(shoal: Shoal, source_name: str, source_version: str, what: str) -> None:
-    """Refuse (403) to drop what a dataset holds (its data source, or its own index, which `_is_datasets_index`
-    tells): a write key would destroy the dataset for good (no trash) and leave its caches answering it, past
-    the dataset API's own delete (soft, or ?hard=true for admin keys)."""
+    """Refuse (403) to drop a dataset's data source (Shoal.drop_index itself refuses the dataset's own index): a
+    write key would destroy the dataset for good (no trash) and leave its caches answering it, past the dataset
+    API's own delete (soft, or ?hard=true for admin keys)."""
     if DATASET_KEY in shoal.get_data_source(source_name, source_version).spec.custom_metadata:
         raise PermissionDeniedError(
             f"{what} belongs to dataset {source_name!r}: delete the dataset through DELETE "
             f"/api/v1/datasets/{source_name} (to the trash, or with ?hard=true and an admin key)")
-
-
-def _is_datasets_index(spec: IndexSpec) -> bool:
-    """True when the index would be a dataset's own, should its data source be a dataset's: the dataset API names
-    it as the dataset, over the dataset's source, both at its version. Other indexes made over a dataset's source
-    (POST /api/v1/indexes) are no part of the dataset, and are dropped as any other."""
-    return spec.name == spec.source_name and spec.version == spec.source_version == dataset_rules.VERSION
 
 
 @router.delete("/data-sources/{name}/{version}", responses=ERRORS, status_code=204)
@@ -188,11 +180,8 @@ def get_index(name: str, version: str, ctx: Reader) -> dict[str, Any]:
 
 @router.delete("/indexes/{name}/{version}", responses=ERRORS, status_code=204)
 def drop_index(name: str, version: str, ctx: Deleter) -> Response:
-    """Delete an index with its versions and files; not a dataset's own (403), though other indexes over its
-    data source are dropped as any other."""
-    spec = ctx.handle.shoal.get_index(name, version).spec
-    if _is_datasets_index(spec):
-        _not_a_dataset(ctx.handle.shoal, spec.source_name, spec.source_version, f"index {name!r} version {version!r}")
+    """Delete an index with its versions and files; not a dataset's own (403: Shoal.drop_index refuses it),
+    though other indexes over its data source are dropped as any other."""
     ctx.handle.shoal.drop_index(name, version)
     return Response(status_code=204)
 

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from shoal.datasets.errors import DatasetError, ErrorCode
-from shoal.log.records import MAX_VECTOR_DIMENSION, AttributeType, json_depth, unicode_text
+from shoal.log.records import DATASET_VERSION, MAX_VECTOR_DIMENSION, AttributeType, json_depth, unicode_text
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")  # DESIGN.md invariant 7
 # Data source names must start with a letter or digit (no name may form a hidden file or `..`), so the
@@ -53,7 +53,7 @@ PARAM_RANGES: dict[str, tuple[int, int]] = {
     "M": (8, 64), "ef_construction": (100, 500), "ef_search": (10, 500), "nlist": (1, 1 << 20), "nprobe": (1, 1 << 20),
 }
 
-VERSION = "1"  # the version of a dataset's data source and index
+VERSION = DATASET_VERSION  # the version of a dataset's data source and index
 ATTRIBUTES: dict[str, AttributeType] = {
     "id": AttributeType.STRING,  # the vector's id, permanent: an upsert with a known id replaces it
     "document_id": AttributeType.STRING,  # "" when none

@@ -38,6 +38,14 @@ GENERATION_MARK = "~g"  # see IndexSpec.__post_init__
 # The custom-metadata key under which the dataset API keeps a dataset's definition (shoal.datasets.catalog): set
 # only by that API, refused in data sources made any other way (a dataset listing would read it as a dataset).
 DATASET_KEY = "shoal.dataset"
+DATASET_VERSION = "1"  # the version of a dataset's data source and of its own index
+
+
+def is_datasets_index(spec: IndexSpec) -> bool:
+    """True when the index would be a dataset's own, should its data source be a dataset's: the dataset API names
+    it as the dataset, over the dataset's source, both at DATASET_VERSION. Other indexes over a dataset's source
+    are no part of the dataset."""
+    return spec.name == spec.source_name and spec.version == spec.source_version == DATASET_VERSION
 
 
 def refuse_dataset_key(custom_metadata: Mapping[str, Any]) -> None:
