@@ -592,7 +592,7 @@ def test_attribute_values_the_producer_takes_are_taken_from_the_publisher_too(
     settings = intake_settings()
     ref = uuid.UUID(int=7)
     points = [DataPoint({"id": 1, "score": 2, "ref": str(ref)}, [1.0, 2.0, 3.0]),
-              DataPoint({"id": 2, "score": np.int64(3), "ref": "{" + ref.hex.upper() + "}"}, [1.0, 2.0, 3.0]),
+              DataPoint({"id": 2, "score": np.int64(3), "ref": "{" + str(ref).upper() + "}"}, [1.0, 2.0, 3.0]),
               DataPoint({"id": 3, "score": 2**60 + 1, "ref": ref}, [1.0, 2.0, 3.0])]
     other = DataSourceSpec("typed", "2", 3, dict(TYPED.attribute_types), ["id"])
     with Shoal(settings, notify=False) as shoal:

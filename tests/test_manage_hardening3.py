@@ -154,7 +154,8 @@ def test_a_datasets_own_index_is_refused_to_the_python_api_and_the_cli_too(serve
             shoal.drop_index("kept", "1")
         env = {"SHOAL_DATA_DIR": str(settings.data_dir), "SHOAL_TENANT": settings.tenant,
                "SHOAL_DATABASE_URL": settings.database_url or "", "SHOAL_STORAGE_URI": settings.storage_uri or ""}
-        result = CliRunner().invoke(app, ["index", "drop", "kept", "1", "--yes"], env={k: v for k, v in env.items() if v})
+        env = {k: v for k, v in env.items() if v}
+        result = CliRunner().invoke(app, ["index", "drop", "kept", "1", "--yes"], env=env)
         assert result.exit_code != 0 and "belongs to dataset 'kept'" in result.output, result.output
         r = http.post("/api/v1/datasets/kept/search", json={"vector": [1.0, 0.0], "top_k": 1}, headers=keys["write"])
         assert r.status_code == 200, r.text

@@ -159,7 +159,7 @@ def test_the_simdjson_reader_changes_no_outcome(body: bytes, monkeypatch: pytest
         items, matrix = read
         loaded = orjson.loads(body)
         expected = [np.asarray(item.pop("vector")["coordinates"], dtype=np.float64) for item in loaded]
-        got = [matrix[item.pop("vector")["coordinates"]] for item in items]
+        got = [matrix[item.pop("vector")["coordinates"][0]] for item in items]
         assert items == loaded
         assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
 

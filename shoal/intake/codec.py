@@ -20,7 +20,14 @@ import pyarrow as pa
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.log.validation import number_array, numbers_to_float32, vector_problem
-from shoal.vektonn.arrow_upload import ARROW, DELETED_COLUMN, VECTOR_COLUMN, decode_arrow_upload
+from shoal.vektonn.arrow_upload import (
+    ARROW,
+    DELETED_COLUMN,
+    RESERVED_DELETED_COLUMN,
+    RESERVED_VECTOR_COLUMN,
+    VECTOR_COLUMN,
+    decode_arrow_upload,
+)
 from shoal.vektonn.json_fields import JSON
 from shoal.vektonn.upload_json import EmptyUploadError, UploadBodyError, decode_upload
 
@@ -177,19 +184,26 @@ def encode_arrow(
     deleted: Sequence[bool] | np.ndarray | None = None,
 ) -> bytes:
     """A columnar batch as an Arrow IPC stream: `vectors` [n, dim] (None for tombstones only), one column per
-    attribute, and optionally `deleted` marking tombstone rows."""
+    attribute, and optionally `deleted` marking tombstone rows. The vectors and the flags go in the columns
+    `vector` and `is_deleted`, or `__vector` and `__is_deleted` when an attribute has the plain name (the decoder
+    then reads the plain name as that attribute)."""
+    reserved = [name for name in attributes if name in (RESERVED_VECTOR_COLUMN, RESERVED_DELETED_COLUMN)]
+    if reserved:
+        raise ValidationError(Problem("attribute names may not start with '__'", attribute=reserved[0]))
     columns: dict[str, pa.Array] = {name: pa.array(values) for name, values in attributes.items()}
+    vector_column = RESERVED_VECTOR_COLUMN if VECTOR_COLUMN in columns else VECTOR_COLUMN
+    deleted_column = RESERVED_DELETED_COLUMN if DELETED_COLUMN in columns else DELETED_COLUMN
     n = len(next(iter(columns.values()))) if columns else 0
     if vectors is not None:
         arr = np.ascontiguousarray(vectors, dtype=np.float32)
         if arr.ndim != 2:
             raise ValidationError(Problem("vectors must be a 2-d array [points, dimension]", attribute=VECTOR_COLUMN))
         n = arr.shape[0]
-        columns[VECTOR_COLUMN] = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), arr.shape[1])
+        columns[vector_column] = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), arr.shape[1])
     if deleted is not None:
-        columns[DELETED_COLUMN] = pa.array(np.asarray(deleted, dtype=bool))
+        columns[deleted_column] = pa.array(np.asarray(deleted, dtype=bool))
     elif vectors is None:
-        columns[DELETED_COLUMN] = pa.array(np.ones(n, dtype=bool))
+        columns[deleted_column] = pa.array(np.ones(n, dtype=bool))
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:

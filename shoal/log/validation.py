@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pydantic
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone, unicode_text
@@ -68,6 +69,9 @@ def segment_schema(spec: DataSourceSpec) -> pa.Schema:
 
 
 NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) cannot be stored"
+# A guid's text is read as the JSON upload route reads it (shoal.vektonn.json_fields.GUID, as Vektonn's DTOs did):
+# hyphenated, 32 hex digits, braced or `urn:uuid:`. uuid.UUID would also take hyphens anywhere ("12-3456...").
+_GUID = pydantic.TypeAdapter(uuid.UUID)
 
 
 class _Problems:
@@ -112,8 +116,8 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
             return str(value), None
         if isinstance(value, str):
             try:
-                return str(uuid.UUID(value)), None
-            except ValueError:
+                return str(_GUID.validate_python(value)), None
+            except pydantic.ValidationError:
                 return None, f"not a guid: {value[:50]!r}"
         return None, f"expected guid, got {_tname(value)}"
     if kind is AttributeType.DATETIME:
@@ -537,8 +541,8 @@ def _check_ignored(name: str, kind: AttributeType, values: Any, problems: _Probl
     """Note every value of a tombstone's non-key column that is not of the attribute's type. Nulls pass: in a
     columnar batch a tombstone row may leave its other attributes empty, its key alone deciding."""
     if isinstance(values, pa.ChunkedArray | pa.Array):
-        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-        if not _valid_arrow(name, arr, problems):
+        arr = _plain_arrow(name, kind, values, problems)
+        if arr is None or not _valid_arrow(name, arr, problems):
             return
         if kind is AttributeType.DATETIME and pa.types.is_timestamp(arr.type):
             # Notes instants out of range; nulls stay nulls. Never stored, so a nanosecond part loses nothing.
@@ -604,12 +608,46 @@ def _bad_utf8_rows(arr: pa.Array) -> list[int]:
     return bad
 
 
+def dictionary_structure(arr: pa.DictionaryArray) -> pa.DictionaryArray:
+    """`arr` with a text dictionary viewed as binary: its `validate(full=True)` checks the indices (in range) and
+    the dictionary's offsets, not whether the text is UTF-8, which the decoded column's check reports by row."""
+    dictionary = arr.dictionary
+    if pa.types.is_string(dictionary.type):
+        dictionary = dictionary.view(pa.binary())
+    elif pa.types.is_large_string(dictionary.type):
+        dictionary = dictionary.view(pa.large_binary())
+    else:
+        return arr
+    return pa.DictionaryArray.from_arrays(arr.indices, dictionary, safe=False)
+
+
+def _plain_arrow(name: str, kind: AttributeType, values: pa.Array | pa.ChunkedArray,
+                 problems: _Problems) -> pa.Array | None:
+    """An Arrow column in one chunk, a dictionary-encoded one decoded, so that the checks below (and their
+    errors) are those of a plain column. None, noted, when its indices are out of range or its dictionary holds
+    no scalar values (nested ones: no attribute type, and decoding could repeat a large value on every row)."""
+    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    if not pa.types.is_dictionary(arr.type):
+        return arr
+    value_type = arr.type.value_type
+    if pa.types.is_nested(value_type) or pa.types.is_dictionary(value_type):
+        problems.add(f"expected {kind.value} values, got a column of {arr.type}", None, name)
+        return None
+    try:
+        dictionary_structure(arr).validate(full=True)
+    except pa.ArrowInvalid as exc:
+        problems.add(f"not a valid Arrow column: {exc}", None, name)
+        return None
+    return arr.dictionary_decode()
+
+
 def _column(name: str, kind: AttributeType, values: Any, problems: _Problems) -> pa.Array:
     target = ARROW_TYPES[kind]
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if isinstance(values, pa.Array) and not _valid_arrow(name, values, problems):
-        return pa.nulls(len(values), target)
+    if isinstance(values, pa.ChunkedArray | pa.Array):
+        decoded = _plain_arrow(name, kind, values, problems)
+        if decoded is None or not _valid_arrow(name, decoded, problems):
+            return pa.nulls(len(values), target)
+        values = decoded
     # Fast paths: typed NumPy or Arrow columns need no per-value checks beyond nulls and NaN.
     if isinstance(values, np.ndarray) and kind in _FAST_NUMPY_KINDS and values.dtype.kind in _FAST_NUMPY_KINDS[kind]:
         if kind is AttributeType.INT64 and not _int64_range(name, values, problems):

@@ -1,6 +1,10 @@
 """An upload as an Arrow IPC stream: a `vector` column of float lists, one column per attribute and an optional
 boolean `is_deleted` column, decoded to the validated batch table column-wise (no JSON, no per-point object).
 
+The control columns may also be named `__vector` and `__is_deleted` (no attribute name starts with `__`), and must
+be when the data source has an attribute named `vector` or `is_deleted`: a plain name is the attribute's column
+whenever the data source has that attribute (`control_column`).
+
 The body limit bounds what a request holds only if decoding cannot make more of it than it carries, so every
 IPC message is looked at before any is decoded (`_check_messages`): compressed buffers (zstd, lz4) are refused,
 the record batches may declare at most `max_points` rows together, and no column (or child of one) may declare
@@ -19,20 +23,23 @@ import pyarrow.compute as pc
 
 from shoal.errors import BatchTooLargeError, Problem, ValidationError
 from shoal.log.records import DataSourceSpec
-from shoal.log.validation import columns_to_table
+from shoal.log.validation import columns_to_table, dictionary_structure
 from shoal.vektonn.runs import runs
 
 ARROW = "application/vnd.apache.arrow.stream"
 VECTOR_COLUMN = "vector"  # fixed-size (or equal-length) list of float per row
 DELETED_COLUMN = "is_deleted"  # optional: true rows are tombstones (the key decides)
+# The same control columns under names no attribute can have (ATTRIBUTE_NAME_RE refuses a leading `__`).
+RESERVED_VECTOR_COLUMN = "__vector"
+RESERVED_DELETED_COLUMN = "__is_deleted"
 
 
 def decode_arrow_upload(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int | None = None
                         ) -> pa.Table:
     """An Arrow IPC stream body (`vector` column of float lists, one column per attribute, optional boolean
-    `is_deleted`) as the validated batch table, order kept; ValidationError naming what is wrong. `max_bytes`
-    (default: the body's own size) bounds what a dictionary-encoded text column may decode to: the most a
-    request could send plain (SHOAL_MAX_BODY_BYTES)."""
+    `is_deleted`; either also named with a leading `__`, see `control_column`) as the validated batch table, order
+    kept; ValidationError naming what is wrong. `max_bytes` (default: the body's own size) bounds what a
+    dictionary-encoded text column may decode to: the most a request could send plain (SHOAL_MAX_BODY_BYTES)."""
     try:
         return _decode(spec, body, max_points, max_bytes)
     except pa.ArrowException as exc:
@@ -65,18 +72,21 @@ def _decode(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int |
     _check_dictionaries(table, len(body) if max_bytes is None else max(max_bytes, len(body)))
     if spec.vectors_are_sparse:
         raise ValidationError("the Arrow form carries dense vectors only: send sparse vectors as JSON")
+    vector_column = control_column(spec, names, VECTOR_COLUMN, RESERVED_VECTOR_COLUMN, "vectors")
+    deleted_column = control_column(spec, names, DELETED_COLUMN, RESERVED_DELETED_COLUMN, "tombstone flags")
     deleted = np.zeros(table.num_rows, dtype=bool)
-    if DELETED_COLUMN in table.column_names:
-        col = table[DELETED_COLUMN]
+    if deleted_column in names:
+        col = table[deleted_column]
         if not pa.types.is_boolean(col.type) or col.null_count:
-            raise ValidationError(Problem("must be a boolean column without nulls", attribute=DELETED_COLUMN))
+            raise ValidationError(Problem("must be a boolean column without nulls", attribute=deleted_column))
         deleted = col.to_numpy(zero_copy_only=False).astype(bool)
-        table = table.drop_columns([DELETED_COLUMN])
+        table = table.drop_columns([deleted_column])
     # Runs of upserts and of tombstones, in message order: later entries win over earlier ones for a key.
     parts = []
     for start, end in runs(deleted):
         try:
-            parts.append(_run_table(spec, table.slice(start, end - start), bool(deleted[start]), max_points))
+            parts.append(_run_table(spec, table.slice(start, end - start), bool(deleted[start]), max_points,
+                                    vector_column))
         except ValidationError as exc:
             # A run's problems count points from the run's start: named by their place in the message instead.
             raise type(exc)([replace(p, position=p.position + start) if p.position is not None else p
@@ -87,9 +97,26 @@ def _decode(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int |
     return out
 
 
-def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: int) -> pa.Table:
-    """One run of upserts, or of tombstones, validated (positions counted from the run's first row)."""
-    attrs = {name: part[name].combine_chunks() for name in part.column_names if name != VECTOR_COLUMN}
+def control_column(spec: DataSourceSpec, names: list[str], plain: str, reserved: str, what: str) -> str:
+    """The name of the column that carries a control value (`what`: the vectors, the tombstone flags) in a body
+    with columns `names`, or the name to ask for when there is none: `reserved` (`__vector`) when given, else
+    `plain` (`vector`) unless the data source has an attribute of that name, whose column it then is (so such an
+    attribute is uploaded as any other). Both given while `plain` is no attribute: ValidationError naming them."""
+    if plain in spec.attribute_types:
+        return reserved
+    if reserved in names and plain in names:
+        raise ValidationError(
+            f"the columns '{reserved}' and '{plain}' both carry the {what} (the data source has no attribute "
+            f"'{plain}'): send one of them"
+        )
+    return plain if plain in names else reserved if reserved in names else plain
+
+
+def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: int,
+               vector_column: str) -> pa.Table:
+    """One run of upserts, or of tombstones, validated (positions counted from the run's first row); the vectors
+    are the column `vector_column`."""
+    attrs = {name: part[name].combine_chunks() for name in part.column_names if name != vector_column}
     if deleted:
         # Every attribute column present (Vektonn's form, or a message that also upserts): all go to the
         # validation, which checks the non-key values' types (nulls allowed) and keeps only the key.
@@ -98,7 +125,7 @@ def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: 
         names = spec.attribute_types if full else spec.permanent_attributes
         keys = {name: attrs[name] for name in names if name in attrs}
         return columns_to_table(spec, None, keys, max_points, delete=True)
-    return columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension), attrs, max_points)
+    return columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension, vector_column), attrs, max_points)
 
 
 def _check_dictionaries(table: pa.Table, limit: int) -> None:
@@ -116,7 +143,9 @@ def _check_dictionaries(table: pa.Table, limit: int) -> None:
         decoded = 0
         for chunk in column.chunks:
             try:
-                chunk.validate(full=True)  # indices in range before they index anything here
+                # Indices in range before they index anything here. Text that is not UTF-8 is left to the
+                # attribute's check, which names the points that hold it.
+                dictionary_structure(chunk).validate(full=True)
             except pa.ArrowInvalid as exc:
                 raise ValidationError(Problem(f"not a valid Arrow column: {exc}", attribute=name)) from None
             lengths = pc.binary_length(chunk.dictionary).fill_null(0).to_numpy(zero_copy_only=False)
@@ -128,28 +157,37 @@ def _check_dictionaries(table: pa.Table, limit: int) -> None:
                 "may hold (SHOAL_MAX_BODY_BYTES): send fewer points per message", attribute=name))
 
 
-def _arrow_vectors(part: pa.Table, dim: int) -> np.ndarray:
-    """The part's vectors as one float32 [rows, dim] array; ValidationError naming what is wrong with the column."""
-    if VECTOR_COLUMN not in part.column_names:
-        raise ValidationError(Problem("missing vector column", attribute=VECTOR_COLUMN))
-    col = part[VECTOR_COLUMN].combine_chunks()
+def _arrow_vectors(part: pa.Table, dim: int, name: str) -> np.ndarray:
+    """The part's vectors (column `name`) as one [rows, dim] array of the numbers sent, not yet cast to float32
+    (so that a float64 past float32's range is named as such); ValidationError naming what is wrong with it."""
+    if name not in part.column_names:
+        raise ValidationError(Problem("missing vector column", attribute=name))
+    col = part[name].combine_chunks()
     if not (pa.types.is_fixed_size_list(col.type) or pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
-        raise ValidationError(Problem(f"must be a list of floats, not {col.type}", attribute=VECTOR_COLUMN))
+        raise ValidationError(Problem(f"must be a list of floats, not {col.type}", attribute=name))
     if col.null_count:
-        raise ValidationError(Problem("a data point needs a vector (null found)", attribute=VECTOR_COLUMN))
+        at = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValidationError(Problem("a data point needs a vector (null found)", at, name))
     if not pa.types.is_fixed_size_list(col.type):
         lengths = pa.compute.list_value_length(col).to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(lengths != dim)
         if bad.size:
             raise ValidationError(
-                Problem(f"wrong vector dimension: expected {dim}, got {lengths[bad[0]]}", int(bad[0]), VECTOR_COLUMN)
+                Problem(f"wrong vector dimension: expected {dim}, got {lengths[bad[0]]}", int(bad[0]), name)
             )
+    elif col.type.list_size != dim:
+        raise ValidationError(Problem(f"wrong vector dimension: expected {dim}, got {col.type.list_size}",
+                                      attribute=name))
     values = col.flatten()
     if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
-        raise ValidationError(Problem(f"coordinates must be numbers, not {values.type}", attribute=VECTOR_COLUMN))
-    flat = values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+        raise ValidationError(Problem(f"coordinates must be numbers, not {values.type}", attribute=name))
+    if values.null_count:
+        # to_numpy would make it NaN, reported as "NaN or infinity": not what was sent.
+        at = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValidationError(Problem(f"coordinates must be numbers, got null at index {at % dim}", at // dim, name))
+    flat = values.to_numpy(zero_copy_only=False)
     if flat.size != len(col) * dim:
-        raise ValidationError(Problem(f"wrong vector dimension: expected {dim}", attribute=VECTOR_COLUMN))
+        raise ValidationError(Problem(f"wrong vector dimension: expected {dim}", attribute=name))
     return flat.reshape(len(col), dim)
 
 
@@ -250,9 +288,11 @@ def _check_messages(buffer: pa.Buffer, max_points: int) -> None:
     """Refuse, before any record batch is decoded, a stream whose buffers are compressed, whose record batches
     declare more than `max_points` rows together, or a column of which declares more values than its message's
     body could hold (8 per byte, as booleans): what decoding it would make would not be bounded by the body.
-    The MessageReader reads each message's header and slices its body out of `buffer` without copying."""
+    The MessageReader reads each message's header and slices its body out of `buffer` without copying. Bytes
+    after the stream's end-of-stream marker are refused: a second stream there would never be read."""
     rows = 0
-    for message in pa.ipc.MessageReader.open_stream(buffer):
+    source = pa.BufferReader(buffer)
+    for message in pa.ipc.MessageReader.open_stream(source):
         try:
             header = batch_header(message.metadata.to_pybytes())
         except struct.error as exc:
@@ -278,3 +318,6 @@ def _check_messages(buffer: pa.Buffer, max_points: int) -> None:
                 f"the Arrow stream declares a column of {max(header.node_lengths)} values in a message of "
                 f"{body} bytes: more than its buffers hold"
             )
+    after = buffer.size - source.tell()
+    if after:
+        raise ValidationError(f"not an Arrow IPC stream: {after} bytes after its end (send one stream per body)")

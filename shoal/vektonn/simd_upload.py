@@ -6,8 +6,8 @@ coordinate (about 80 ns each, 30 ms a batch, more than the whole in-process writ
 making Python objects, but walking its document from Python costs a proxy object per item, key and value (about
 13 us a point, more than its parse). So the body is cut instead: each `"coordinates": [...]` array is found with
 `bytes.find` (memchr speed), parsed by simdjson on its own and copied out as one row of doubles; the rest of the
-body (a few percent of it), with each array replaced by its ordinal, is read by orjson, which reads every other
-body, so its rules (duplicate keys, strings, big integers) are the usual ones.
+body (a few percent of it), with each array replaced by a placeholder holding its ordinal, is read by orjson,
+which reads every other body, so its rules (duplicate keys, strings, big integers) are the usual ones.
 
 This reader only ever speeds up the common case. It answers None whenever it cannot prove that its result is
 orjson's reading of the body (apart from the coordinates, which come as doubles): the caller then parses the body
@@ -18,9 +18,14 @@ the usual way, which decides (and words) everything. How the proof goes:
   `coordinates`;
 * an array holding no `"` and no `[` before its first `]` is flat and holds no string, so that `]` closes it; any
   other is left to the usual way;
-* the arrays are numbered in body order, so the caller checks that the n-th dense upsert's `coordinates` is the
-  integer n and that there are as many arrays as upserts: a number that stood in the body, an array under another
-  key or a key given twice breaks that count, and the usual way reads the body instead.
+* the n-th array (in body order) is replaced by the placeholder `[n]`, an array of one integer. An array the
+  body itself holds under the key `coordinates` would be cut out too, unless the key is spelled with escapes
+  (`"coordinat\\u0065s"`, which `bytes.find` does not see and orjson reads as `coordinates`): a body with an
+  array under a key written with a `\\u` escape of letters is left to the usual way, so no value of the body can
+  be taken for a placeholder (a number cannot: the placeholder is an array);
+* the caller checks that the n-th dense upsert's `coordinates` is the placeholder `[n]` and that there are as
+  many arrays as upserts: an array under another key or a key given twice breaks that count, and the usual way
+  reads the body instead.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ import simdjson
 _KEY = b'"coordinates"'
 # JSON's own whitespace around the colon, then the array's bracket.
 _OPENS = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
+# The end of a key written with a \u escape (then letters or escapes: `coordinates` spelled otherwise) whose
+# value is an array: the one way the body could hold an array where a placeholder stands.
+_SPELLED_KEY_ARRAY = re.compile(rb'\\u[0-9A-Fa-f]{4}(?:[A-Za-z]|\\u[0-9A-Fa-f]{4})*"[ \t\r\n]*:[ \t\r\n]*\[')
 # Parsers kept for reuse (making one costs its buffers); a parser holds one document at a time and is not thread
 # safe, so each is lent to one thread. Each reads one vector at a time, so its buffers stay small.
 _KEEP = 4
@@ -44,10 +52,12 @@ _idle_lock = threading.Lock()
 
 
 def load_dense(body: bytes) -> tuple[Any, np.ndarray] | None:
-    """orjson's reading of the body with the n-th `coordinates` array (in body order) replaced by the integer n,
-    and those arrays as one float64 matrix, row n the n-th; None when the body has no such array, when they are
-    not all flat arrays of numbers of one length, or when either part cannot be read (the caller then parses the
-    body the usual way). The caller must check that each placeholder stands where a vector's coordinates do."""
+    """orjson's reading of the body with the n-th `coordinates` array (in body order) replaced by the placeholder
+    `[n]` (a list of one int, see `is_placeholder`), and those arrays as one float64 matrix, row n the n-th; None
+    when the body has no such array, when they are not all flat arrays of numbers of one length, when the rest of
+    the body holds an array under a key spelled with a `\\u` escape (it could stand where a placeholder does), or
+    when either part cannot be read (the caller then parses the body the usual way). The caller must check that
+    each placeholder stands where a vector's coordinates do."""
     spans = _coordinate_spans(body)
     if not spans:
         return None
@@ -56,15 +66,25 @@ def load_dense(body: bytes) -> tuple[Any, np.ndarray] | None:
     prev = 0
     for n, (start, end) in enumerate(spans):
         parts.append(body[prev:start])
-        parts.append(b"%d" % n)
+        parts.append(b"[%d]" % n)
         prev = end
     parts.append(body[prev:])
+    # The body's own parts (the even ones) only: a cut never splits a key from its value, as each ends before an
+    # array's `[` and starts after its `]`.
+    search = _SPELLED_KEY_ARRAY.search
+    if any(b"\\u" in part and search(part) for part in parts[::2]):
+        return None
     try:
         rest = orjson.loads(b"".join(parts))
     except orjson.JSONDecodeError:
         return None
     matrix = _parse_rows(body, spans)
     return None if matrix is None else (rest, matrix)
+
+
+def is_placeholder(value: Any, n: int) -> bool:
+    """Whether `value`, read from `load_dense`'s rest of the body, is the placeholder of its n-th array."""
+    return type(value) is list and len(value) == 1 and type(value[0]) is int and value[0] == n
 
 
 def _coordinate_spans(body: bytes) -> list[tuple[int, int]]:

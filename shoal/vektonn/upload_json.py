@@ -51,7 +51,7 @@ from shoal.vektonn.json_fields import (
     vector_value,
 )
 from shoal.vektonn.runs import runs
-from shoal.vektonn.simd_upload import load_dense
+from shoal.vektonn.simd_upload import is_placeholder, load_dense
 
 _DATETIMES = pydantic.TypeAdapter(list[dt.datetime])
 _UNSET: Any = object()
@@ -122,8 +122,8 @@ def _fast_batch(
     """The batch's table when every item is a well-formed dense upsert or tombstone that breaks no rule; None
     otherwise (the exact path then decides, and reports what is wrong).
 
-    With `matrix` (simd_upload.load_dense), the n-th upsert's coordinates must be the integer n, standing for
-    row n of `matrix`, and every row must be some upsert's."""
+    With `matrix` (simd_upload.load_dense), the n-th upsert's coordinates must be the placeholder `[n]`, standing
+    for row n of `matrix`, and every row must be some upsert's."""
     n = len(items)
     if n > max_points:
         return None
@@ -156,8 +156,9 @@ def _fast_batch(
             coordinates = vector.get("coordinates")
             if matrix is not None:
                 # The placeholder of the next array in body order, else the body is not what load_dense assumed.
-                if type(coordinates) is not int or coordinates != upserts:
+                if not is_placeholder(coordinates, upserts):
                     return None
+                coordinates = upserts
                 upserts += 1
             rows[pos] = coordinates
             expected = types
