@@ -21,6 +21,7 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -108,9 +109,19 @@ async def _note_caller(request: Request) -> None:
 
 
 def _body_error(exc: Exception) -> Exception:
-    """`exc`, or VALIDATION_ERROR for a 400 FastAPI raises when a body is no JSON it can read (an integer of
-    more than 4300 digits, nesting past the decoder's limit, bytes that are no UTF-8): not an error code of
-    the dataset API's."""
+    """`exc`, or VALIDATION_ERROR with `field: "body"` when a body is no JSON FastAPI can read: malformed (its
+    `json_invalid` validation error), an integer of more than 4300 digits, nesting past the decoder's limit,
+    bytes that are no UTF-8 (a 400 of FastAPI's, not an error code of the dataset API's)."""
+    if isinstance(exc, RequestValidationError):
+        invalid = next((e for e in exc.errors() if e.get("type") == "json_invalid"), None)
+        if invalid is None:
+            return exc
+        # FastAPI's loc is ("body", position): say where, as the decoder does, rather than "body.1".
+        loc = invalid.get("loc", ())
+        where = f" at position {loc[1]}" if len(loc) == 2 and isinstance(loc[1], int) else ""
+        reason = str((invalid.get("ctx") or {}).get("error") or invalid.get("msg", "JSON decode error"))[:200]
+        return DatasetError(ErrorCode.VALIDATION_ERROR,
+                            f"invalid request: the body could not be parsed: {reason}{where}", {"field": "body"})
     if not isinstance(exc, StarletteHTTPException) or exc.status_code != 400:
         return exc
     cause = exc.__cause__

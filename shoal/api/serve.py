@@ -38,12 +38,14 @@ def server_options() -> dict[str, Any]:
 def serve(app: Any, *, host: str, port: int, workers: int = 1, access_log: bool = True) -> None:
     """Serve `app` (with workers > 1: the app factory, once per process) until SIGINT or SIGTERM. Exits with
     status 3 (SystemExit), as uvicorn does when it cannot start, when the workers kept exiting (a crash loop).
-    With workers > 1, ConfigurationError before anything starts when the port is in use."""
+    ConfigurationError in one line before anything starts when the port is in use, however many workers."""
     options = server_options() | {"host": host, "port": port, "access_log": access_log}
     if workers > 1:
         if not _Supervisor(workers, options).run():
             raise SystemExit(3)
     else:
+        # As with workers: uvicorn alone would log its bind error over several lines and exit 3.
+        _check_port_free(host, port)
         uvicorn.run(app, **options)
 
 

@@ -25,6 +25,8 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from shoal.api.fanout import (
@@ -38,8 +40,10 @@ from shoal.api.fanout import (
 )
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.catalog.models import ProducerBatch
 from shoal.config.settings import Settings
-from shoal.errors import NotFoundError, QueryError, ValidationError
+from shoal.errors import BatchIdReusedError, NotFoundError, QueryError, ValidationError
+from shoal.intake.producer import check_batch_id
 from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.searcher import AnsweredAt
@@ -109,7 +113,8 @@ async def upload(dataSourceName: str, dataSourceVersion: str, request: Request) 
     """Append data points and tombstones, all or nothing; 200 with an empty body once they are durable.
 
     The body is Vektonn's JSON, or an Arrow IPC stream (`Content-Type: application/vnd.apache.arrow.stream`:
-    a `vector` column, one column per attribute, optional boolean `is_deleted`). An `Idempotency-Key` header
+    a `vector` column, one column per attribute, optional boolean `is_deleted`; `__vector` / `__is_deleted` when
+    the data source has an attribute of the plain name). An `Idempotency-Key` header
     becomes the batch id: a retry of an upload whose answer was lost returns the same token, writing nothing.
     """
     body = await request.body()
@@ -124,10 +129,7 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
     try:
         table = _decode_upload(request, producer.spec, body, shoal.settings)
     except EmptyUploadError:
-        # Vektonn answers an empty upload 200 and writes nothing: so does this, with the data source's head as
-        # the token (a search at it reflects every write so far). Read afresh: a source gone answers 404.
-        head = shoal.get_data_source(name, version).head_seq
-        return Response(status_code=200, headers={TOKEN_HEADER: str(head)})
+        return _empty_upload(shoal, name, version, request.headers.get(IDEMPOTENCY_HEADER))
     except ValidationError:
         # The definition may be one this process reused for a moment (runtime.SOURCE_TTL_S): a source dropped
         # or trashed meanwhile answers 404, as it would have before any body was read; one made again under
@@ -151,6 +153,28 @@ def _upload(request: Request, name: str, version: str, body: bytes) -> Response:
         token = producer.append_tables([(table, key)], client=True)[0]
     request.app.state.metrics.uploaded.labels(ctx.tenant).inc(table.num_rows)
     return Response(status_code=200, headers={TOKEN_HEADER: str(token.seq)})
+
+
+def _empty_upload(shoal: Any, name: str, version: str, key: str | None) -> Response:
+    """The answer to an empty upload (`[]`): Vektonn answers it 200 and writes nothing, so does this, with the
+    data source's head as the token (a search at it reflects every write so far). Its `Idempotency-Key` is held
+    to the rules of any other upload's: 1 to 200 characters, no prefix Shoal keeps for its own batches, and a
+    key already used for a batch is refused (400 naming it): an empty body is never a repeat of one, since no
+    batch is empty. A key committed before batches were fingerprinted answers its token (any body repeats
+    those). A fresh key is not recorded: nothing was written under it."""
+    if key is not None:
+        key = check_batch_id(key, client=True)
+    # Read afresh: a source gone answers 404.
+    record = shoal.get_data_source(name, version)
+    if key is not None:
+        with Session(shoal.engine) as s:
+            held = s.execute(select(ProducerBatch.last_seq, ProducerBatch.fingerprint).where(
+                ProducerBatch.data_source_id == record.id, ProducerBatch.batch_id == key)).first()
+        if held is not None:
+            if held.fingerprint is not None:
+                raise BatchIdReusedError(key, int(held.last_seq))
+            return Response(status_code=200, headers={TOKEN_HEADER: str(held.last_seq)})
+    return Response(status_code=200, headers={TOKEN_HEADER: str(record.head_seq)})
 
 
 def _decode_upload(request: Request, spec: Any, body: bytes, settings: Settings) -> Any:

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from shoal.catalog.indexes import IndexCatalog, IndexRecord, ShardCatalog, insert_index_rows
 from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.catalog.repo import Catalog, SourceRecord
+from shoal.engines import get_engine
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
 from shoal.errors import ConflictError, IndexDefinitionError, NotFoundError, ReindexConflictError, ValidationError
 from shoal.index.builder import LeaseBusyError, ShardBuilder
@@ -97,7 +98,7 @@ def start_reindex(
     if params is not None:
         # With the algorithm kept, the params given change those the index has (`--param M=32` changes M alone:
         # HNSW takes its params all or none); a new algorithm takes only what is given, the rest its defaults.
-        changes["params"] = {**current.spec.params, **params} if same_algorithm else dict(params)
+        changes["params"] = {**current.spec.params, **params} if same_algorithm else _over_defaults(algorithm, params)
     resolved = resolve_index(dataclasses.replace(current.spec, **changes), source.spec)
     if gate is None:
         gate = 1.0 if resolved.algorithm in EXACT_ALGORITHMS else ann_gate
@@ -105,6 +106,20 @@ def start_reindex(
         raise ValidationError(f"recall gate must be a number between 0 and 1 (got gate={gate!r})")
     job_id = _start_job(indexes, current, resolved, float(gate))
     return gens.job(job_id)
+
+
+def _over_defaults(algorithm: Any, params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` over the defaults of the new `algorithm`, so that a reindex to HNSW with `M=32` alone takes 32 and
+    the default ef_construction and ef_search (a definition made with HNSW must give all three or none). A Vektonn
+    type keeps Vektonn's rule (its `Hnsw_*` params all or none) and an unknown algorithm is left for resolve_index
+    to name: both take `params` as given."""
+    if not params or not isinstance(algorithm, str) or algorithm in VEKTONN_TYPES:
+        return dict(params)
+    try:
+        defaults = get_engine(algorithm).normalize_params(None)
+    except ValidationError:
+        return dict(params)
+    return {**defaults, **dict(params)}
 
 
 def _start_job(indexes: IndexCatalog, current: IndexRecord, resolved: IndexSpec, gate: float) -> int:

@@ -46,7 +46,7 @@ class Producer:
         id may not start with a prefix Shoal keeps for its own batches (RESERVED_PREFIXES).
         """
         table = points_to_table(self.spec, items, self._max)
-        return self._token(self._writer.submit(table, _batch_id(batch_id, client=True)))
+        return self._token(self._writer.submit(table, check_batch_id(batch_id, client=True)))
 
     def upload_columns(
         self,
@@ -57,7 +57,7 @@ class Producer:
     ) -> WriteToken:
         """Append a columnar batch of upserts: `vectors` [n, dim] and one column per attribute."""
         table = columns_to_table(self.spec, vectors, attributes, self._max)
-        return self._token(self._writer.submit(table, _batch_id(batch_id, client=True)))
+        return self._token(self._writer.submit(table, check_batch_id(batch_id, client=True)))
 
     def append_tables(
         self, batches: Sequence[tuple[pa.Table, str | None]], *, client: bool = False
@@ -70,7 +70,7 @@ class Producer:
         `client`: the batch ids came from a client (an HTTP `Idempotency-Key`), so one starting with a prefix
         Shoal keeps for its own batches is refused, as `upload` refuses it; without it they are taken for
         Shoal's own (the broker consumer's `msg:` ids)."""
-        checked = [(table, _batch_id(batch_id, client=client)) for table, batch_id in batches]
+        checked = [(table, check_batch_id(batch_id, client=client)) for table, batch_id in batches]
         return [self._token(seq) for seq in self._writer.submit_many(checked)]
 
     def delete(
@@ -78,10 +78,10 @@ class Producer:
     ) -> WriteToken:
         """Append tombstones for the keys given as one column per permanent attribute."""
         table = columns_to_table(self.spec, None, keys, self._max, delete=True)
-        return self._token(self._writer.submit(table, _batch_id(batch_id, client=True)))
+        return self._token(self._writer.submit(table, check_batch_id(batch_id, client=True)))
 
 
-def _batch_id(batch_id: str | None, *, client: bool) -> str | None:
+def check_batch_id(batch_id: str | None, *, client: bool) -> str | None:
     """`batch_id` unchanged when the catalog can store it (and, from a `client`, when it does not pass for one of
     Shoal's own), else ValidationError naming batch_id. Checked before the batch is queued: the log writer commits
     many producers' batches in one transaction, so an id Postgres refuses (NUL, a lone surrogate) would fail
