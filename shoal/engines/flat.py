@@ -18,7 +18,17 @@ import numpy as np
 
 from shoal.engines.base import Engine, register
 from shoal.engines.envelope import array_section
-from shoal.engines.metrics import Metric, dense_top_k, exact_distances, from_products, top_k_of, worst_distance
+from shoal.engines.metrics import (
+    Metric,
+    dense_top_k,
+    direct_sq,
+    exact_distances,
+    from_products,
+    rescore_nearest,
+    rounding_bounds,
+    top_k_of,
+    worst_distance,
+)
 
 _U = 2.0**-24  # float32 unit roundoff
 _SCORE_BYTES = 32 << 20  # float32 scratch for one (query batch x row block) score matrix
@@ -163,7 +173,7 @@ class FlatEngine(Engine):
                 res_d[pending], res_l[pending] = self._scan_exact(q, k)
                 break
             cand, dropped = self._candidates(q, kc)
-            d, lab = top_k_of(self.metric, self._rerank(q, cand), cand, k)
+            d, lab = top_k_of(self.metric, self._rerank(q, cand, k), cand, k)
             ok = dropped - self._margins(q) > self._approx_key(d[:, k - 1])
             res_d[pending[ok]], res_l[pending[ok]] = d[ok], lab[ok]
             pending = pending[~ok]
@@ -215,8 +225,9 @@ class FlatEngine(Engine):
             return distances * distances
         return distances
 
-    def _rerank(self, queries: np.ndarray, cand: np.ndarray) -> np.ndarray:
-        """float64 distances of each query to its candidate rows (same formulas as `exact_distances`)."""
+    def _rerank(self, queries: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
+        """float64 distances of each query to its candidate rows, those that can be among its k nearest summed
+        directly for the L2 metrics (`_rescored`), so its k smallest are exact."""
         out = np.empty(cand.shape, dtype=np.float64)
         q64 = queries.astype(np.float64)
         q_sq = np.einsum("ij,ij->i", q64, q64)
@@ -227,7 +238,7 @@ class FlatEngine(Engine):
                 out[s:e] = np.abs(g - q64[s:e, None, :]).sum(axis=2)
             else:
                 dots = np.einsum("bd,bkd->bk", q64[s:e], g)
-                out[s:e] = from_products(self.metric, dots, q_sq[s:e, None], self._sq_norms[cand[s:e]])
+                out[s:e] = _rescored(self.metric, dots, q64[s:e], q_sq[s:e], self._sq_norms[cand[s:e]], g, k)
         return out
 
     def _scan_exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -283,7 +294,7 @@ def _search_together(
         part = np.argpartition(keys, kc, axis=1)
         cand = part[:, :kc]
         dropped = np.take_along_axis(keys, part[:, kc : kc + 1], axis=1)[:, 0].astype(np.float64)
-        dist = _rerank_together(engines, offsets, q, cand)
+        dist = _rerank_together(engines, offsets, q, cand, k)
         d, lab = top_k_of(metric, dist, cand, k)
         ok = dropped - widest._margins(q) > engines[0]._approx_key(d[:, k - 1])
         if not ok.all():
@@ -306,9 +317,10 @@ def _search_together(
 
 
 def _rerank_together(
-    engines: Sequence[FlatEngine], offsets: np.ndarray, queries: np.ndarray, cand: np.ndarray
+    engines: Sequence[FlatEngine], offsets: np.ndarray, queries: np.ndarray, cand: np.ndarray, k: int
 ) -> np.ndarray:
-    """float64 distances of each query to its candidate rows, given as labels over the engines in turn."""
+    """float64 distances of each query to its candidate rows, given as labels over the engines in turn (as
+    `FlatEngine._rerank` makes them: the k smallest are exact)."""
     flat = cand.ravel()
     owner = (np.searchsorted(offsets, flat, side="right") - 1).tolist()
     local = (flat - offsets[owner]).tolist()
@@ -317,8 +329,24 @@ def _rerank_together(
     g = np.array([engines[o]._vectors[r] for o, r in zip(owner, local, strict=True)], dtype=np.float64)
     sq = np.array([engines[o]._sq_norms[r] for o, r in zip(owner, local, strict=True)], dtype=np.float64)
     q64 = queries.astype(np.float64)
-    dots = np.einsum("bkd,bd->bk", g.reshape(*cand.shape, -1), q64)
-    return from_products(engines[0].metric, dots, np.einsum("ij,ij->i", q64, q64)[:, None], sq.reshape(cand.shape))
+    g = g.reshape(*cand.shape, -1)
+    dots = np.einsum("bkd,bd->bk", g, q64)
+    return _rescored(engines[0].metric, dots, q64, np.einsum("ij,ij->i", q64, q64), sq.reshape(cand.shape), g, k)
+
+
+def _rescored(
+    metric: Metric, dots: np.ndarray, q64: np.ndarray, q_sq: np.ndarray, v_sq: np.ndarray, g: np.ndarray, k: int
+) -> np.ndarray:
+    """float64 distances [q, c] of queries `q64` (squared norms `q_sq`) to their gathered candidate rows `g`
+    [q, c, d] (squared norms `v_sq`) from the products `dots`; for the L2 metrics, whose product formula errs
+    relative to the norms, every candidate that can be among the k nearest is summed again from the
+    differences (`rescore_nearest`), so the k smallest are exact whatever the norms."""
+    if metric not in (Metric.L2_SQUARED, Metric.EUCLIDEAN):
+        return from_products(metric, dots, q_sq[:, None], v_sq)
+    sq = from_products(Metric.L2_SQUARED, dots, q_sq[:, None], v_sq)
+    err = rounding_bounds(q64.shape[1], q_sq[:, None], v_sq)
+    sq = rescore_nearest(sq, err, k, lambda qi, ci: direct_sq(q64, g[qi, ci], qi, np.arange(len(qi))))
+    return np.sqrt(sq) if metric is Metric.EUCLIDEAN else sq
 
 
 def _keys_together(engines: Sequence[FlatEngine], offsets: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 A separate algorithm rather than a flag on `flat`, because whether an engine takes dense or sparse vectors is
 fixed per class (`Engine.sparse`), which index validation checks against the data source. Each query costs
-O(nnz) with float64 accumulation and the same formulas as `exact_distances`, so results equal the reference.
+O(nnz) with float64 accumulation, plus a direct sum over the few rows that can be nearest
+(`metrics.sparse_top_k`, which `exact_top_k` uses too), so results equal the reference.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from shoal.engines.base import Engine, register
 from shoal.engines.envelope import array_section
-from shoal.engines.metrics import Metric, from_products, sort_keys, top_k_of
+from shoal.engines.metrics import Metric, sparse_top_k
 from shoal.engines.sparse import SparseRows
 
 
@@ -29,7 +30,7 @@ class FlatSparseEngine(Engine):
     def __init__(self, rows: SparseRows, metric: Metric, params: dict[str, Any]) -> None:
         super().__init__(metric, params, rows.dim, len(rows))
         self._rows = rows
-        self._sq_norms = rows.squared_norms() if metric is not Metric.MANHATTAN else None
+        self._magnitudes = rows.l1_norms() if metric is Metric.MANHATTAN else rows.squared_norms()
 
     @classmethod
     def _build(cls, vectors: SparseRows, metric: Metric, params: dict[str, Any], threads: int) -> Self:
@@ -46,24 +47,8 @@ class FlatSparseEngine(Engine):
         )
         return cls(SparseRows(indptr, indices, values, int(header["dim"])), metric, params)
 
-    def _distances(self, q_indices: np.ndarray, q_values: np.ndarray) -> np.ndarray:
-        if self.metric is Metric.MANHATTAN:
-            return self._rows.l1_distances(q_indices, q_values)
-        qv = q_values.astype(np.float64)
-        return from_products(self.metric, self._rows.dot(q_indices, q_values), np.dot(qv, qv), self._sq_norms)
-
     def _search(
         self, queries: SparseRows, k: int, threads: int, params: Mapping[str, int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        out_d = np.empty((len(queries), k), dtype=np.float32)
-        out_l = np.empty((len(queries), k), dtype=np.int64)
-        for i in range(len(queries)):
-            dist = self._distances(*queries.row(i))
-            keys = sort_keys(self.metric, dist)
-            # Only rows at most as far as the k-th nearest can be in the answer; keeping every row tied
-            # with it lets the label tie-break pick the lowest labels, as the reference does.
-            kth = np.partition(keys, k - 1)[k - 1]
-            cand = np.flatnonzero(keys <= kth)
-            d, lab = top_k_of(self.metric, dist[cand][None, :], cand[None, :], k)
-            out_d[i], out_l[i] = d[0], lab[0]
-        return out_d, out_l
+        d, labels = sparse_top_k(self.metric, queries, self._rows, k, self._magnitudes)
+        return d.astype(np.float32), labels

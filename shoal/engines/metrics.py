@@ -8,6 +8,7 @@ nearer), and dot_product is the inner product itself (larger is nearer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 import numpy as np
@@ -60,8 +61,10 @@ def sort_keys(metric: Metric | str, distances: np.ndarray) -> np.ndarray:
 def from_products(metric: Metric, dots: np.ndarray, q_sq_norms: np.ndarray, v_sq_norms: np.ndarray) -> np.ndarray:
     """Distances from float64 inner products and squared norms (broadcast together); not for manhattan.
 
-    L2 uses |q|^2 + |v|^2 - 2 q.v: in float64 its error is ~1e-16 of the norms, far below the float32
-    resolution of the inputs, and it lets the products come from one matrix multiplication.
+    L2 uses |q|^2 + |v|^2 - 2 q.v, which lets the products come from one matrix multiplication, but its error
+    is relative to the squared norms (`rounding_bounds`), not to the distance: beside norms of 1e12 a distance of
+    1000 comes out 0. The exact searches therefore rank with it only to choose the rows that can be among the k
+    nearest, and sum those rows' differences directly (`rescored_top_k`, `rescore_nearest`).
     """
     if metric is Metric.DOT_PRODUCT:
         return dots
@@ -74,6 +77,90 @@ def from_products(metric: Metric, dots: np.ndarray, q_sq_norms: np.ndarray, v_sq
         sq = np.maximum(q_sq_norms + v_sq_norms - 2.0 * dots, 0.0)
         return np.sqrt(sq) if metric is Metric.EUCLIDEAN else sq
     raise ValueError(f"{metric} distances do not follow from inner products")
+
+
+def rounding_bounds(terms: int, q_mag: np.ndarray | float, v_mag: np.ndarray) -> np.ndarray:
+    """A bound on |approximate - direct| for an L2 key (the squared distance) from `from_products`, or an L1
+    distance from `SparseRows.l1_estimates`, where each of the sums involved has at most `terms` terms; `q_mag`
+    and `v_mag` are the squared L2 norms (L2) or the L1 norms (manhattan) of the query and the rows. "Direct" is
+    the sum of the squared (absolute) coordinate differences, which is within (terms + 3) 2^-53 of the distance
+    itself.
+
+    Why (u = 2^-53, g = terms u / (1 - terms u) bounds each float64 sum's relative error): |q|^2, |v|^2 and q.v
+    each err by at most g |q|^2, g |v|^2 and g |q| |v| <= g (|q|^2 + |v|^2) / 2, and the addition and the
+    subtraction round by u each, so the formula errs by at most (2 terms + 3) u (|q|^2 + |v|^2); the direct sum
+    errs by at most (terms + 3) u |q - v|^2 <= (2 terms + 6) u (|q|^2 + |v|^2). Their sum is below the (8 terms +
+    32) u (|q|^2 + |v|^2) given here, a factor 2 to spare. The L1 estimate's terms each round twice against
+    |v_k| + |q_k|, and its sums within g of (|q|_1 + |v|_1), which the same bound covers."""
+    return (8.0 * terms + 32.0) * _U64 * (q_mag + v_mag)
+
+
+def _chosen(approx: np.ndarray, err: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query, column) of every finite entry of `approx` [q, c] whose lower bound (approx - err) is within its
+    row's k-th smallest upper bound (approx + err): those and only those can be among the row's k nearest."""
+    kk = min(k, approx.shape[1])
+    if kk <= 0 or len(approx) == 0:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    kth = np.partition(approx + err, kk - 1, axis=1)[:, kk - 1]
+    with np.errstate(invalid="ignore"):
+        near = approx - err <= kth[:, None]
+        if not np.isfinite(kth).all():  # too few finite entries: an infinite bound would keep the left-out ones
+            near &= np.isfinite(approx)
+    return np.nonzero(near)
+
+
+def rescore_nearest(
+    approx: np.ndarray, err: np.ndarray, k: int, direct: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """`approx` (float64 keys [q, c], smaller nearer, inf for an entry left out) with every entry that can be
+    among its row's k smallest, each key being within `err` of its directly summed value, replaced by that value,
+    `direct(queries, columns)` of those entries. Every other entry is farther than k replaced ones, so the k
+    smallest keys of the result are direct sums, the true k nearest (ties by whatever order the caller uses).
+    On ordinary data about k entries a row are summed again."""
+    qi, ci = _chosen(approx, err, k)
+    out = approx.copy()
+    if len(qi):
+        out[qi, ci] = direct(qi, ci)
+    return out
+
+
+def rescored_top_k(
+    metric: Metric, approx: np.ndarray, err: np.ndarray, k: int,
+    direct: Callable[[np.ndarray, np.ndarray], np.ndarray], labels: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k nearest of each row of `approx` (float64 keys [q, c] of an L2 metric, squared, or manhattan; inf for
+    an entry left out), as `top_k_of` gives them, from the directly summed keys (`direct(queries, columns)`) of
+    the entries `rescore_nearest` would replace: distances (the square root of the key for euclidean) and the
+    labels (`labels` [q, c], by default the column), ties by the lower label, padded with -1 and inf."""
+    nq = len(approx)
+    qi, ci = _chosen(approx, err, k)
+    key = direct(qi, ci) if len(qi) else np.empty(0, dtype=np.float64)
+    lab = ci if labels is None else labels[qi, ci]
+    if nq == 1 and len(qi) >= k:  # a server's single query: fewer numpy calls (the young tier runs this per engine)
+        order = np.lexsort((lab, key))[:k]
+        best = key[order]
+        return (np.sqrt(best) if metric is Metric.EUCLIDEAN else best)[None, :], lab[order][None, :]
+    order = np.lexsort((lab, key, qi))  # per query (nonzero gives them in order), nearest first
+    qs = qi[order]
+    starts = np.concatenate(([0], np.cumsum(np.bincount(qs, minlength=nq))[:-1])).astype(np.int64)
+    rank = np.arange(len(qs)) - starts[qs]
+    take = rank < k
+    out_d = np.full((nq, k), np.inf, dtype=np.float64)
+    out_l = np.full((nq, k), -1, dtype=np.int64)
+    out_d[qs[take], rank[take]] = key[order[take]]
+    out_l[qs[take], rank[take]] = lab[order[take]]
+    return (np.sqrt(out_d) if metric is Metric.EUCLIDEAN else out_d), out_l
+
+
+def direct_sq(q64: np.ndarray, v64: np.ndarray, qi: np.ndarray, ri: np.ndarray) -> np.ndarray:
+    """|q_qi - v_ri|^2 for each pair (float64 [len(qi)]), summed from the differences, the same way for every
+    pair (einsum), so a row's value does not depend on where it sits."""
+    out = np.empty(len(qi), dtype=np.float64)
+    step = max(1, _RESUM_BYTES // (8 * max(q64.shape[1], 1)))
+    for s in range(0, len(qi), step):
+        diff = v64[ri[s : s + step]] - q64[qi[s : s + step]]
+        out[s : s + step] = np.einsum("ij,ij->i", diff, diff)
+    return out
 
 
 def _dense_l1(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
@@ -182,6 +269,17 @@ def dense_top_k(
     nq, n = len(q64), len(v64)
     keep = min(k, n)
     q_sq = np.einsum("ij,ij->i", q64, q64)
+    if metric in (Metric.L2_SQUARED, Metric.EUCLIDEAN):
+        # The product formula only chooses the rows that can be nearest; their direct sums rank them (the
+        # same for a row wherever it sits, so exact duplicates come in row order without re-summing).
+        # from_products and rounding_bounds in place: this runs per query and engine of the young tier.
+        err = np.add(q_sq[:, None], v_sq[None, :])
+        sq = np.multiply(q64 @ v64.T, -2.0)
+        sq += err
+        np.maximum(sq, 0.0, out=sq)
+        err *= (8.0 * q64.shape[1] + 32.0) * _U64  # rounding_bounds(dim, ...)
+        d, lab = rescored_top_k(metric, sq, err, k, lambda qi, ri: direct_sq(q64, v64, qi, ri))
+        return d, (np.where(lab >= 0, lab + first_label, -1) if first_label else lab)
     dist = from_products(metric, q64 @ v64.T, q_sq[:, None], v_sq[None, :])
     if keep == 0 or nq == 0:
         return top_k_of(metric, dist, np.broadcast_to(np.arange(n, dtype=np.int64), dist.shape), k)
@@ -245,6 +343,57 @@ def exact_top_k(
     if metric is not Metric.MANHATTAN and not isinstance(queries, SparseRows) and not isinstance(vectors, SparseRows):
         q, v = _dense_pair(queries, vectors)
         return dense_top_k(metric, q, v, np.einsum("ij,ij->i", v, v), k)
+    if isinstance(vectors, SparseRows):
+        if not isinstance(queries, SparseRows):
+            queries = SparseRows.from_dense(np.asarray(queries))
+        if queries.dim != vectors.dim:
+            raise ValidationError(f"query dimension {queries.dim} differs from vector dimension {vectors.dim}")
+        return sparse_top_k(metric, queries, vectors, k)
     dist = exact_distances(metric, queries, vectors)
     labels = np.broadcast_to(np.arange(dist.shape[1], dtype=np.int64), dist.shape)
     return top_k_of(metric, dist, labels, k)
+
+
+def sparse_top_k(
+    metric: Metric, queries: SparseRows, rows: SparseRows, k: int, magnitudes: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The exact k nearest of `rows` to each sparse query, as `exact_top_k` gives them (float64 distances,
+    labels; ties by the lower row, padded with -1). `magnitudes` are the rows' squared norms (L2 metrics, cosine,
+    dot_product) or L1 norms (manhattan) when the caller holds them.
+
+    One O(nnz) pass per query scores every row; for the L2 metrics and manhattan that score (|q|^2 + |v|^2 -
+    2 q.v, or |q|_1 plus the row's corrections) is exact only to `rounding_bounds` of the norms, so it chooses
+    the rows that can be nearest and their directly summed distances rank them."""
+    if k <= 0:
+        return np.empty((len(queries), 0), dtype=np.float64), np.empty((len(queries), 0), dtype=np.int64)
+    if magnitudes is None:
+        magnitudes = rows.l1_norms() if metric is Metric.MANHATTAN else rows.squared_norms()
+    out_d = np.empty((len(queries), k), dtype=np.float64)
+    out_l = np.empty((len(queries), k), dtype=np.int64)
+    widest = int(np.diff(rows.indptr).max(initial=0))
+    for i in range(len(queries)):
+        qi, qv = queries.row(i)
+        qv64 = qv.astype(np.float64)
+        if metric in (Metric.COSINE, Metric.DOT_PRODUCT):
+            dist = from_products(metric, rows.dot(qi, qv), float(qv64 @ qv64), magnitudes)
+            keys = sort_keys(metric, dist)
+            # Only rows at most as far as the k-th nearest can be in the answer; keeping every row tied with
+            # it lets the label tie-break pick the lowest labels.
+            kth = np.partition(keys, k - 1)[k - 1] if len(keys) >= k else np.inf
+            cand = np.flatnonzero(keys <= kth)
+            d, lab = top_k_of(metric, dist[cand][None, :], cand[None, :], k)
+        else:
+            if metric is Metric.MANHATTAN:
+                approx, q_mag = rows.l1_estimates(qi, qv), float(np.abs(qv64).sum())
+            else:
+                q_mag = float(qv64 @ qv64)
+                approx = from_products(Metric.L2_SQUARED, rows.dot(qi, qv), q_mag, magnitudes)
+            err = rounding_bounds(widest + len(qi) + 1, q_mag, magnitudes)
+
+            def direct(_: np.ndarray, ri: np.ndarray, qi: np.ndarray = qi, qv: np.ndarray = qv) -> np.ndarray:
+                picked = rows.take(ri)
+                return picked.l1_distances(qi, qv) if metric is Metric.MANHATTAN else picked.sq_l2_distances(qi, qv)
+
+            d, lab = rescored_top_k(metric, approx[None, :], err[None, :], k, direct)
+        out_d[i], out_l[i] = d[0], lab[0]
+    return out_d, out_l

@@ -16,6 +16,8 @@ from shoal.errors import ValidationError
 # Above this dimension a query is not scattered into a dense float64 array (8 bytes per dimension);
 # its coordinates are looked up by binary search instead.
 _DENSE_QUERY_MAX_DIM = 1 << 22
+# Cells of the (rows x query coordinates) mask `missing_sums` fills per block.
+_MISSING_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,10 +168,49 @@ class SparseRows:
         """Inner product of every row with one sparse query (float64 [n])."""
         return self.segment_sums(self.values.astype(np.float64) * self.gather(q_indices, q_values))
 
+    def missing_sums(self, q_indices: np.ndarray, per_query: np.ndarray) -> np.ndarray:
+        """Per row (float64 [n]), the sum of `per_query` (one non-negative float64 per coordinate of the sorted
+        query indices `q_indices`) over the query coordinates the row lacks, summed directly: the query's total
+        less the row's share would lose a small remainder beside a large coordinate the row holds (|q|_1 = 1e18
+        swallows a 60). Costs O(nnz) plus the query's length for each row sharing a coordinate with it."""
+        out = np.full(len(self), float(per_query.sum()), dtype=np.float64)
+        nq = len(q_indices)
+        if nq == 0 or self.nnz == 0:
+            return out
+        pos = np.minimum(np.searchsorted(q_indices, self.indices), nq - 1)
+        hit = q_indices[pos] == self.indices
+        if not hit.any():
+            return out
+        touched, local = np.unique(self.row_ids()[hit], return_inverse=True)  # rows increasing, so `local` too
+        pos = pos[hit]
+        step = max(1, _MISSING_BLOCK // nq)
+        for s in range(0, len(touched), step):
+            a, b = np.searchsorted(local, [s, s + step])
+            lacks = np.ones((min(step, len(touched) - s), nq), dtype=bool)
+            lacks[local[a:b] - s, pos[a:b]] = False
+            out[touched[s : s + step]] = np.where(lacks, per_query, 0.0).sum(axis=1)
+        return out
+
     def l1_distances(self, q_indices: np.ndarray, q_values: np.ndarray) -> np.ndarray:
-        """L1 distance of every row to one sparse query (float64 [n])."""
+        """L1 distance of every row to one sparse query (float64 [n]), summed directly over the union of their
+        coordinates: non-negative terms only, so each is within float64 rounding of the distance itself."""
         qg = self.gather(q_indices, q_values)
-        # |q - v|_1 = |q|_1 + sum over the row's entries of (|v_k - q_k| - |q_k|): coordinates the row
-        # lacks contribute |q_k|, which the first term already counts.
+        q_abs = np.abs(np.asarray(q_values, dtype=np.float64))
+        return (self.segment_sums(np.abs(self.values.astype(np.float64) - qg))
+                + self.missing_sums(np.asarray(q_indices), q_abs))
+
+    def sq_l2_distances(self, q_indices: np.ndarray, q_values: np.ndarray) -> np.ndarray:
+        """Squared L2 distance of every row to one sparse query (float64 [n]), summed directly as `l1_distances`
+        is (so a small distance beside large norms is kept, unlike |q|^2 + |v|^2 - 2 q.v)."""
+        qg = self.gather(q_indices, q_values)
+        q64 = np.asarray(q_values, dtype=np.float64)
+        diff = self.values.astype(np.float64) - qg
+        return self.segment_sums(diff * diff) + self.missing_sums(np.asarray(q_indices), q64 * q64)
+
+    def l1_estimates(self, q_indices: np.ndarray, q_values: np.ndarray) -> np.ndarray:
+        """L1 distances of every row to one sparse query (float64 [n]) from one O(nnz) pass: |q|_1 plus, over
+        the row's entries, |v_k - q_k| - |q_k|. Exact only to a bound relative to |q|_1 + |v|_1
+        (`metrics.rounding_bounds`): the exact searches choose candidates with it, then sum them directly."""
+        qg = self.gather(q_indices, q_values)
         q_l1 = float(np.abs(np.asarray(q_values, dtype=np.float64)).sum())
         return q_l1 + self.segment_sums(np.abs(self.values.astype(np.float64) - qg) - np.abs(qg))

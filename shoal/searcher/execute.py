@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from shoal.engines import Engine, get_engine
 from shoal.engines.flat import FlatEngine, key_margins, search_together
-from shoal.engines.metrics import Metric, from_products, worst_distance
+from shoal.engines.metrics import Metric, direct_sq, from_products, rescore_nearest, rounding_bounds, worst_distance
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
@@ -332,6 +332,25 @@ def _dots(rows64: np.ndarray, q64: np.ndarray) -> np.ndarray:
     return np.einsum("ij,j->i", rows64, q64)
 
 
+def _subset_distances(
+    metric: Metric, rows64: np.ndarray, q64: np.ndarray, qq: float, v_sq: np.ndarray, gone: np.ndarray | None,
+    k: int,
+) -> np.ndarray:
+    """float64 distances of one query (squared norm `qq`) to candidate rows `rows64` (squared norms `v_sq`; `gone`
+    marks hidden ones, whose value does not matter), summed in one order for every row (`_dots`). For the L2
+    metrics, whose product formula errs relative to the norms, the rows that can be among the k nearest visible
+    ones are summed again from their differences, so the k smallest visible distances are exact."""
+    if metric not in (Metric.L2_SQUARED, Metric.EUCLIDEAN):
+        return from_products(metric, _dots(rows64, q64), qq, v_sq)
+    sq = from_products(Metric.L2_SQUARED, _dots(rows64, q64), qq, v_sq)
+    if gone is not None:
+        sq = np.where(gone, np.inf, sq)  # left out of the k nearest, and never summed again
+    err = rounding_bounds(len(q64), qq, v_sq)
+    sq = rescore_nearest(sq[None, :], err[None, :], k,
+                         lambda _, ci: direct_sq(q64[None, :], rows64, np.zeros(len(ci), dtype=np.int64), ci))[0]
+    return np.sqrt(sq) if metric is Metric.EUCLIDEAN else sq
+
+
 def _exact_subset(
     metric: Metric, sub: _Subset, queries: np.ndarray, k: int, hidden: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -375,10 +394,10 @@ def _exact_subset(
                 cand = np.flatnonzero(key <= np.partition(key, k - 1)[k - 1] + slack)
             rows64 = sub.vectors64 if type(cand) is slice and sub.vectors64 is not None else sub.vectors[cand].astype(
                 np.float64)
-            dist = from_products(metric, _dots(rows64, q64), qq, sub.sq_norms[cand])
             labels = sub.rows[cand]
-            if hidden is not None:
-                gone = hidden[cand]
+            gone = hidden[cand] if hidden is not None else None
+            dist = _subset_distances(metric, rows64, q64, qq, sub.sq_norms[cand], gone, k)
+            if gone is not None:
                 dist = np.where(gone, worst, dist)
                 labels = np.where(gone, -1, labels)
             key64 = -dist if metric is Metric.DOT_PRODUCT else dist
