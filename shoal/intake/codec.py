@@ -19,7 +19,15 @@ import pyarrow as pa
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
-from shoal.log.validation import number_array, numbers_to_float32, vector_problem
+from shoal.log.validation import (
+    MAX_PROBLEMS,
+    _column_shape_problem,
+    check_value,
+    number_array,
+    numbers_to_float32,
+    unfit_rows,
+    vector_problem,
+)
 from shoal.vektonn.arrow_upload import (
     ARROW,
     DELETED_COLUMN,
@@ -73,7 +81,8 @@ def _producer_slots(spec: DataSourceSpec, body: bytes) -> bytes | None:
     """The body with each attribute value `encode_json` put in another slot than the declared type's, where the
     Python producer takes that value for the type, moved to the declared slot: an integer for a float64 attribute
     (`{"int64": 2}` -> `{"float64": 2}`) and a guid's text for a guid attribute (`{"string": s}` -> `{"guid": s}`,
-    when `uuid.UUID(s)` reads it). None when nothing moved (or the body is no JSON array)."""
+    when `check_value` reads it as a guid, as every write path does). None when nothing moved (or the body is no
+    JSON array)."""
     try:
         items = json.loads(body)
     except (ValueError, RecursionError):
@@ -93,10 +102,11 @@ def _producer_slots(spec: DataSourceSpec, body: bytes) -> bytes | None:
             if kind is AttributeType.FLOAT64 and slot == "int64" and type(raw) is int:
                 attribute["value"], moved = {"float64": raw}, True
             elif kind is AttributeType.GUID and slot == "string" and isinstance(raw, str):
-                try:
-                    attribute["value"], moved = {"guid": str(uuid.UUID(raw))}, True
-                except ValueError:  # no guid: refused as a string where a guid belongs
-                    continue
+                # Read as every write path reads a guid's text (not uuid.UUID's, which takes hyphens anywhere);
+                # text it refuses stays a string, refused where a guid belongs.
+                guid, err = check_value(kind, raw)
+                if err is None:
+                    attribute["value"], moved = {"guid": guid}, True
     return json.dumps(items).encode() if moved else None
 
 
@@ -132,7 +142,12 @@ def _slot(key: str, value: Any, pos: int) -> dict[str, Any]:
     if isinstance(value, uuid.UUID):
         return {"guid": str(value)}
     if isinstance(value, dt.datetime):
-        return {"dateTime": value.isoformat()}
+        # Sent as the UTC instant the producer stores (naive taken as UTC): the offset itself is never stored,
+        # and one with seconds (Europe/Amsterdam before 1937, +00:19:32) is no ISO 8601 offset the consumer reads.
+        utc, err = check_value(AttributeType.DATETIME, value)
+        if err:
+            raise ValidationError(Problem(err, pos, key))
+        return {"dateTime": utc.isoformat()}
     raise ValidationError(Problem(f"unsupported attribute value type {type(value).__name__}", pos, key))
 
 
@@ -186,26 +201,124 @@ def encode_arrow(
     """A columnar batch as an Arrow IPC stream: `vectors` [n, dim] (None for tombstones only), one column per
     attribute, and optionally `deleted` marking tombstone rows. The vectors and the flags go in the columns
     `vector` and `is_deleted`, or `__vector` and `__is_deleted` when an attribute has the plain name (the decoder
-    then reads the plain name as that attribute)."""
+    then reads the plain name as that attribute).
+
+    Refused (ValidationError), before anything is sent, by the rules `Producer.upload_columns` checks without the
+    data source's definition: vectors of numbers only (no text, complex, dates or masked array), finite within
+    float32's range and the norm bound (tombstone rows' vectors are not read); attribute columns of values some
+    attribute type takes (bool, integer, float, text, guid, datetime; no NumPy datetime64, date, bytes, ...);
+    flags of booleans; columns of one length. Nothing is converted into another value: the coordinates sent are
+    the float32 values the producer would store, and the consumer checks the rest against the data source."""
+    if not isinstance(attributes, Mapping):
+        raise ValidationError(Problem(f"columns must be a mapping {{attribute name: column}}, got "
+                                      f"{type(attributes).__name__}", attribute="attributes"))
     reserved = [name for name in attributes if name in (RESERVED_VECTOR_COLUMN, RESERVED_DELETED_COLUMN)]
     if reserved:
         raise ValidationError(Problem("attribute names may not start with '__'", attribute=reserved[0]))
-    columns: dict[str, pa.Array] = {name: pa.array(values) for name, values in attributes.items()}
+    columns: dict[str, pa.Array] = {name: _attribute_column(name, values) for name, values in attributes.items()}
     vector_column = RESERVED_VECTOR_COLUMN if VECTOR_COLUMN in columns else VECTOR_COLUMN
     deleted_column = RESERVED_DELETED_COLUMN if DELETED_COLUMN in columns else DELETED_COLUMN
-    n = len(next(iter(columns.values()))) if columns else 0
+    flags = _deleted_flags(deleted) if deleted is not None else None
+    lengths = {name: len(column) for name, column in columns.items()}
     if vectors is not None:
-        arr = np.ascontiguousarray(vectors, dtype=np.float32)
-        if arr.ndim != 2:
+        given, wrong = number_array(vectors, "vectors")
+        if given is None:
+            raise ValidationError(Problem(str(wrong), attribute=VECTOR_COLUMN))
+        if given.ndim != 2:
             raise ValidationError(Problem("vectors must be a 2-d array [points, dimension]", attribute=VECTOR_COLUMN))
-        n = arr.shape[0]
+        lengths[VECTOR_COLUMN] = given.shape[0]
+    if flags is not None:
+        lengths[DELETED_COLUMN] = len(flags)
+    n = lengths.get(VECTOR_COLUMN, next(iter(lengths.values()), 0))  # the vectors' rows, as upload_columns counts
+    uneven = [Problem(f"column has {count} values, expected {n}", attribute=name)
+              for name, count in lengths.items() if count != n]
+    if uneven:
+        raise ValidationError(uneven)
+    if n == 0:
+        raise ValidationError("nothing to publish: the batch is empty")
+    if vectors is None:
+        flags = np.ones(n, dtype=bool) if flags is None else flags
+    else:
+        arr = np.ascontiguousarray(numbers_to_float32(given))
+        # The consumer never reads a tombstone row's vector: only the upserts' must be fit to store.
+        unfit = unfit_rows(arr)
+        if flags is not None:
+            unfit = unfit[~flags[unfit]]
+        if unfit.size:
+            raise ValidationError([Problem(str(vector_problem(given[pos], arr[pos])), int(pos), VECTOR_COLUMN)
+                                   for pos in unfit[:MAX_PROBLEMS]])
         columns[vector_column] = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), arr.shape[1])
-    if deleted is not None:
-        columns[deleted_column] = pa.array(np.asarray(deleted, dtype=bool))
-    elif vectors is None:
-        columns[deleted_column] = pa.array(np.ones(n, dtype=bool))
+    if flags is not None:
+        columns[deleted_column] = pa.array(flags)
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
+
+
+# What some attribute type takes in a column (`check_value`): a value of none of these types is refused by every
+# write path, whatever the attribute's type (None is left to the consumer: a tombstone's other attributes may be
+# empty).
+_ATTRIBUTE_VALUE_TYPES = (bool, int, float, str, uuid.UUID, dt.datetime, np.bool_, np.integer, np.floating)
+
+
+def _attribute_column(name: str, values: Any) -> pa.Array | pa.ChunkedArray:
+    """One attribute column as Arrow, refused (ValidationError naming it) when `upload_columns` would refuse it
+    for every attribute type: not one column (a mapping, a string, a masked or 2-d array ...), a NumPy array of
+    datetime64, timedelta, complex or bytes, or a value of another type than `_ATTRIBUTE_VALUE_TYPES`. A guid
+    goes as its text, which the consumer reads as a guid attribute's value (and refuses for any other type)."""
+    wrong = _column_shape_problem(values)
+    if wrong is not None:
+        raise ValidationError(Problem(wrong, attribute=name))
+    if isinstance(values, pa.Array | pa.ChunkedArray):
+        return values  # typed: the consumer checks it as upload_columns checks an Arrow column
+    if isinstance(values, np.ndarray) and values.dtype.kind != "O":
+        if values.dtype.kind not in "biufU":
+            raise ValidationError(Problem(
+                f"expected bool, integer, float, text, guid or datetime values, got a NumPy array of {values.dtype} "
+                "(give datetime.datetime values or an Arrow timestamp column for a datetime attribute)",
+                attribute=name))
+        return pa.array(values)
+    items = list(values)
+    problems = []
+    for pos, value in enumerate(items):
+        if value is None:
+            continue
+        if not isinstance(value, _ATTRIBUTE_VALUE_TYPES):
+            problems.append(Problem(f"expected bool, integer, float, text, guid or datetime, got "
+                                    f"{type(value).__name__}", pos, name))
+        elif isinstance(value, uuid.UUID):
+            items[pos] = str(value)
+        elif isinstance(value, dt.datetime):
+            _, err = check_value(AttributeType.DATETIME, value)  # an instant past year 9999 in UTC
+            if err:
+                problems.append(Problem(err, pos, name))
+        if len(problems) >= MAX_PROBLEMS:
+            break
+    if problems:
+        raise ValidationError(problems)
+    try:
+        return pa.array(items)
+    except (pa.ArrowException, OverflowError) as exc:
+        # Values of types no one attribute takes together (an integer and a text, a bool and an integer), or an
+        # integer past 64 bits: every write path refuses such a column for an attribute of any type but float64.
+        raise ValidationError(Problem(f"cannot be sent as one column: {exc}", attribute=name)) from None
+
+
+def _deleted_flags(deleted: Any) -> np.ndarray:
+    """The tombstone flags as a 1-d bool array; ValidationError unless they are booleans (0 and 1, or text, are
+    not taken for them: nothing is converted)."""
+    if isinstance(deleted, np.ma.MaskedArray | Mapping | str | bytes):
+        raise ValidationError(Problem(f"must be a list or 1-d array of bools, got {type(deleted).__name__}",
+                                      attribute=DELETED_COLUMN))
+    try:
+        flags = np.asarray(deleted)
+    except (TypeError, ValueError):
+        flags = np.asarray(None)
+    if flags.size == 0 or (flags.dtype.kind == "O" and flags.ndim == 1
+                           and all(isinstance(f, bool | np.bool_) for f in flags)):
+        flags = flags.astype(bool)
+    if flags.ndim != 1 or flags.dtype.kind != "b":
+        raise ValidationError(Problem("must be a list or 1-d array of bools", attribute=DELETED_COLUMN))
+    return flags

@@ -83,7 +83,9 @@ class Publisher:
         if content_type not in codec.CONTENT_TYPES:
             raise ValidationError(f"unsupported content type {content_type!r}: use {' or '.join(codec.CONTENT_TYPES)}")
         target = topology.target(self.tenant, source, version)
-        message_id = message_id or uuid.uuid4().hex
+        # Only a message id left out is made up: an empty one (or 0) is the caller's, refused, or each retry of
+        # it would get a new id and could be written twice.
+        message_id = uuid.uuid4().hex if message_id is None else message_id
         problem = message_id_problem(message_id)
         if problem:
             raise ValidationError(problem)
@@ -136,7 +138,10 @@ class Publisher:
         message_id: str | None = None,
     ) -> str:
         """Publish a columnar batch in the compact Arrow form (vectors [n, dim] float32, one column per
-        attribute, `deleted` marking tombstones); returns the message id."""
+        attribute, `deleted` marking tombstones); returns the message id. What `Producer.upload_columns` refuses
+        without the data source's definition (text, complex or masked vectors, coordinates past float32's range,
+        NumPy datetime64 columns, ...) is refused here, ValidationError, before anything is sent: nothing is
+        converted (`codec.encode_arrow`)."""
         body = codec.encode_arrow(vectors, attributes, deleted=deleted)
         return self.publish_raw(source, version, body, codec.ARROW, message_id=message_id)
 

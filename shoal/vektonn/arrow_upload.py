@@ -118,13 +118,11 @@ def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: 
     are the column `vector_column`."""
     attrs = {name: part[name].combine_chunks() for name in part.column_names if name != vector_column}
     if deleted:
-        # Every attribute column present (Vektonn's form, or a message that also upserts): all go to the
-        # validation, which checks the non-key values' types (nulls allowed) and keeps only the key.
-        # Otherwise the key columns alone, as ever.
-        full = all(name in attrs for name in spec.attribute_types)
-        names = spec.attribute_types if full else spec.permanent_attributes
-        keys = {name: attrs[name] for name in names if name in attrs}
-        return columns_to_table(spec, None, keys, max_points, delete=True)
+        # Every column goes to the validation, as a tombstone's attributes do on every other write path: the key
+        # columns alone, or every attribute (Vektonn's form, or a message that also upserts: the non-key values'
+        # types are checked, nulls allowed, and only the key kept); an unknown column or a part of the other
+        # attributes is refused, never dropped unread.
+        return columns_to_table(spec, None, attrs, max_points, delete=True)
     return columns_to_table(spec, _arrow_vectors(part, spec.vector_dimension, vector_column), attrs, max_points)
 
 
