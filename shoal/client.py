@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,9 @@ class Shoal:
             raise ConfigurationError("pass settings or runtime, not both: a runtime has its own settings "
                                      "(Shoal(runtime=runtime) uses runtime.settings)")
         self._owns_runtime = runtime is None
+        # The searchers made by `searcher()`, each with a search service (threads, connections) of its own:
+        # closed with this Shoal, or they would go on polling the catalog after it closed.
+        self._searchers: weakref.WeakSet[Searcher] = weakref.WeakSet()
         self.runtime = runtime if runtime is not None else Runtime(settings, notify=notify)
         try:
             self.scope = self.runtime.scope(tenant or self.runtime.settings.tenant)
@@ -395,7 +399,9 @@ class Shoal:
         from shoal.searcher.searcher import Searcher, SearchService
 
         service = SearchService(self.runtime, follow=follow, poll_interval=poll_interval)
-        return Searcher(service, self.scope, owns_service=True)
+        searcher = Searcher(service, self.scope, owns_service=True)
+        self._searchers.add(searcher)
+        return searcher
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -508,7 +514,10 @@ class Shoal:
         )
 
     def close(self) -> None:
-        """Release the catalog connections and broker clients, when this Shoal made its own runtime."""
+        """Stop the searchers `searcher()` made (their threads and connections), and release the catalog
+        connections and broker clients when this Shoal made its own runtime."""
+        for searcher in list(self._searchers):
+            searcher.close()
         if self._owns_runtime:
             self.runtime.close()
 

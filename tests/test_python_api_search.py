@@ -257,3 +257,25 @@ def test_sparse_queries_of_other_kinds_are_refused_naming_them(local_shoal: Shoa
         assert says in str(err.value), str(err.value)
     finally:
         searcher.close()
+
+
+def test_closing_a_shoal_stops_the_searchers_it_made(make_settings: Callable[..., Settings]) -> None:
+    """`with Shoal(...) as s: s.searcher().search(...)` left the searcher's threads polling the catalog after the
+    Shoal closed, each reconnecting through a fresh pool: a process opening a Shoal per task ran Postgres out of
+    connections. Closing the Shoal stops them."""
+    settings = make_settings("local")
+
+    def searcher_threads() -> int:
+        return sum(t.name.startswith("shoal-searcher-") for t in threading.enumerate())
+
+    before = searcher_threads()
+    for _ in range(3):
+        with Shoal(settings, notify=False) as shoal:
+            shoal.create_data_source(DataSourceSpec("S", "1", 2, {"id": "int64"}, ["id"]), exist_ok=True)
+            shoal.create_index(IndexSpec("F", "1", "S", "1", algorithm="flat", metric="euclidean"), exist_ok=True)
+            shoal.producer("S", "1").upload([DataPoint({"id": 1}, [1.0, 0.0])])
+            searcher = shoal.searcher(poll_interval=0.05)
+            hits = searcher.search("F", "1", [[1.0, 0.0]], 1, consistency=Consistency.strong())
+            assert hits[0][0].attributes["id"] == 1
+            assert searcher_threads() > before
+        wait_for(lambda: searcher_threads() == before, timeout=10, what="the searcher's threads to stop")
