@@ -12,9 +12,13 @@ An entry is trusted only when the tenant id inside it is the reader's (and an in
 for): anything else, whoever wrote it, is a miss, logged and deleted. The tenant's id, not its name, so a tenant
 made again under an old name never reads what the old one cached.
 
+- `dataset:gen:{tenant_id}:{dataset}` and `dataset:gen:{tenant_id}`: generation counters of the dataset's
+  entry and of the tenant's list pages, bumped by every invalidation; TTL 1 hour from the last bump.
+
 Create, update and delete invalidate both the dataset's info key and the tenant's list key, before and after
-the catalog change (a reader that read the catalog just before the change cannot leave its stale copy behind
-the second invalidation unless it writes after it, which the short list TTL and the next change bound).
+the catalog change. A reader reads the generation before it reads the catalog, and caches what it read only if
+the generation is still the one it read (checked and written in one Lua script): a reader that read the catalog
+before a change and writes after the change's invalidation writes nothing, so no stale copy outlives a change.
 
 When Redis cannot be reached the cache stays out of the way for `retry_after` seconds (no request waits on a
 dead server), reads fall through to the catalog, and invalidations that could not be made are remembered and
@@ -40,6 +44,7 @@ T = TypeVar("T")
 
 INFO_TTL_S = 3600
 LIST_TTL_S = 300
+GENERATION_TTL_S = 3600  # a counter must outlive a reader's catalog read, not the entries
 
 
 def info_key(tenant_id: int, name: str) -> str:
@@ -55,6 +60,33 @@ def list_key(tenant_id: int) -> str:
 def page_field(limit: int, offset: int) -> str:
     """The hash field of one list page."""
     return f"{limit}:{offset}"
+
+
+def info_generation_key(tenant_id: int, name: str) -> str:
+    """The key of the generation counter of a dataset's cached entry."""
+    return f"dataset:gen:{tenant_id}:{name}"
+
+
+def list_generation_key(tenant_id: int) -> str:
+    """The key of the generation counter of the tenant's cached list pages."""
+    return f"dataset:gen:{tenant_id}"
+
+
+# Write an entry only while the generation is the one the writer read before it read the catalog (an absent
+# counter reads as ""). KEYS: generation, entry; ARGV: generation read, value, TTL.
+_SET_IF_CURRENT = """
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
+# As above for a list page. KEYS: generation, hash; ARGV: generation read, field, value, TTL (set when the hash
+# is created, so no page is older than the TTL however many pages are added later).
+_HSET_IF_CURRENT = """
+if (redis.call('GET', KEYS[1]) or '') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+if redis.call('TTL', KEYS[2]) < 0 then redis.call('EXPIRE', KEYS[2], ARGV[4]) end
+return 1
+"""
 
 
 class DatasetCache:
@@ -133,10 +165,23 @@ class DatasetCache:
             return None
         return record
 
-    def set_info(self, tenant_id: int, record: DatasetRecord) -> None:
-        """Cache an entry of the tenant for an hour."""
+    def _generation(self, key: str) -> str | None:
+        """The generation counter at `key` ("" when absent), or None when the cache is down."""
+        return self._run(lambda c: (c.get(key) or b"").decode())
+
+    def info_generation(self, tenant_id: int, name: str) -> str | None:
+        """The generation of the dataset's entry, to read before the catalog and hand to `set_info`; None when
+        the cache is down (then nothing is cached)."""
+        return self._generation(info_generation_key(tenant_id, name))
+
+    def set_info(self, tenant_id: int, record: DatasetRecord, generation: str) -> bool:
+        """Cache an entry of the tenant for an hour, only if the entry's generation is still `generation` (read
+        before the catalog was): an invalidation since means the entry may be stale, and it is not written.
+        Whether it was written."""
         value = json.dumps(record.to_json() | {"tenant_id": tenant_id})
-        self._run(lambda c: c.set(info_key(tenant_id, record.name), value, ex=INFO_TTL_S))
+        keys = (info_generation_key(tenant_id, record.name), info_key(tenant_id, record.name))
+        done = self._run(lambda c: c.eval(_SET_IF_CURRENT, 2, *keys, generation, value, INFO_TTL_S))
+        return bool(done)
 
     def _distrust(self, key: str, owner: object) -> None:
         """Delete an entry that does not belong where it was found (a bug or a poisoned cache), saying so."""
@@ -163,30 +208,43 @@ class DatasetCache:
             return None
         return page
 
-    def set_list(self, tenant_id: int, limit: int, offset: int, records: list[DatasetRecord], total: int) -> None:
-        """Cache a page of the tenant; the hash expires 5 minutes after its first page was cached."""
+    def list_generation(self, tenant_id: int) -> str | None:
+        """The generation of the tenant's list pages, to read before the catalog and hand to `set_list`; None
+        when the cache is down."""
+        return self._generation(list_generation_key(tenant_id))
+
+    def set_list(
+        self, tenant_id: int, limit: int, offset: int, records: list[DatasetRecord], total: int, generation: str
+    ) -> bool:
+        """Cache a page of the tenant, only if the pages' generation is still `generation` (as `set_info`); the
+        hash expires 5 minutes after its first page was cached. Whether it was written."""
         value = json.dumps({"tenant_id": tenant_id, "total": total, "datasets": [r.to_json() for r in records]})
-
-        def op(c: redis.Redis) -> None:
-            key = list_key(tenant_id)
-            pipe = c.pipeline(transaction=True)
-            pipe.hset(key, page_field(limit, offset), value)
-            pipe.ttl(key)
-            _, ttl = pipe.execute()
-            if ttl is None or int(ttl) < 0:
-                c.expire(key, LIST_TTL_S)
-
-        self._run(op)
+        keys = (list_generation_key(tenant_id), list_key(tenant_id))
+        done = self._run(lambda c: c.eval(_HSET_IF_CURRENT, 2, *keys, generation, page_field(limit, offset), value,
+                                          LIST_TTL_S))
+        return bool(done)
 
     # -- invalidation --------------------------------------------------------------------------------------
 
     def invalidate(self, tenant_id: int, name: str) -> None:
-        """Forget the dataset's entry and the tenant's list pages (remembered for later if Redis is down)."""
+        """Forget the dataset's entry and the tenant's list pages, and bump their generations so that a reader
+        who read the catalog before now caches nothing (remembered for later if Redis is down)."""
         keys = [info_key(tenant_id, name), list_key(tenant_id)]
-        done = self._run(lambda c: c.delete(*keys))
-        if done is None:
+        generations = [info_generation_key(tenant_id, name), list_generation_key(tenant_id)]
+
+        def op(c: redis.Redis) -> bool:
+            pipe = c.pipeline(transaction=True)
+            pipe.delete(*keys)
+            for key in generations:
+                pipe.incr(key)
+                pipe.expire(key, GENERATION_TTL_S)
+            pipe.execute()
+            return True
+
+        if self._run(op) is None:
             with self._lock:
-                self._pending.update(keys)
+                # Deleting a counter changes it as well (from any value a reader may hold but "").
+                self._pending.update(keys + generations)
 
     def close(self) -> None:
         """Release the connection pool."""

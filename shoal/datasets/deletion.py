@@ -24,7 +24,9 @@ class Deletions(DatasetScope):
 
     def delete(self, name: Any, *, hard: bool = False) -> Deletion:
         """Soft delete: move the dataset to the tenant's trash, restorable until `purge_after`, then purged by
-        beat. With `hard`: delete at once the index, the data source, their files and the metadata mirror."""
+        beat. With `hard`: delete at once the index, the data source, their files and the metadata mirror.
+        DATASET_NOT_FOUND, changing nothing, if the dataset read first left meanwhile (another delete, or an
+        overwrite create, took it first)."""
         name = self._lookup_name(name)
         record = self.catalog.get(name)
         self._forget(name)
@@ -38,7 +40,9 @@ class Deletions(DatasetScope):
             retention = dt.timedelta(days=self.shoal.settings.trash_retention_days)
             shards = self.shoal.runtime.shards.shards_of_source(record.source_id)
             try:
-                trashed = self._trash().soft_delete(name, rules.VERSION, retention)
+                # The source read above, by id: one a hard delete or an overwrite create dropped meanwhile is
+                # not found, and a dataset made anew under the name since is not this request's to move.
+                trashed = self._trash().soft_delete(name, rules.VERSION, retention, source_id=record.source_id)
             except NotFoundError:
                 raise not_found(name) from None
             self.shoal.announce_source_gone(record.source_id, shards)

@@ -15,6 +15,9 @@ from shoal.index.spec import resolve_index
 from shoal.log.records import DataSourceSpec, IndexSpec
 
 MUTABLE_FIELDS = ("description", "metadata")
+# How often an overwrite create looks again at what the name holds when other requests keep dropping or
+# replacing it under it (each look that loses means another request changed the name meanwhile).
+OVERWRITE_ATTEMPTS = 3
 
 
 def _replaced_meanwhile(name: str) -> DatasetError:
@@ -77,10 +80,23 @@ class Lifecycle(DatasetScope):
         )
 
         existing = self.catalog.find(name)
-        if existing is not None:
+        for _ in range(OVERWRITE_ATTEMPTS):
+            if existing is None:
+                break
             if not overwrite:
                 raise already_exists(name)
-            self._drop(existing)
+            try:
+                self._drop(existing)
+                break
+            except DatasetError as exc:
+                if exc.code is not ErrorCode.DATASET_NOT_FOUND:
+                    raise
+                # Another request deleted (or moved to the trash, or replaced) the dataset first: what the
+                # name holds now is what this create replaces, or nothing, and it creates anew.
+                existing = self.catalog.find(name)
+        else:
+            if existing is not None:
+                raise _replaced_meanwhile(name)
         self._refuse_foreign(name)
         self._forget(name)
         try:
@@ -132,9 +148,11 @@ class Lifecycle(DatasetScope):
         self._check_page(limit, offset)
         page = self.cache.get_list(self.tenant_id, limit, offset) if self.cache is not None else None
         if page is None:
+            # Read before the catalog, so a page read before a change is never cached after it (as `record`).
+            generation = self.cache.list_generation(self.tenant_id) if self.cache is not None else None
             page = self.catalog.page(limit, offset)
-            if self.cache is not None:
-                self.cache.set_list(self.tenant_id, limit, offset, *page)
+            if self.cache is not None and generation is not None:
+                self.cache.set_list(self.tenant_id, limit, offset, *page, generation)
         records, total = page
         return Page(tuple(self._datasets(records)), total, limit, offset)
 

@@ -51,15 +51,20 @@ class DatasetScope:
             raise
 
     def record(self, name: Any) -> DatasetRecord:
-        """The dataset's catalog entry, from the cache when there; DATASET_NOT_FOUND if absent."""
+        """The dataset's catalog entry, from the cache when there; DATASET_NOT_FOUND if absent. What it caches
+        is never older than the last change's invalidation."""
         name = self._lookup_name(name)
-        if self.cache is not None:
-            cached = self.cache.get_info(self.tenant_id, name)
-            if cached is not None:
-                return cached
+        if self.cache is None:
+            return self.catalog.get(name)
+        cached = self.cache.get_info(self.tenant_id, name)
+        if cached is not None:
+            return cached
+        # Read before the catalog: a change committed after the catalog read bumps it, and the entry read is
+        # then not cached (it may be the old one), even by a reader that writes after the change's invalidation.
+        generation = self.cache.info_generation(self.tenant_id, name)
         record = self.catalog.get(name)
-        if self.cache is not None:
-            self.cache.set_info(self.tenant_id, record)
+        if generation is not None:
+            self.cache.set_info(self.tenant_id, record, generation)
         return record
 
     def _forget(self, name: str) -> None:
@@ -120,22 +125,27 @@ class DatasetScope:
             log.warning("searcher refresh after a dataset change failed: %s", exc)
 
     def _drop(self, record: DatasetRecord) -> int:
-        """Delete the dataset's index (if it is this dataset's), data source and mirror at once; files deleted."""
-        name = record.name
-        files = 0
+        """Delete the dataset of `record` at once: its data source with every index over it (theirs only, by
+        id) in one transaction under the source's row lock, then its mirror; files deleted. DATASET_NOT_FOUND,
+        changing nothing, if that data source is no longer live (a delete moved it to the trash, or another
+        request dropped or replaced the dataset, meanwhile): never half of it, and never another dataset that
+        took the name since `record` was read."""
+        from shoal.upkeep.drops import drop_data_source
+
+        source_id = record.source_id
+        shards = self.shoal.runtime.shards.shards_of_source(source_id)  # read before: the drop deletes their rows
+        grace_end = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.shoal.settings.gc_grace_s)
         try:
-            index = self.shoal.get_index(name, rules.VERSION)
-            if index.source_id == record.source_id:
-                files += self.shoal.drop_index(name, rules.VERSION)
+            # The lock waits for a soft delete in flight: it commits first (and this finds the source in the
+            # trash) or finds no live row afterwards; so the trash never holds a source without its index.
+            paths = drop_data_source(self.shoal.engine, source_id, delete_after=grace_end)
         except NotFoundError:
-            pass
-        try:
-            files += self.shoal.drop_data_source(name, rules.VERSION)
-        except NotFoundError:
-            pass
-        forget_files(self.shoal.engine, self.shoal.storage, files=[dataset_metadata_path(self.tenant, name)])
+            raise not_found(record.name) from None
+        self.shoal.runtime.forget_source(source_id)
+        self.shoal.announce_source_gone(source_id, shards)
+        forget_files(self.shoal.engine, self.shoal.storage, files=[dataset_metadata_path(self.tenant, record.name)])
         self._refresh_searcher()
-        return files + 1
+        return len(paths) + 1
 
     def _drop_quietly(self, name: str, source_id: int) -> None:
         """Undo a failed create of dataset `name` as far as possible: drop the data source `source_id` it made,

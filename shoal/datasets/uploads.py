@@ -76,6 +76,9 @@ class Uploads(DatasetScope):
         """QUOTA_EXCEEDED (nothing written) when the batch would leave more live vectors than the dataset's
         `metadata.quota_limit`; ids already live are replaced and count once. Checked against the log's state
         before the write: uploads racing each other may pass it together."""
+        # The quota as the catalog holds it now, not as a cached entry does: an upload after a PUT that lowered
+        # it answered is checked against the lowered one, whatever another process cached.
+        record = self.catalog.get(record.name)  # DATASET_NOT_FOUND if it went meanwhile
         limit = rules.quota_limit(record.metadata)
         if limit is None:
             return

@@ -114,18 +114,19 @@ class Trash:
             raise NotFoundError(f"data source #{source_id} is not in the trash of tenant {self.tenant!r}")
         return row
 
-    def soft_delete(self, name: str, version: str, retention: dt.timedelta) -> TrashedSource:
+    def soft_delete(
+        self, name: str, version: str, retention: dt.timedelta, *, source_id: int | None = None
+    ) -> TrashedSource:
         """Move the live data source `name`/`version` and its indexes to the trash until `retention` from now;
-        NotFoundError if there is no such live source."""
+        NotFoundError if there is no such live source (or, with `source_id`, if the live one is another: the
+        source the caller read was dropped or replaced meanwhile, and a newer one is not the caller's to move)."""
+        where = [DataSource.tenant_id == self.tenant_id, DataSource.name == name, DataSource.version == version,
+                 DataSource.deleted_at.is_(None)]
+        if source_id is not None:
+            where.append(DataSource.id == source_id)
         with Session(self.engine) as s, s.begin():
             # The row lock waits for a commit in flight on the source, so none lands half way through.
-            locked = lock_sources(
-                s,
-                DataSource.tenant_id == self.tenant_id,
-                DataSource.name == name,
-                DataSource.version == version,
-                DataSource.deleted_at.is_(None),
-            )
+            locked = lock_sources(s, *where)
             row = s.get(DataSource, locked[0].id, populate_existing=True) if locked else None
             if row is None:
                 raise NotFoundError(f"data source {name!r} version {version!r} not found in tenant {self.tenant!r}")
@@ -205,13 +206,17 @@ class Trash:
                     )
             row.deleted_at = None
             row.purge_after = None
-            s.execute(update(Index).where(Index.data_source_id == row.id).values(deleted_at=None))
             try:
+                # Flushed here, inside the try: the UPDATE of the indexes below would otherwise autoflush the
+                # source row's change first, and its unique violation escape as an internal error.
+                s.flush()
+                s.execute(update(Index).where(Index.data_source_id == trashed.id).values(deleted_at=None))
                 s.flush()
             except IntegrityError:  # a create raced the checks above: the unique indexes decide
+                # Named from `trashed`: the failed flush rolled the session back, and `row` cannot be read now.
                 raise AlreadyExistsError(
-                    f"cannot restore data source {row.name!r} version {row.version!r}: its name, or an index's, "
-                    "was taken while it was in the trash"
+                    f"cannot restore data source {trashed.spec.name!r} version {trashed.spec.version!r}: its name, "
+                    "or an index's, was taken while it was in the trash"
                 ) from None
         log.info("trash: data source %s/%s (#%d) of tenant %s restored from the trash",
                  trashed.spec.name, trashed.spec.version, trashed.id, self.tenant)
