@@ -179,10 +179,13 @@ def list_keys(engine: Engine, tenant: str, *, include_revoked: bool = True) -> l
 def revoke_key(engine: Engine, key_id: str, *, tenant: str | None = None) -> KeyRecord:
     """Revoke `key_id` (idempotent: a revoked key keeps its first revocation time) and return its record.
 
-    With `tenant`, only a key of that tenant is found (what a tenant-scoped route must pass). NotFoundError
-    for an unknown key, and for an id no key can have (not 12 lower-case hex digits). This process forgets the
-    key at once; others within the verified-key cache's TTL.
+    With `tenant`, only a key of that tenant is found (what a tenant-scoped route must pass); InvalidNameError
+    (nothing changed) when `tenant` is no tenant name. NotFoundError for an unknown key, and for an id no key
+    can have (not 12 lower-case hex digits). This process forgets the key at once; others within the
+    verified-key cache's TTL.
     """
+    if tenant is not None:
+        check_tenant_name(tenant)  # asked of the catalog, a NUL or a number would fail as a driver error
     if not isinstance(key_id, str) or not KEY_ID_RE.fullmatch(key_id):
         # No key has such an id; asked of the catalog, a NUL or a lone surrogate would fail as a driver error.
         raise NotFoundError(f"API key {key_id!r} not found: key ids are {KEY_ID_HEX_DIGITS} lower-case hex digits")

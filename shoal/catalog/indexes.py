@@ -323,10 +323,13 @@ class AliasCatalog:
             return [AliasRecord(*r) for r in s.execute(self._query().order_by(IndexAlias.name))]
 
     def drop(self, alias: str) -> None:
-        """Remove the alias (the index stays); NotFoundError if there is none."""
+        """Remove the alias (the index stays); NotFoundError if there is none, also when its index is in the
+        trash (the alias is hidden with it, as by `get` and `list`, and comes back when the index is restored)."""
+        live = select(Index.id).where(Index.tenant_id == self.tenant_id, Index.deleted_at.is_(None))
         with Session(self.engine) as s, s.begin():
             gone = s.execute(
-                delete(IndexAlias).where(IndexAlias.tenant_id == self.tenant_id, IndexAlias.name == alias)
+                delete(IndexAlias).where(IndexAlias.tenant_id == self.tenant_id, IndexAlias.name == alias,
+                                         IndexAlias.index_id.in_(live))
             ).rowcount
         if not gone:
             raise NotFoundError(f"alias {alias!r} not found in tenant {self.tenant!r}")

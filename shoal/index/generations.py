@@ -9,16 +9,20 @@ Aliases naming the index move with it in the same transaction.
 
 A job belongs to the index whose generations it links (`from_index_id`, `to_index_id`), not to its name: a
 name is free for a new index once the old one is dropped or in the trash, and the old one's jobs are not the
-new one's.
+new one's. Once an index is dropped for good, its job rows stay (a job is still read by its id) but are marked
+as a dropped index's (`forget_jobs`): with their generations gone they link nothing, and no index of the name
+(one restored from the trash, older than they are) may take them for its own.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, or_, select, update
+from sqlalchemy import Connection, Engine, and_, cast, func, literal, or_, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
@@ -27,6 +31,8 @@ from shoal.errors import ConflictError, NotFoundError, ReindexConflictError
 from shoal.log.records import GENERATION_MARK
 
 HIDDEN = GENERATION_MARK  # version suffix of generations that do not serve: `{version}~g{generation}`
+# Key set in a job's `definition` once its index was dropped for good (`forget_jobs`); never shown in a JobRecord.
+DROPPED = "_index_dropped"
 
 
 def hidden_version(version: str, generation: int) -> str:
@@ -104,10 +110,12 @@ def _lineage(s: Session, tenant_id: int, name: str, version: str) -> _Lineage:
 
 
 def _of_lineage(row: ReindexJob, lineage: _Lineage) -> bool:
-    """Whether the job is one of the index's: it links one of its generations, or none any more (both rows
-    went, as a replaced generation's do once their keep time ended, and all of a dropped index's do) and it
-    started once the index was made (a job of a dropped index of the same name, over the same data source or
-    a dropped one, started before)."""
+    """Whether the job is one of the index's: not a dropped index's (`forget_jobs`), and it links one of its
+    generations, or none any more (both rows went, as a replaced generation's do once their keep time ended)
+    and it started once the index was made (a job of an index of the same name dropped before the marking
+    existed started before, unless the live index was restored from the trash)."""
+    if (row.definition or {}).get(DROPPED):
+        return False
     linked = [i for i in (row.from_index_id, row.to_index_id) if i is not None]
     if linked:
         return any(i in lineage.ids for i in linked)
@@ -117,9 +125,48 @@ def _of_lineage(row: ReindexJob, lineage: _Lineage) -> bool:
 def _job(row: ReindexJob) -> JobRecord:
     return JobRecord(
         row.id, row.tenant_id, row.index_name, row.index_version, row.from_index_id, row.to_index_id, row.state,
-        row.progress, row.eta_s, row.recall, row.gate, row.error, dict(row.definition), row.created_at,
-        row.updated_at, row.finished_at,
+        row.progress, row.eta_s, row.recall, row.gate, row.error,
+        {k: v for k, v in (row.definition or {}).items() if k != DROPPED}, row.created_at, row.updated_at,
+        row.finished_at,
     )
+
+
+def forget_jobs(conn: Connection, index_ids: Sequence[int]) -> int:
+    """Inside the caller's transaction, before it deletes the index rows `index_ids` for good (an owner's drop of
+    an index with its generations or of a data source, a trash purge): mark the jobs of those indexes as a
+    dropped index's, so that `jobs` of no index of the same name takes them for its own once
+    their generation rows are gone (an index restored from the trash is older than they are, so their start
+    time does not tell them apart). Marked: the jobs linking one of the rows and, of a live index, those its
+    `jobs` lists that link none any more. The rows stay, so a job is still read by its id. How many."""
+    if not index_ids:
+        return 0
+    ids = list(index_ids)
+    rows = conn.execute(
+        select(Index.tenant_id, Index.name, Index.version, Index.created_at, Index.deleted_at,
+               DataSource.created_at.label("source_made"))
+        .join(DataSource, DataSource.id == Index.data_source_id)
+        .where(Index.id.in_(ids))
+    ).all()
+    since: dict[tuple[int, str, str], dt.datetime] = {}
+    for row in rows:
+        if row.deleted_at is not None:
+            # In the trash: a job that links none of its rows any more cannot be told from one of an index made
+            # under the name meanwhile (which may be live): only the linked ones are marked.
+            continue
+        # When the index was made, as _lineage has it (its generations share one data source).
+        made = max(row.created_at, row.source_made)
+        key = (row.tenant_id, row.name, row.version.partition(HIDDEN)[0])
+        since[key] = min(since.get(key, made), made)
+    unlinked = [
+        and_(ReindexJob.tenant_id == tenant, ReindexJob.index_name == name, ReindexJob.index_version == version,
+             ReindexJob.from_index_id.is_(None), ReindexJob.to_index_id.is_(None), ReindexJob.created_at >= start)
+        for (tenant, name, version), start in since.items()
+    ]
+    return int(conn.execute(
+        update(ReindexJob)
+        .where(or_(ReindexJob.from_index_id.in_(ids), ReindexJob.to_index_id.in_(ids), *unlinked))
+        .values(definition=ReindexJob.definition.op("||")(cast(literal(f'{{"{DROPPED}": true}}'), JSONB)))
+    ).rowcount or 0)
 
 
 class Generations:
@@ -266,13 +313,15 @@ class Generations:
 
     def expired_generations(self, keep_s: float, tenant_id: int | None = None) -> list[tuple[int, str, str, str]]:
         """(index id, tenant, name, hidden version) of generations no longer needed: kept for rollback longer
-        than `keep_s`, or built by a job that failed or was cancelled, and named by no tag."""
+        than `keep_s`, or built by a job that failed or was cancelled, and named by no tag. Not those of an
+        index in the trash: they stay with it (a restore brings them back, a purge deletes them)."""
         cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=keep_s)
         with Session(self.engine) as s:
             hidden = s.execute(
                 select(Index.id, Tenant.name, Index.name, Index.version)
                 .join(Tenant, Tenant.id == Index.tenant_id)
-                .where(Index.version.like(f"%{HIDDEN}%"), *([Index.tenant_id == tenant_id] if tenant_id else []))
+                .where(Index.version.like(f"%{HIDDEN}%"), Index.deleted_at.is_(None),
+                       *([Index.tenant_id == tenant_id] if tenant_id else []))
             ).all()
             jobs = s.execute(
                 select(ReindexJob.from_index_id, ReindexJob.to_index_id, ReindexJob.state, ReindexJob.updated_at)

@@ -454,7 +454,7 @@ def drop_generation(engine: Engine, storage: Storage, index_id: int | None) -> i
 
 def drop_expired_generations(engine: Engine, storage: Storage, keep_s: float, tenant_id: int | None = None) -> int:
     """Drop generations kept for rollback longer than `keep_s`, and leftovers of failed or cancelled jobs (of
-    one tenant when `tenant_id` is given)."""
+    one tenant when `tenant_id` is given); how many. A generation of an index in the trash stays with it."""
     dropped = 0
     for index_id, *_ in Generations(engine).expired_generations(keep_s, tenant_id):
         drop_generation(engine, storage, index_id)

@@ -746,9 +746,19 @@ class SearchService:
         return pa.Table.from_batches(batches) if batches else None
 
     def view(self, scope: Scope, index_name: str, index_version: str) -> IndexView:
-        """The index as currently served, loading it on first use."""
-        view = self._views.get((scope.tenant_id, index_name, index_version))
-        return view if view is not None else self._load(scope, index_name, index_version)
+        """The index as currently served, loading it on first use; InvalidNameError (nothing read) when a name
+        is no legal name."""
+        try:
+            view = self._views.get((scope.tenant_id, index_name, index_version))
+        except TypeError:  # an unhashable name (a list): refused just below
+            view = None
+        if view is None:
+            # Checked before the catalog sees them, as `search` does (a NUL, a lone surrogate or an int is a raw
+            # database error there); a served view's names passed this check when it was loaded.
+            check_name("index name", index_name)
+            check_name("index version", index_version)
+            view = self._load(scope, index_name, index_version)
+        return view
 
     def refresh(self) -> None:
         """Load, now, any newer active version of the indexes served; stop serving the ones that are gone.
@@ -1076,20 +1086,31 @@ class Searcher:
         return self.search(target.index_name, target.index_version, queries, k, **options)
 
     def view(self, index_name: str, index_version: str) -> IndexView:
-        """The index as currently served, loading it on first use."""
+        """The index as currently served, loading it on first use; InvalidNameError when a name is no legal
+        name."""
         return self.service.view(self.scope, index_name, index_version)
 
     def loaded(self, index_name: str, index_version: str) -> bool:
-        """True when the index is loaded: an eventual search of it reads nothing from the catalog or storage."""
-        return (self.scope.tenant_id, index_name, index_version) in self.service._views
+        """True when the index is loaded: an eventual search of it reads nothing from the catalog or storage.
+        InvalidNameError when a name is no legal name (no such index can be loaded)."""
+        try:
+            if (self.scope.tenant_id, index_name, index_version) in self.service._views:
+                return True  # its names passed the check when it was loaded: the fast path checks nothing
+        except TypeError:  # an unhashable name (a list): refused just below
+            pass
+        check_name("index name", index_name)
+        check_name("index version", index_version)
+        return False
 
     def served_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
-        """Shard number -> the watermark of the version this searcher serves."""
+        """Shard number -> the watermark of the version this searcher serves; InvalidNameError when a name is no
+        legal name."""
         return {s.shard_no: s.watermark for s in self.view(index_name, index_version).shards}
 
     def visible_watermarks(self, index_name: str, index_version: str) -> dict[int, int]:
         """Shard number -> the seq an eventual search reflects now: the served version's watermark, or as far
-        as the young tier reaches past it (every write up to that seq, none after)."""
+        as the young tier reaches past it (every write up to that seq, none after). InvalidNameError when a name
+        is no legal name."""
         view = self.view(index_name, index_version)
         end = self.service._extend(view, 0).end
         return {s.shard_no: max(s.watermark, end) for s in view.shards}

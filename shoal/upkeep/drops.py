@@ -28,7 +28,7 @@ from sqlalchemy import Connection, Engine, delete, func, select, update
 from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.errors import NotFoundError
-from shoal.index.generations import generation_ids
+from shoal.index.generations import forget_jobs, generation_ids
 from shoal.storage import Storage
 from shoal.upkeep import gc
 from shoal.upkeep import gc_queue as garbage
@@ -53,9 +53,10 @@ def drop_index(
     """Delete the live index `index_id` (still under `version` when given: a swap renames generations) with
     its shards and versions, and queue every file its versions referenced to go after `delete_after`, in one
     transaction; the files queued. With `generations` (an owner's drop), every other generation of the index
-    goes with it (one being built, one kept for rollback or for a tag) and a reindex still building ends as
-    cancelled, so a new index under the name starts clean. NotFoundError if the index is gone, in the trash or
-    renamed."""
+    goes with it (one being built, one kept for rollback or for a tag), a reindex still building ends as
+    cancelled, and the index's jobs are marked as a dropped index's (`generations.forget_jobs`), so a new index
+    under the name, or one restored from the trash, starts clean. NotFoundError if the index is gone, in the
+    trash or renamed."""
     with engine.begin() as conn:
         # Locks in the order every writer of these rows takes them: the data source's row, then the index row,
         # then the shards. A drop of the data source (source, shards, then the index rows its DELETE cascades to)
@@ -74,6 +75,7 @@ def drop_index(
         files = sorted(garbage.index_files_of(conn, ids))
         if generations:
             cancel_reindexes(conn, ids, "the index was dropped")
+            forget_jobs(conn, ids)  # gone for good: no index of the name (one restored from the trash) lists them
         conn.execute(delete(Index).where(Index.id.in_(ids)))  # cascades to shards, versions, index_files
         garbage.enqueue(conn, files, reason, delete_after)
     return files
@@ -106,11 +108,13 @@ def delete_source_rows(
     conn: Connection, source_id: int, reason: str, delete_after: dt.datetime, extra: Iterable[str] = ()
 ) -> list[str]:
     """Inside the caller's transaction, which holds the source's row lock: queue the files of the source's
-    rows (log segments, index versions) and `extra`, end its indexes' reindexes still building as cancelled,
-    then delete the rows; the files queued."""
+    rows (log segments, index versions) and `extra`, end its indexes' reindexes still building as cancelled
+    and mark their jobs as a dropped index's (`generations.forget_jobs`), then delete the rows; the files
+    queued."""
     index_ids = list(conn.scalars(select(Index.id).where(Index.data_source_id == source_id)))
     garbage.lock_shards(conn, index_ids)
     cancel_reindexes(conn, index_ids, "the data source was dropped")
+    forget_jobs(conn, index_ids)  # gone for good: no index of the name (one restored from the trash) lists them
     files = set(conn.scalars(select(LogSegment.path).where(LogSegment.data_source_id == source_id)))
     files |= garbage.index_files_of(conn, index_ids)
     files |= set(extra)
