@@ -155,6 +155,9 @@ def test_the_sweep_counts_no_generation_of_an_index_in_the_trash_and_the_restore
     _setup(shoal)
     assert shoal.reindex("ix", "1", algorithm="hnsw", wait=True).state == "swapped"
     trashed = _trash(shoal).soft_delete("docs", "1", dt.timedelta(days=1))
+    # The trash lists the index, not the generation built aside (`1~g1`), which lists leave out.
+    assert trashed.indexes == (("ix", "1"),), trashed.indexes
+    assert [t.indexes for t in _trash(shoal).list()] == [(("ix", "1"),)]
     for _ in range(2):
         assert drop_expired_generations(shoal.engine, shoal.storage, 0, shoal.catalog.tenant_id) == 0
     _trash(shoal).restore(trashed.id)

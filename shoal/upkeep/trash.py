@@ -41,6 +41,7 @@ from shoal.catalog.locks import lock_source, lock_sources
 from shoal.catalog.models import DataSource, Index, Tenant
 from shoal.catalog.repo import _spec
 from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.index.generations import is_hidden
 from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
 from shoal.storage.layout import trash_dir
@@ -91,7 +92,8 @@ def _trashed(s: Session, row: DataSource, tenant: str) -> TrashedSource:
     assert row.deleted_at is not None and row.purge_after is not None
     return TrashedSource(
         row.id, tenant, _spec(row), row.head_seq, row.created_at, row.deleted_at, row.purge_after,
-        tuple((n, v) for n, v in indexes),
+        # Generations built aside (`{version}~g{n}`) are no index of their own: lists leave them out.
+        tuple((n, v) for n, v in indexes if not is_hidden(v)),
     )
 
 
