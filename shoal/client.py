@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,7 +40,7 @@ from shoal.storage.layout import source_log_dir
 if TYPE_CHECKING:
     from shoal.log.compaction import CompactionResult
     from shoal.log.retention import RetentionResult
-    from shoal.searcher.searcher import Searcher
+    from shoal.searcher.searcher import Searcher, SearchService
     from shoal.upkeep.gc import GcResult
 
 log = logging.getLogger(__name__)
@@ -69,9 +68,10 @@ class Shoal:
             raise ConfigurationError("pass settings or runtime, not both: a runtime has its own settings "
                                      "(Shoal(runtime=runtime) uses runtime.settings)")
         self._owns_runtime = runtime is None
-        # The searchers made by `searcher()`, each with a search service (threads, connections) of its own:
-        # closed with this Shoal, or they would go on polling the catalog after it closed.
-        self._searchers: weakref.WeakSet[Searcher] = weakref.WeakSet()
+        # The search services of the searchers `searcher()` made (threads, connections): closed with this Shoal,
+        # or they would go on polling the catalog after it closed. Held strongly: a searcher used once and
+        # dropped (`s.searcher().search(...)`) leaves its service running on its own threads.
+        self._services: list[SearchService] = []
         self.runtime = runtime if runtime is not None else Runtime(settings, notify=notify)
         try:
             self.scope = self.runtime.scope(tenant or self.runtime.settings.tenant)
@@ -399,9 +399,9 @@ class Shoal:
         from shoal.searcher.searcher import Searcher, SearchService
 
         service = SearchService(self.runtime, follow=follow, poll_interval=poll_interval)
-        searcher = Searcher(service, self.scope, owns_service=True)
-        self._searchers.add(searcher)
-        return searcher
+        self._services = [s for s in self._services if not s.closed]  # those closed by their searcher go
+        self._services.append(service)
+        return Searcher(service, self.scope, owns_service=True)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -516,8 +516,9 @@ class Shoal:
     def close(self) -> None:
         """Stop the searchers `searcher()` made (their threads and connections), and release the catalog
         connections and broker clients when this Shoal made its own runtime."""
-        for searcher in list(self._searchers):
-            searcher.close()
+        for service in self._services:
+            service.close()
+        self._services.clear()
         if self._owns_runtime:
             self.runtime.close()
 

@@ -251,3 +251,25 @@ def test_arrow_errors_say_what_was_sent_and_name_the_point(served: tuple[str, Se
             messages = _refused(_post(http, SPEC, _ipc(columns)), message)
             assert not any("NaN or infinity" in m for m in messages), messages
         assert _head(shoal, SPEC) == 0
+
+
+def test_a_dictionary_of_wide_fixed_size_values_is_bounded_before_it_is_decoded(
+    served: tuple[str, Settings],
+) -> None:
+    """Only text dictionaries were bounded: a 1 MiB fixed-size binary value referenced by every row made a body
+    of about a megabyte decode to a gigabyte (600 rows grew the server by 1.2 GB) before the type was refused.
+    Every dictionary is bounded by what it decodes to, and one of nested values is refused outright."""
+    url, settings = served
+    rows = settings.body_limit_bytes // (1 << 20) + 2  # decodes past the body limit by a couple of MiB
+    wide = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, dtype=np.int32)),
+                                          pa.array([b"x" * (1 << 20)], pa.binary(1 << 20)))
+    vectors = _vectors([[1.0, 0.0, 0.0]] * rows)
+    nested = pa.DictionaryArray.from_arrays(pa.array([0, 0], pa.int32()), pa.array([[1, 2]], pa.list_(pa.int8())))
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=60) as http:
+        shoal.create_data_source(GUIDS)
+        body = _ipc({"vector": vectors, "id": list(range(rows)), "uid": wide})
+        assert len(body) < 2 << 20
+        _refused(_post(http, GUIDS, body), "attribute 'uid'", "decodes to", "SHOAL_MAX_BODY_BYTES")
+        body = _ipc({"vector": _vectors([[1.0, 0.0, 0.0]] * 2), "id": [1, 2], "uid": nested})
+        _refused(_post(http, GUIDS, body), "attribute 'uid'", "no attribute's type")
+        assert _head(shoal, GUIDS) == 0

@@ -180,3 +180,12 @@ def test_a_message_id_given_empty_or_zero_is_refused_not_replaced(
     with Publisher(settings) as p, pytest.raises(ValidationError, match="message id must be a string"):
         p.publish(SPEC.name, SPEC.version, [DataPoint({"id": 1, "at": LMT, "uid": UID}, [1.0, 0.0])],
                   message_id=message_id)
+
+
+def test_an_attribute_named_vector_of_the_wrong_length_is_named_like_any_other() -> None:
+    """The vectors' row count was kept under the name `vector`, over an attribute of that name's own: a short
+    `vector` attribute column passed the length check and pyarrow raised ArrowInvalid instead of the
+    ValidationError naming the column that any other attribute gets."""
+    for name in ("vector", "is_deleted", "tag"):
+        with pytest.raises(ValidationError, match=f"attribute '{name}': column has 1 values, expected 2"):
+            encode_arrow(np.zeros((2, 2), dtype=np.float32), {"id": [1, 2], name: ["a"]}, deleted=[False, False])

@@ -274,8 +274,10 @@ def test_closing_a_shoal_stops_the_searchers_it_made(make_settings: Callable[...
             shoal.create_data_source(DataSourceSpec("S", "1", 2, {"id": "int64"}, ["id"]), exist_ok=True)
             shoal.create_index(IndexSpec("F", "1", "S", "1", algorithm="flat", metric="euclidean"), exist_ok=True)
             shoal.producer("S", "1").upload([DataPoint({"id": 1}, [1.0, 0.0])])
-            searcher = shoal.searcher(poll_interval=0.05)
-            hits = searcher.search("F", "1", [[1.0, 0.0]], 1, consistency=Consistency.strong())
+            kept = shoal.searcher(poll_interval=0.05)
+            hits = kept.search("F", "1", [[1.0, 0.0]], 1, consistency=Consistency.strong())
             assert hits[0][0].attributes["id"] == 1
+            # One used once and dropped: its service runs on its own threads all the same.
+            hits = shoal.searcher(poll_interval=0.05).search("F", "1", [[1.0, 0.0]], 1)
             assert searcher_threads() > before
         wait_for(lambda: searcher_threads() == before, timeout=10, what="the searcher's threads to stop")

@@ -226,10 +226,10 @@ def encode_arrow(
             raise ValidationError(Problem(str(wrong), attribute=VECTOR_COLUMN))
         if given.ndim != 2:
             raise ValidationError(Problem("vectors must be a 2-d array [points, dimension]", attribute=VECTOR_COLUMN))
-        lengths[VECTOR_COLUMN] = given.shape[0]
+        lengths[vector_column] = given.shape[0]
     if flags is not None:
-        lengths[DELETED_COLUMN] = len(flags)
-    n = lengths.get(VECTOR_COLUMN, next(iter(lengths.values()), 0))  # the vectors' rows, as upload_columns counts
+        lengths[deleted_column] = len(flags)
+    n = lengths.get(vector_column, next(iter(lengths.values()), 0))  # the vectors' rows, as upload_columns counts
     uneven = [Problem(f"column has {count} values, expected {n}", attribute=name)
               for name, count in lengths.items() if count != n]
     if uneven:

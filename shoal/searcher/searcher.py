@@ -1036,6 +1036,11 @@ class SearchService:
                              size, age))
         return rows
 
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called."""
+        return self._stop.is_set()
+
     def close(self) -> None:
         """Stop following new versions and release the segments this service holds."""
         self._stop.set()

@@ -127,9 +127,11 @@ def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: 
 
 
 def _check_dictionaries(table: pa.Table, limit: int) -> None:
-    """Refuse a dictionary-encoded text column that decodes to more than `limit` bytes: each row takes its value
+    """Refuse a dictionary-encoded column that decodes to more than `limit` bytes: each row takes its value
     whole when the column is decoded, so one large value referenced by every row would make a batch of hundreds
-    of megabytes from a small body (the body limit bounds what a request sends plain)."""
+    of megabytes from a small body (the body limit bounds what a request sends plain). A dictionary of values
+    of a fixed width (numbers, timestamps, fixed-size binary) decodes to that width a row; one of nested values
+    is no attribute's type, refused before anything is decoded."""
     for name in table.column_names:
         column = table[name]
         if not pa.types.is_dictionary(column.type):
@@ -137,6 +139,16 @@ def _check_dictionaries(table: pa.Table, limit: int) -> None:
         kind = column.type.value_type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
                 or pa.types.is_large_binary(kind)):
+            try:
+                width = (kind.bit_width + 7) // 8  # fixed-width types only; raises for the others
+            except ValueError:
+                raise ValidationError(Problem(f"a dictionary of {kind} values is no attribute's type",
+                                              attribute=name)) from None
+            decoded = width * len(column)
+            if decoded > limit:
+                raise ValidationError(Problem(
+                    f"the dictionary-encoded column decodes to {decoded:,} bytes, more than the {limit:,} a "
+                    "message may hold (SHOAL_MAX_BODY_BYTES): send fewer points per message", attribute=name))
             continue
         decoded = 0
         for chunk in column.chunks:
