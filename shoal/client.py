@@ -138,6 +138,13 @@ class Shoal:
         from shoal.upkeep.drops import drop_data_source
 
         record = self.get_data_source(name, version)
+        # A dataset goes only through its own delete (to the trash, or for good), which its caches and its folder's
+        # mirror follow: dropped here, the dataset API would go on answering it from its caches, and a source
+        # made later under the name would be searched as the dataset.
+        if DATASET_KEY in record.spec.custom_metadata:
+            raise PermissionDeniedError(
+                f"data source {name!r} version {version!r} belongs to dataset {name!r}: delete the dataset "
+                f"(DELETE /api/v1/datasets/{name}: to the trash, or with ?hard=true and an admin key)")
         shards = self.runtime.shards.shards_of_source(record.id)  # read before: the drop deletes their rows
         paths = drop_data_source(self.engine, record.id, delete_after=self._drop_grace_end())
         self.runtime.forget_source(record.id)

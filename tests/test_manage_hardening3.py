@@ -4,14 +4,16 @@ a data source's description bound, and what /openapi.json documents."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import httpx
 import pytest
 
-from shoal import DataSourceSpec, Shoal
+from shoal import DataPoint, DataSourceSpec, Shoal
 from shoal.auth import create_key
 from shoal.config.settings import Settings
 from shoal.errors import IndexDefinitionError, PermissionDeniedError, ValidationError
-from shoal.log.records import MAX_DESCRIPTION
+from shoal.log.records import MAX_DESCRIPTION, IndexSpec
 
 SOURCE = {"name": "M.Source", "version": "1", "vectorDimension": 2, "attributeValueTypes": {"id": "int64"},
           "permanentAttributes": ["id"]}
@@ -157,8 +159,37 @@ def test_a_datasets_own_index_is_refused_to_the_python_api_and_the_cli_too(serve
         env = {k: v for k, v in env.items() if v}
         result = CliRunner().invoke(app, ["index", "drop", "kept", "1", "--yes"], env=env)
         assert result.exit_code != 0 and "belongs to dataset 'kept'" in result.output, result.output
+        # Its data source likewise (it was dropped for good, and the dataset API went on answering it).
+        with Shoal(settings, notify=False) as shoal, pytest.raises(PermissionDeniedError, match="belongs to dataset"):
+            shoal.drop_data_source("kept", "1")
+        result = CliRunner().invoke(app, ["source", "drop", "kept", "1", "--yes"], env=env)
+        assert result.exit_code != 0 and "belongs to dataset 'kept'" in result.output, result.output
         r = http.post("/api/v1/datasets/kept/search", json={"vector": [1.0, 0.0], "top_k": 1}, headers=keys["write"])
         assert r.status_code == 200, r.text
+
+
+def test_a_stale_dataset_entry_never_answers_with_another_sources_index(served: tuple[str, Settings]) -> None:
+    """A dataset dropped where its cache entry outlived it (an invalidation lost in a Redis outage), and a plain
+    source and index made under its name: the dataset search answered the foreign source's points as the
+    dataset's. The index's data source must be the dataset's."""
+    from shoal.upkeep.drops import drop_data_source
+
+    url, settings = served
+    keys = _keys(settings, "write")
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/api/v1/datasets", json={"name": "gone", "dimensions": 2, "index_type": "flat"},
+                      headers=keys["write"])
+        assert r.status_code == 201, r.text
+        assert http.get("/api/v1/datasets/gone", headers=keys["write"]).status_code == 200  # cached now
+        with Shoal(settings, notify=False) as shoal:
+            source_id = shoal.get_data_source("gone", "1").id
+            drop_data_source(shoal.engine, source_id, delete_after=dt.datetime.now(dt.UTC))  # no invalidation
+            shoal.create_data_source(DataSourceSpec("gone", "1", 2, {"id": "string", "secret": "string"}, ["id"]))
+            shoal.create_index(IndexSpec("gone", "1", "gone", "1", algorithm="flat", metric="euclidean"))
+            shoal.producer("gone", "1").upload([DataPoint({"id": "foreign", "secret": "s"}, [1.0, 0.0])])
+        r = http.post("/api/v1/datasets/gone/search", json={"vector": [1.0, 0.0], "top_k": 1, "consistency": "strong"},
+                      headers=keys["write"])
+        assert r.status_code == 404 and r.json()["error_code"] == "DATASET_NOT_FOUND", r.text
 
 
 JSON = {"Content-Type": "application/json"}

@@ -11,11 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from shoal.api.security import TenantContext, deleter_tenant, reader_tenant, writer_tenant
 from shoal.catalog.indexes import AliasRecord, IndexRecord
 from shoal.catalog.repo import SourceRecord
-from shoal.client import Shoal
-from shoal.errors import IndexDefinitionError, PermissionDeniedError
+from shoal.errors import IndexDefinitionError
 from shoal.index.generations import JobRecord
 from shoal.index.spec import vektonn_metric_problem
-from shoal.log.records import DATASET_KEY, DataSourceSpec, IndexSpec, check_name
+from shoal.log.records import DataSourceSpec, IndexSpec, check_name
 from shoal.vektonn.dto import ErrorDto
 
 router = APIRouter(prefix="/api/v1", tags=["management"])
@@ -125,20 +124,10 @@ def get_source(name: str, version: str, ctx: Reader) -> dict[str, Any]:
     return _source(ctx.handle.shoal.get_data_source(name, version))
 
 
-def _not_a_dataset(shoal: Shoal, source_name: str, source_version: str, what: str) -> None:
-    """Refuse (403) to drop a dataset's data source (Shoal.drop_index itself refuses the dataset's own index): a
-    write key would destroy the dataset for good (no trash) and leave its caches answering it, past the dataset
-    API's own delete (soft, or ?hard=true for admin keys)."""
-    if DATASET_KEY in shoal.get_data_source(source_name, source_version).spec.custom_metadata:
-        raise PermissionDeniedError(
-            f"{what} belongs to dataset {source_name!r}: delete the dataset through DELETE "
-            f"/api/v1/datasets/{source_name} (to the trash, or with ?hard=true and an admin key)")
-
-
 @router.delete("/data-sources/{name}/{version}", responses=ERRORS, status_code=204)
 def drop_source(name: str, version: str, ctx: Deleter) -> Response:
-    """Delete a data source, its log and (through the catalog) its indexes; not a dataset's (403)."""
-    _not_a_dataset(ctx.handle.shoal, name, version, f"data source {name!r} version {version!r}")
+    """Delete a data source, its log and (through the catalog) its indexes; not a dataset's (403: Shoal refuses
+    it, a dataset is deleted through the dataset API)."""
     ctx.handle.shoal.drop_data_source(name, version)
     return Response(status_code=204)
 
