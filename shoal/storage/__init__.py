@@ -42,6 +42,10 @@ _NETWORK_ERRNOS = frozenset({
     errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH, errno.ENOTCONN,
     errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED,
 })
+# How many times a local write makes its folder again when the folder was removed (by GC, once empty) between
+# its creation and the opening of the temp file in it: each retry means a removal landed right then. A GC run
+# removes each folder of the chain above a file once, so even several runs at once stay well within this.
+FOLDER_ATTEMPTS = 20
 # Answers about a path, never about reaching the storage.
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 
@@ -181,10 +185,9 @@ class Storage:
             with self.fs.open_output_stream(final) as out:
                 out.write(data)
             return
-        self.fs.create_dir(parent, recursive=True)
         tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
         try:
-            with self.fs.open_output_stream(tmp) as out:
+            with self._open_in_folder(parent, lambda: self.fs.open_output_stream(tmp)) as out:
                 out.write(data)
             _fsync_path(tmp)
             self.fs.move(tmp, final)
@@ -207,10 +210,9 @@ class Storage:
     def _write_atomic_with(self, relative: str, produce: Callable[[BinaryIO], T]) -> T:
         final = self.path(relative)
         parent = str(PurePosixPath(final).parent)
-        self.fs.create_dir(parent, recursive=True)
         tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
         try:
-            with open(tmp, "wb") as out:
+            with self._open_in_folder(parent, lambda: open(tmp, "wb")) as out:
                 result = produce(out)
                 out.flush()
                 os.fsync(out.fileno())
@@ -220,6 +222,24 @@ class Storage:
             self.delete_quietly(tmp, absolute=True)
             raise
         return result
+
+    def _open_in_folder(self, parent: str, open_file: Callable[[], T]) -> T:
+        """Create the local folder `parent` (and those above it) and open a new file in it with `open_file`.
+
+        GC removes a folder once its last file is gone (`remove_empty_dir`), and a new owner of the same name may
+        write into it meanwhile: the folder can vanish between its creation and the open (FileNotFoundError), or
+        while pyarrow makes it, between its mkdir finding it there and its check that it is a directory
+        (FileExistsError: "non-directory entry exists"). Then it is made again, a few times at most (a file where
+        the folder should be stays an error); a file opened in it keeps it from being removed."""
+        attempt = 1
+        while True:
+            try:
+                self.fs.create_dir(parent, recursive=True)
+                return open_file()
+            except (FileNotFoundError, FileExistsError):
+                if attempt >= FOLDER_ATTEMPTS:
+                    raise
+                attempt += 1
 
     def read(self, relative: str) -> pa.Buffer:
         """The whole object at `relative`: FileNotFoundError when there is none, StorageUnavailableError when the
@@ -262,10 +282,12 @@ class Storage:
 
     def remove_empty_dir(self, relative_dir: str) -> bool:
         """Remove the folder `relative_dir` if it holds nothing: locally an empty directory, on S3 the directory
-        marker object pyarrow writes when it deletes a folder's last file. True when removed; a folder with
-        anything in it stays. Locally the removal itself refuses a non-empty directory; on S3 a listing checks
-        first, so call it only for a folder nothing writes into any more (an object written between the two
-        would go with the marker)."""
+        marker object pyarrow writes when it deletes a folder's last file (removing it writes the parent's marker
+        when the parent holds nothing else). True when removed; a folder with anything in it, or none there,
+        stays (False). Locally the removal itself refuses a non-empty directory, and a write into a folder
+        removed meanwhile makes it again (`write_atomic`). On S3 a listing checks first and pyarrow removes a
+        marker only with every object under it, so call it only for a folder nothing writes into any more (an
+        object written between the two would go with the marker)."""
         full = self.path(relative_dir)
         if self.local:
             try:

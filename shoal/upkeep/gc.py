@@ -42,8 +42,15 @@ after; a crash in between leaves it queued, and the next run (GC, a drop's `dele
 The grace period protects readers that listed a segment or loaded a version just before it was replaced or
 dropped.
 
-Once the last file of an index segment's folder is gone, the folder goes too (an empty directory locally,
-the directory marker pyarrow leaves on S3): builds make a new one every time.
+Once the last file of an index segment's folder is gone, the folder goes too (an empty directory locally, the
+directory marker pyarrow leaves on S3): builds make a new one every time. Locally the folders above it that it
+leaves empty go as well, up to the owner's folder (`indexes/{index}`, `sources/{source}`, `datasets/{name}`,
+`trash/{id}`; the tenant's kind folders and the tenant's folder stay), each only once its owner is gone from the
+catalog (no data source of that name and version, index of that name and version, live data source of that
+dataset's name, data source in the trash with that id), checked right before it goes; a directory is removed only
+while it is empty, and a write whose folder vanished before its temp file was opened makes the folder again
+(`Storage.write_atomic`). On S3 they stay: pyarrow removes a marker only with every object under it, and a listing
+just before cannot rule out a new owner of the name writing there in between.
 
 A folder holding a storage marker (`shoal-catalog.json`) is the root of another storage nested inside this one's
 folders (another deployment's, set up by mistake): none of its files is this catalog's to judge, so the scan
@@ -61,9 +68,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, select
 
 from shoal.catalog.locks import set_lock_timeout
+from shoal.catalog.models import DataSource, Index, Tenant
+from shoal.log.records import GENERATION_MARK
 from shoal.storage import Storage, layout
 from shoal.storage.identity import MARKER, check_storage_identity
 from shoal.upkeep import gc_queue as garbage
@@ -85,6 +94,7 @@ class GcResult:
     already_gone: int = 0  # queued files that were not there any more (a previous run deleted them)
     kept: int = 0  # queued files a row turned out to reference, or another storage's: taken off the queue
     pending: int = 0  # queued files still in their grace period
+    folders_removed: int = 0  # folders the deletions left empty, removed (with their owners gone)
 
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-ready dict."""
@@ -176,13 +186,15 @@ def delete_queued(
     for row in rows:
         by_owner[_owner(row.path)].append(row)
     failure: OSError | None = None
+    emptied: set[str] = set()
     for owner, owned in by_owner.items():
         for start in range(0, len(owned), CHUNK):
             try:
                 _delete_chunk(engine, storage, owner, owned[start : start + CHUNK], lock_timeout_ms, result,
-                              announce)
+                              announce, emptied)
             except OSError as exc:  # storage trouble with some files: the rest still go
                 failure = failure or exc
+    _remove_folders(engine, storage, emptied, result)
     return failure
 
 
@@ -222,7 +234,9 @@ def _scan(
             recorded = garbage.recorded_deleted(
                 conn, [path for path, _ in unreferenced if not garbage.fixed_name(path)]
             )
-        _remove(storage, recorded, result, None)  # a storage error: the next scan tries again
+        emptied: set[str] = set()
+        _remove(storage, recorded, result, None, emptied)  # a storage error: the next scan tries again
+        _remove_folders(engine, storage, emptied, result)
         finished = {r.path for r in recorded}
         due: dict[str, dt.datetime] = {}
         for path, mtime in unreferenced:
@@ -244,16 +258,18 @@ def _delete_chunk(
     lock_timeout_ms: int,
     result: GcResult,
     announce: Announce | None,
+    emptied: set[str],
 ) -> None:
     """Delete the files of those of `rows` no row references, logging each (see the module doc for the two
-    orders). Raises the first storage error after trying every file."""
+    orders), adding their folders to `emptied`. Raises the first storage error after trying every file."""
     found = [r for r in rows if r.reason == garbage.UNREFERENCED]
     released = [r for r in rows if r.reason != garbage.UNREFERENCED]
     failure: OSError | None = None
     if found:
-        failure = _record_then_delete(engine, storage, owner, found, lock_timeout_ms, result, announce)
+        failure = _record_then_delete(engine, storage, owner, found, lock_timeout_ms, result, announce, emptied)
     if released:
-        failure = _delete_then_record(engine, storage, released, lock_timeout_ms, result, announce) or failure
+        failure = _delete_then_record(engine, storage, released, lock_timeout_ms, result, announce,
+                                      emptied) or failure
     if failure is not None:
         raise failure
 
@@ -280,6 +296,7 @@ def _record_then_delete(
     lock_timeout_ms: int,
     result: GcResult,
     announce: Announce | None,
+    emptied: set[str],
 ) -> OSError | None:
     """Files the scan found, which a commit, compaction or build in flight may still publish: their deletion
     is recorded and committed under the owner's lock first, then they leave storage with no lock held."""
@@ -290,7 +307,7 @@ def _record_then_delete(
         gone = _unreferenced(conn, rows, result)
         # Recorded with the time it really happened, whatever `now` the run was asked to assume.
         garbage.mark_deleted(conn, [r.id for r in gone], dt.datetime.now(dt.UTC))
-    _, failure = _remove(storage, gone, result, announce)
+    _, failure = _remove(storage, gone, result, announce, emptied)
     return failure
 
 
@@ -301,6 +318,7 @@ def _delete_then_record(
     lock_timeout_ms: int,
     result: GcResult,
     announce: Announce | None,
+    emptied: set[str],
 ) -> OSError | None:
     """Files that rows named until they were deleted (replaced, pruned, dropped, purged, released): nothing
     publishes them again, so they leave storage first and their deletion is recorded after; a crash in between
@@ -308,20 +326,24 @@ def _delete_then_record(
     with engine.begin() as conn:
         set_lock_timeout(conn, lock_timeout_ms)
         gone = _unreferenced(conn, rows, result)
-    done, failure = _remove(storage, gone, result, announce)
+    done, failure = _remove(storage, gone, result, announce, emptied)
     with engine.begin() as conn:
         garbage.mark_deleted(conn, [r.id for r in done], dt.datetime.now(dt.UTC))
     return failure
 
 
 def _remove(
-    storage: Storage, rows: Sequence[garbage.GarbageRow], result: GcResult, announce: Announce | None
+    storage: Storage,
+    rows: Sequence[garbage.GarbageRow],
+    result: GcResult,
+    announce: Announce | None,
+    emptied: set[str],
 ) -> tuple[list[garbage.GarbageRow], OSError | None]:
-    """Delete the files of these rows, then the index segment folders they emptied; the rows whose file is
-    gone now, and the first storage error (after trying every file)."""
+    """Delete the files of these rows, adding the folders they were in to `emptied` (`_remove_folders` removes
+    those left empty); the rows whose file is gone now, and the first storage error (after trying every
+    file)."""
     failure: OSError | None = None
     done: list[garbage.GarbageRow] = []
-    folders: set[str] = set()
     for r in rows:
         try:
             existed = _delete(storage, r.path)
@@ -337,14 +359,90 @@ def _remove(
                 announce(r)
         else:
             result.already_gone += 1
-        if (folder := _segment_folder(r.path)) is not None:
-            folders.add(folder)
-    for folder in sorted(folders):
-        try:
-            storage.remove_empty_dir(folder)
-        except OSError as exc:  # only tidiness: the folder holds no file
-            log.info("gc: could not remove the empty folder %s: %s", folder, exc)
+        # Gone either way: a file already gone may be a crashed run's, which left its folder behind.
+        emptied.add(r.path.rpartition("/")[0])
     return done, failure
+
+
+def _remove_folders(engine: Engine, storage: Storage, emptied: set[str], result: GcResult) -> None:
+    """Remove those of the folders `emptied` that hold nothing now, and the folders above them left empty so,
+    deepest first, never a tenant's kind folder nor anything above it; a folder other than an index segment's
+    only once its owner is gone from the catalog (checked right before it goes, see the module doc). A folder
+    that stays keeps every folder above it."""
+    candidates: set[str] = set()
+    for folder in emptied:
+        while _owner_level(folder) is not None and folder not in candidates:
+            candidates.add(folder)
+            folder = folder.rpartition("/")[0]
+    kept: set[str] = set()  # folders that stay, and so every folder above them
+    for folder in sorted(candidates, key=lambda f: (-f.count("/"), f)):
+        if folder in kept:
+            continue
+        # On S3 pyarrow removes a marker only with every object under it, and a listing just before cannot rule
+        # out a writer landing in between: only a segment's folder, which nothing writes into again, goes there.
+        if not storage.local and not _segment_folder(folder):
+            removed = False
+        else:
+            try:
+                removed = not _owner_present(engine, folder) and storage.remove_empty_dir(folder)
+            except OSError as exc:  # only tidiness: the folder holds no file the catalog knows
+                log.info("gc: could not remove the empty folder %s: %s", folder, exc)
+                removed = False
+        if removed:
+            result.folders_removed += 1
+            continue
+        while folder:
+            kept.add(folder)
+            folder = folder.rpartition("/")[0]
+
+
+def _owner_level(folder: str) -> int | None:
+    """How far below its owner's folder a folder of a tenant's kind folder is (0: the owner's folder itself,
+    such as `tenants/{t}/sources/{source}`); None for the kind folders, the tenant's folder and anything else
+    GC never removes."""
+    parts = folder.split("/")
+    if len(parts) < 4 or parts[0] != layout.ROOT or parts[2] not in layout.FOLDERS or not all(parts):
+        return None
+    return len(parts) - 4
+
+
+def _segment_folder(folder: str) -> bool:
+    """Whether a folder is an index segment's (`tenants/{t}/indexes/{i}/{v}/gen-{n}/shard-N/{uuid}`) or one below
+    it: named afresh by each build, nothing writes into it once its files are gone."""
+    parts = folder.split("/")
+    return len(parts) >= 8 and parts[2] == "indexes" and layout.parse_index_path(folder) is not None
+
+
+def _owner_present(engine: Engine, folder: str) -> bool:
+    """Whether the catalog still holds the owner of a folder below a tenant's kind folder, who may write into it
+    again: for `sources/{s}` any data source named s, for `sources/{s}/{v}/...` one of that version (live or in
+    the trash); for `indexes/{i}` any index named i, for `indexes/{i}/{v}/...` one of that version or one of its
+    generations; for `datasets/{n}/...` a live data source named n; for `trash/{id}/...` a data source in the
+    trash with that id. Never for an index segment's folder (`.../shard-N/{uuid}` and below): nothing writes
+    into it again once its files are gone."""
+    tenant, kind, *rest = folder.split("/")[1:]
+    owner = rest[0]
+    with engine.connect() as conn:
+        if kind == "sources":
+            q = select(DataSource.id).join(Tenant, Tenant.id == DataSource.tenant_id).where(
+                Tenant.name == tenant, DataSource.name == owner)
+            if len(rest) > 1:
+                q = q.where(DataSource.version == rest[1])
+            return conn.execute(q.limit(1)).first() is not None
+        if kind == "indexes":
+            if _segment_folder(folder):
+                return False  # an index segment's folder (uuid-named) or one below it
+            q = select(Index.id).join(Tenant, Tenant.id == Index.tenant_id).where(
+                Tenant.name == tenant, Index.name == owner)
+            if len(rest) > 1:
+                # A generation's folder keeps the version it was built under (older ones: `{v}~g{n}`).
+                base = rest[1].partition(GENERATION_MARK)[0]
+                q = q.where((Index.version == base)
+                            | Index.version.startswith(base + GENERATION_MARK, autoescape=True))
+            return conn.execute(q.limit(1)).first() is not None
+        if kind == "datasets":
+            return bool(garbage.live_source_names(conn, tenant, [owner]))
+        return owner.isdigit() and bool(garbage.trashed_source_ids(conn, tenant, [int(owner)]))
 
 
 def _nested_roots(paths: Iterable[str]) -> set[str]:
@@ -363,12 +461,6 @@ def _in_nested_storage(path: str, roots: set[str]) -> bool:
             return True
         folder = folder.rpartition("/")[0]
     return False
-
-
-def _segment_folder(path: str) -> str | None:
-    """The index segment folder (`.../shard-N/{segment_uuid}`) a file is directly in; None for other paths."""
-    parts = path.split("/")
-    return "/".join(parts[:-1]) if len(parts) == 9 and layout.parse_index_path(path) is not None else None
 
 
 def referenced_among(conn: Connection, paths: Iterable[str]) -> set[str]:
