@@ -250,7 +250,8 @@ class AliasCatalog:
         """Point `alias` at the index (creating the alias, or moving it atomically). The alias names the
         generation serving (name, version) when it commits, even while a reindex swaps or rolls the index back
         (the swap moves it along if it commits later); NotFoundError when no such live index exists, also when
-        it is dropped meanwhile."""
+        it is dropped meanwhile; ConflictError when the alias names an index in the trash (it comes back with
+        the index's restore, so its name is not free until that is purged)."""
         check_name("alias", alias)
         for _ in range(_ALIAS_ATTEMPTS):
             if self._set_once(alias, index_name, index_version):
@@ -291,6 +292,20 @@ class AliasCatalog:
             )
             if held is None:
                 return False
+            # An alias of an index in the trash is hidden, not free: taking it over here would rewrite its row,
+            # and restoring the dataset would then bring it back without the alias.
+            trashed = s.execute(
+                select(Index.name, Index.version)
+                .join(IndexAlias, IndexAlias.index_id == Index.id)
+                .where(IndexAlias.tenant_id == self.tenant_id, IndexAlias.name == alias,
+                       Index.deleted_at.is_not(None))
+            ).one_or_none()
+            if trashed is not None:
+                raise ConflictError(
+                    f"alias {alias!r} is taken in tenant {self.tenant!r}: it names index {trashed.name!r} version "
+                    f"{trashed.version!r}, which is in the trash (the alias is hidden until that is restored, and "
+                    "comes back with it); purge that from the trash first, or choose another alias name"
+                )
             s.execute(
                 insert(IndexAlias)
                 .values(tenant_id=self.tenant_id, name=alias, index_id=held)

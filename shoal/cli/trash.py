@@ -42,15 +42,27 @@ def _json(t: TrashedSource) -> dict[str, Any]:
     }
 
 
+def _api_caches(shoal: Shoal) -> bool:
+    """Whether an API server may cache the tenant's datasets: in the configured broker, or else in the data dir's
+    embedded Valkey while it runs (when it does not, nothing is cached there, and none is started just for this)."""
+    if shoal.settings.redis_url:
+        return True
+    from shoal.cli.probes import embedded_valkey_status
+
+    return embedded_valkey_status(shoal.settings.data_dir)[0] == "running"
+
+
 @contextlib.contextmanager
 def _dataset_service(shoal: Shoal) -> Iterator[Any]:
-    """The dataset service of the tenant, with the API's Redis cache when a broker is configured (so servers do
-    not serve a stale list), and a searcher that never polls."""
+    """The dataset service of the tenant, with the API's Redis cache (the configured broker, or the embedded
+    Valkey `shoal up` and `shoal api` cache in), so servers do not serve a stale list, and a searcher that never
+    polls."""
     from shoal.datasets.cache import DatasetCache
     from shoal.datasets.service import DatasetService
 
     searcher = shoal.searcher(follow=False)
-    cache = DatasetCache(shoal.broker_url) if shoal.settings.redis_url else None
+    # The broker's URL is the one the API's cache uses (for the embedded Valkey: found running, not started).
+    cache = DatasetCache(shoal.broker_url) if _api_caches(shoal) else None
     try:
         yield DatasetService(shoal, searcher, cache)
     finally:
