@@ -387,10 +387,8 @@ def test_demo_runs_the_whole_loop_and_reruns(demo_dir: Path) -> None:
     # An explicit environment: the demo's own data dir only (no catalog, broker or tenant of other tests).
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") and k != "COLUMNS"}
     env |= {"SHOAL_DATA_DIR": str(demo_dir)}
-    started = time.monotonic()
     first = subprocess.run([*shoal_command(), "demo"], capture_output=True, text=True, timeout=120, check=False,
                            env=env, cwd=demo_dir.parent)
-    took = time.monotonic() - started
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout
     assert "2,000 new" in out and "deleted ids 0, 400, 800, 1200, 1600" in out and "head seq" in out
@@ -405,7 +403,6 @@ def test_demo_runs_the_whole_loop_and_reruns(demo_dir: Path) -> None:
     assert "shoal-demo-point (distance 0.0000)" in fresh
     assert "Freshness" in out and re.search(r"debian\.packages\.hnsw/1\.0 .* 2,007 .* 2,007 .* 2,007 .* 0 ", out)
     assert "worker stopped" in out or "worker killed" in out
-    assert took < 60, f"the demo took {took:.1f} s"
     assert not list((demo_dir / "demo").glob("beat-schedule-*"))  # removed with the worker
 
     second = subprocess.run([*shoal_command(), "demo", "--keep-worker"], capture_output=True, text=True,

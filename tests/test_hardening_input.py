@@ -10,7 +10,6 @@ import contextlib
 import datetime as dt
 import json
 import socket
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -189,10 +188,10 @@ def test_bodies_are_limited_before_parsing_and_query_vectors_per_search(serve: C
     # Content-Length over the limit: refused before a byte of the body is read, on every route that takes one.
     url = str(http.base_url).rstrip("/")
     for path in (UPLOAD, SEARCH, "/api/v1/datasets/docs/vectors", "/api/v1/data-sources"):
-        started = time.monotonic()
+        # A server waiting for the body would leave the socket's timeout (10 s) to end the read: an error.
         status, body = _declared_only(url, path, 50_000_000)
         assert status == 413, (path, status, body)
-        assert "SHOAL_MAX_BODY_BYTES" in body and time.monotonic() - started < 5, (path, body)
+        assert "SHOAL_MAX_BODY_BYTES" in body, (path, body)
     too_large(http.post(UPLOAD, content=big_upload, headers={"Content-Type": "application/json"}))
 
     # A streamed (chunked) body is cut off once it passes the limit.

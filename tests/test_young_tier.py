@@ -84,7 +84,7 @@ def setup(make_settings: Callable[..., Settings], redis_url: str) -> Iterator[Ca
         s.close()
 
 
-def test_eventual_shows_a_write_no_worker_built_within_a_second(setup: Callable[..., Setup]) -> None:
+def test_eventual_shows_a_write_no_worker_built(setup: Callable[..., Setup]) -> None:
     s = setup()
     latencies = []
     for n in range(20):
@@ -97,7 +97,6 @@ def test_eventual_shows_a_write_no_worker_built_within_a_second(setup: Callable[
     print(f"write -> visible to eventual (no worker): p50 {np.median(latencies) * 1000:.1f} ms, "
           f"max {max(latencies) * 1000:.1f} ms")
     assert s.served() == s.built  # nothing was built: the young tier answered
-    assert max(latencies) < 10
     # The status says so: 20 entries past the served watermark, all in the young tier.
     status = s.shoal.index_status(s.index, "1")[0]
     assert (status.lag_seqs, status.young_tier_seqs) == (20, 20)
@@ -232,9 +231,11 @@ def test_strong_never_misses_a_write_acknowledged_before_it_began(setup: Callabl
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
     checked = 0
+    wanted = 100  # strong queries, each racing the writer's commits
     try:
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and checked < 300:
+        # A generous bound, only so that a hang fails rather than waits forever: no rate is asserted.
+        deadline = time.monotonic() + 120
+        while checked < wanted and time.monotonic() < deadline and not errors:
             point = acked[0]
             if not point:
                 continue
@@ -244,7 +245,7 @@ def test_strong_never_misses_a_write_acknowledged_before_it_began(setup: Callabl
         stop.set()
         writer.join(10)
     assert not errors, errors
-    assert checked > 20
+    assert checked == wanted, f"only {checked} of {wanted} strong queries ran within 120 s"
     head = s.shoal.get_data_source(s.source.name, "1").head_seq
     assert read_head(s.shoal.runtime.redis(), s.shoal.get_data_source(s.source.name, "1").id) == head
     print(f"{checked} strong queries raced commits; none missed an acknowledged write")
