@@ -139,6 +139,11 @@ def test_an_extra_index_over_a_datasets_source_can_be_dropped(served: tuple[str,
         assert http.get("/api/v1/indexes/docs/1").status_code == 200
 
 
+def _flat_dataset(http: httpx.Client, headers: dict[str, str], name: str) -> None:
+    r = http.post("/api/v1/datasets", json={"name": name, "dimensions": 2, "index_type": "flat"}, headers=headers)
+    assert r.status_code == 201, r.text
+
+
 def test_a_datasets_own_index_is_refused_to_the_python_api_and_the_cli_too(served: tuple[str, Settings]) -> None:
     """Only the HTTP route refused to drop a dataset's own index: `Shoal.drop_index` and `shoal index drop` dropped
     it, and the dataset went on listing and taking uploads while its search, /stats and reindex answered 404."""
@@ -149,9 +154,7 @@ def test_a_datasets_own_index_is_refused_to_the_python_api_and_the_cli_too(serve
     url, settings = served
     keys = _keys(settings, "write")
     with httpx.Client(base_url=url, timeout=30) as http:
-        r = http.post("/api/v1/datasets", json={"name": "kept", "dimensions": 2, "index_type": "flat"},
-                      headers=keys["write"])
-        assert r.status_code == 201, r.text
+        _flat_dataset(http, keys["write"], "kept")
         with Shoal(settings, notify=False) as shoal, pytest.raises(PermissionDeniedError, match="belongs to dataset"):
             shoal.drop_index("kept", "1")
         env = {"SHOAL_DATA_DIR": str(settings.data_dir), "SHOAL_TENANT": settings.tenant,
@@ -177,9 +180,7 @@ def test_a_stale_dataset_entry_never_answers_with_another_sources_index(served: 
     url, settings = served
     keys = _keys(settings, "write")
     with httpx.Client(base_url=url, timeout=30) as http:
-        r = http.post("/api/v1/datasets", json={"name": "gone", "dimensions": 2, "index_type": "flat"},
-                      headers=keys["write"])
-        assert r.status_code == 201, r.text
+        _flat_dataset(http, keys["write"], "gone")
         assert http.get("/api/v1/datasets/gone", headers=keys["write"]).status_code == 200  # cached now
         with Shoal(settings, notify=False) as shoal:
             source_id = shoal.get_data_source("gone", "1").id

@@ -311,18 +311,8 @@ class SearchService:
             return self._search_history(scope, index_name, index_version, queries, k, split_filter,
                                         retrieve_vectors, consistency, tag, as_of, search_params, filters, shards,
                                         max_hits, answered)
+        view = self.view(scope, index_name, index_version)
         key = (scope.tenant_id, index_name, index_version)
-        # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
-        try:
-            view = self._views.get(key)
-        except TypeError:  # an unhashable name (a list): refused just below
-            view = None
-        if view is None:
-            # Checked before the catalog sees them (a NUL, a lone surrogate or an int is a raw database error
-            # there); a served view's names passed this check when it was loaded, so searches of it skip it.
-            check_name("index name", index_name)
-            check_name("index version", index_version)
-            view = self._load(scope, index_name, index_version)
         if pin is not None:
             check_seq(pin, "pin")
         args = (queries, k, split_filter, retrieve_vectors, consistency, search_params, filters, shards, max_hits,
@@ -748,13 +738,14 @@ class SearchService:
     def view(self, scope: Scope, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use; InvalidNameError (nothing read) when a name
         is no legal name."""
+        # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         try:
             view = self._views.get((scope.tenant_id, index_name, index_version))
         except TypeError:  # an unhashable name (a list): refused just below
             view = None
         if view is None:
-            # Checked before the catalog sees them, as `search` does (a NUL, a lone surrogate or an int is a raw
-            # database error there); a served view's names passed this check when it was loaded.
+            # Checked before the catalog sees them (a NUL, a lone surrogate or an int is a raw database error
+            # there); a served view's names passed this check when it was loaded, so searches of it skip it.
             check_name("index name", index_name)
             check_name("index version", index_version)
             view = self._load(scope, index_name, index_version)
