@@ -25,7 +25,7 @@ NEAR = 24  # rows sharing the large coordinate with the queries; the rest lie a 
 ROWS = 1_500  # past the flat engine's small-engine path (1,024 rows): its float32 pass chooses candidates
 K = 10
 # Norms at which the product formulas lose distances of a few thousand: 1e12 squared is 1e24 (one float64 step
-# there is 1.3e8); an L1 norm of 1e18 is 128 per step. Both are within the documented bound (about 9.2e18).
+# there is 1.3e8); an L1 norm of 1e18 is 128 per step. Both are within the documented bound (about 6.5e18).
 LARGE = {"euclidean": 1e12, "l2_squared": 1e12, "manhattan": 1e18}
 
 

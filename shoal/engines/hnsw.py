@@ -31,7 +31,7 @@ from shoal.engines.flat import FlatEngine
 from shoal.engines.metrics import Metric, top_k_of
 from shoal.engines.params import int_param, reject_unknown
 from shoal.errors import Problem, ValidationError
-from shoal.log.validation import MAX_SQ_NORM, vector_problem
+from shoal.log.validation import sq_norm_fits_f32, vector_problem
 
 DEFAULTS = {"M": 16, "ef_construction": 200, "ef_search": 64}
 _LIMITS = {"M": (2, 512), "ef_construction": (1, 1 << 16), "ef_search": (1, 1 << 16)}
@@ -204,9 +204,12 @@ class HnswEngine(Engine):
         ):
             return None
         # One dot product (0.6 us) checks the query: NaN and inf propagate into it, and a vector past MAX_NORM
-        # makes it too large (its distances may overflow float32, or cosine normalize it to zeros).
-        if not float(np.vdot(query, query)) <= MAX_SQ_NORM:
-            raise ValidationError(Problem(f"query {vector_problem(query[0], query[0])}", 0, "queryVectors"))
+        # makes it too large (its distances may overflow float32, or cosine normalize it to zeros). A sum that
+        # does not clear the bound by its rounding error is decided in float64, as every norm check is.
+        if not sq_norm_fits_f32(float(np.vdot(query, query)), query.size) and (
+            wrong := vector_problem(query[0], query[0])
+        ) is not None:
+            raise ValidationError(Problem(f"query {wrong}", 0, "queryVectors"))
         # `_knn` inlined on purpose: one Python call less on the path every single-query search takes.
         grouped = self._node_of_row is not None
         nodes = min(k, self._nodes) if grouped else k

@@ -23,11 +23,27 @@ from shoal.engines.envelope import array_section
 from shoal.engines.metrics import Metric, top_k_of
 from shoal.engines.params import int_param, reject_unknown
 from shoal.errors import ValidationError
-from shoal.log.validation import unfit_rows, vector_problem
+from shoal.log.validation import vector_problem
 
 DEFAULT_NPROBE = 32  # of ~4·sqrt(n) lists: recall@10 ≈ 0.92 on the 384-d test embeddings (8 gave ≈ 0.79)
 _MAX_NLIST = 1 << 20
 _SUPPORTED = frozenset({Metric.COSINE, Metric.DOT_PRODUCT, Metric.EUCLIDEAN, Metric.L2_SQUARED})
+# A build refuses rows whose squared norm passes float32's largest value / 4 (norm sqrt(float32 max) / 2, about
+# 9.22e18): faiss's k-means aborted the process on longer ones. That was the intake's bound before it became
+# MAX_NORM (2^62.5), which leaves float32 room for the distances: rows stored under the former bound still build
+# (only searching them may overflow), and no row past it was ever stored.
+_KMEANS_MAX_SQ_NORM = float(np.finfo(np.float32).max) / 4
+
+
+def _kmeans_unfit(vectors: np.ndarray) -> np.ndarray:
+    """Positions of the rows of float32 [n, d] `vectors` past _KMEANS_MAX_SQ_NORM (or not finite): a float32 sum
+    of squares per row, summed again in float64 for the rows within its rounding error of the bound or past it
+    (no float64 copy of the whole build)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq = np.einsum("ij,ij->i", vectors, vectors)
+        near = np.flatnonzero(~(sq <= _KMEANS_MAX_SQ_NORM * (1.0 - 2.0 * (vectors.shape[1] + 2) * 2.0**-24)))
+        wide = vectors[near].astype(np.float64)
+        return near[~(np.einsum("ij,ij->i", wide, wide) <= _KMEANS_MAX_SQ_NORM)]
 
 
 def _faiss() -> Any:
@@ -89,7 +105,7 @@ class IvfEngine(Engine):
         effective = {**params, "nlist": nlist if n else params["nlist"]}
         if n == 0:
             return cls(None, metric, effective, dim, 0)
-        if (unfit := unfit_rows(np.ascontiguousarray(vectors, dtype=np.float32))).size:
+        if (unfit := _kmeans_unfit(np.ascontiguousarray(vectors, dtype=np.float32))).size:
             # Written before the intake bounded norms: faiss's k-means would abort the process on it.
             raise ValidationError(f"row {int(unfit[0])}: {vector_problem(vectors[unfit[0]], vectors[unfit[0]])}")
         faiss = _faiss()

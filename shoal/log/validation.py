@@ -206,35 +206,69 @@ def coordinates_problem(original: Any, row: np.ndarray) -> str | None:
     return f"coordinates must be finite (NaN or infinity at index {at})"
 
 
-# The largest Euclidean norm a vector (stored or queried) may have. The engines compute distances in float32
-# (hnswlib, faiss): between vectors of at most this norm, |a - b|^2 <= (2 * norm)^2 and every product stay finite
-# there. Past it distances overflow to infinity, rankings come out wrong (cosine normalizes such a vector to
-# zeros) and faiss's k-means aborts the whole process.
-MAX_NORM = math.sqrt(_FLOAT32_MAX) / 2
-# A Python float (the value float32 rounds it to): hot paths compare a Python float with it, cheaper than with
-# a NumPy scalar.
-MAX_SQ_NORM = float(np.float32(MAX_NORM * MAX_NORM))
+# The largest Euclidean norm a vector (stored or queried) may have: 2^62.5 (about 6.52e18; its square, 2^125, is
+# the bound every check compares with). The engines compute distances in float32 (hnswlib, faiss), summing up to
+# MAX_VECTOR_DIMENSION (10,000) squares or products: between vectors of at most this norm |a - b|^2 <= (2 * norm)^2
+# = 2^127 (faiss's |a|^2 + |b|^2 - 2 a.b too) and |a . b| <= 2^125, and float32's rounding of a sum of at most
+# 10,000 such terms grows it by a factor of at most (1 + 2^-24)^10,002 < 1.0006 (measured: 1.00005 for 10,000
+# equal terms summed in order), so every distance and product stays below 2^127 * 1.0006, about half float32's
+# largest value (~2^128). At the former bound, sqrt(float32 max) / 2, there was no room left: two opposite
+# vectors' distance rounded to infinity, and hnswlib answered inf while faiss dropped the row. Past it distances
+# overflow, rankings come out wrong (cosine normalizes such a vector to zeros) and faiss's k-means aborts.
+MAX_SQ_NORM = 2.0**125  # exact in float32 and float64: every check sums the squares in float64 and compares
+MAX_NORM = math.sqrt(MAX_SQ_NORM)
+# float32's unit roundoff: a float32 sum of n squares is within n * 2^-24 (relative, to first order) of the exact
+# sum, so a float32 sum below MAX_SQ_NORM * (1 - 2 * (n + 2) * 2^-24) proves the float64 one within the bound.
+_F32_U = 2.0**-24
+
+
+def sq_norm_fits_f32(sq32: Any, terms: int) -> Any:
+    """True when `sq32`, a float32 sum of `terms` squares (or an array of such sums: then per element), proves
+    their float64 sum at most MAX_SQ_NORM and every term finite: a cheap first check; False means only that the
+    float64 sum must decide."""
+    return sq32 <= MAX_SQ_NORM * (1.0 - 2.0 * (terms + 2) * _F32_U)
+
+
+def _norm_texts(norm: float) -> tuple[str, str]:
+    """A norm past MAX_NORM and MAX_NORM, as a refusal shows them: to 4 significant digits, or as many more as
+    it takes to tell them apart (a norm a few float32 steps past the bound is not shown as equal to it)."""
+    for digits in range(4, 18):
+        shown, bound = f"{norm:.{digits}g}", f"{MAX_NORM:.{digits}g}"
+        if shown != bound:
+            break
+    return shown, bound
+
+
+def _sq_norms64(rows: np.ndarray) -> np.ndarray:
+    """Each row's squared norm summed in float64 (rows of a 2-d array), as every norm check sums it."""
+    wide = rows.astype(np.float64)
+    return np.einsum("ij,ij->i", wide, wide)
 
 
 def vector_problem(original: Any, row: np.ndarray) -> str | None:
     """None when the float32 vector `row` (`original` cast) has finite coordinates and a norm of at most
-    MAX_NORM; else what is wrong (`coordinates_problem` first)."""
+    MAX_NORM (its squared norm summed in float64); else what is wrong (`coordinates_problem` first)."""
     wrong = coordinates_problem(original, row)
     if wrong is not None:
         return wrong
-    norm = float(np.linalg.norm(row.astype(np.float64)))
-    if norm <= MAX_NORM:
+    sq = float(_sq_norms64(np.asarray(row).reshape(1, -1))[0])
+    if sq <= MAX_SQ_NORM:
         return None
-    return (f"vector norm {norm:.4g} is past the largest allowed, {MAX_NORM:.4g}: distances between such vectors "
+    shown, bound = _norm_texts(math.sqrt(sq))
+    return (f"vector norm {shown} is past the largest allowed, {bound}: distances between such vectors could "
             f"overflow float32")
 
 
 def unfit_rows(flat: np.ndarray) -> np.ndarray:
-    """Positions of the rows of the float32 [n, d] `flat` that `vector_problem` refuses (one pass over the rows:
-    their squared norms, NaN or infinite for a non-finite coordinate and past the bound for a vector too long)."""
+    """Positions of the rows of the float32 [n, d] `flat` that `vector_problem` refuses: a float32 sum of
+    squares per row, and the float64 one for the rows that sum does not clear (non-finite, past or near the
+    bound), so every row gets the float64 check's answer at the cost of a float32 pass."""
     with np.errstate(over="ignore", invalid="ignore"):
         sq = np.einsum("ij,ij->i", flat, flat)
-    return np.flatnonzero(~(sq <= MAX_SQ_NORM))
+        near = np.flatnonzero(~sq_norm_fits_f32(sq, flat.shape[1]))
+        if not near.size:
+            return near
+        return near[~(_sq_norms64(flat[near]) <= MAX_SQ_NORM)]
 
 
 def _tname(value: Any) -> str:

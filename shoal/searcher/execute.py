@@ -14,19 +14,27 @@ import pyarrow as pa
 
 from shoal.engines import Engine, get_engine
 from shoal.engines.flat import FlatEngine, key_margins, search_together
-from shoal.engines.metrics import Metric, direct_sq, from_products, rescore_nearest, rounding_bounds, worst_distance
+from shoal.engines.metrics import (
+    Metric,
+    direct_sq,
+    exact_distances,
+    from_products,
+    rescore_nearest,
+    rounding_bounds,
+    worst_distance,
+)
 from shoal.engines.sparse import SparseRows
 from shoal.errors import Problem, ValidationError
 from shoal.index.segment import LoadedSegment, json_value, vectors_of
 from shoal.log.records import AttributeType, DataSourceSpec, IndexSpec, SparseVector
 from shoal.log.validation import (
-    MAX_SQ_NORM,
     SPARSE_INDICES,
     SPARSE_VALUES,
     VECTOR,
     check_value,
     number_array,
     numbers_to_float32,
+    sq_norm_fits_f32,
     unfit_rows,
     vector_problem,
 )
@@ -53,10 +61,10 @@ def prepare_queries(source: DataSourceSpec, queries: Any) -> np.ndarray | Sparse
         and queries.flags.c_contiguous
         and not source.vectors_are_sparse
     ):
-        # The usual call, checked in a few attribute reads and one dot product: a sum of squares within the
-        # bound on one vector's means every coordinate is finite (NaN and inf propagate) and every vector within
-        # MAX_NORM; any other takes the full check below.
-        if float(np.vdot(queries, queries)) <= MAX_SQ_NORM:
+        # The usual call, checked in a few attribute reads and one dot product: a float32 sum of squares that
+        # clears the bound by its rounding error means every coordinate is finite (NaN and inf propagate) and
+        # every vector's float64 squared norm within MAX_SQ_NORM; any other takes the full (float64) check below.
+        if sq_norm_fits_f32(float(np.vdot(queries, queries)), queries.size):
             return queries
     if source.vectors_are_sparse:
         return _sparse_queries(source, list(queries))
@@ -229,7 +237,7 @@ def execute(
                 blocks.append(_Block(dist, rows, seg_view.source))
     groups = [g for tail in tails.values() for g in tail.groups(spec, source) if matches(g.values)]
     blocks.extend(_young_blocks(groups, queries, k))
-    return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
+    return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors, Metric(spec.metric), queries)
 
 
 def _young_blocks(groups: list[TailGroup], queries: np.ndarray | SparseRows, k: int) -> list[_Block]:
@@ -473,7 +481,7 @@ def _execute_filtered(
                 dist, rows = _exact_allowed(metric, source.vectors_are_sparse, queries, k, ok,
                                             lambda idx, t=table: _gather(t, source, idx))
             blocks.append(_Block(dist, rows, group.source))
-    return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors)
+    return _merge(blocks, nq, k, view.higher_is_nearer, retrieve_vectors, metric, queries)
 
 
 def _segment_exact(
@@ -556,11 +564,16 @@ def _block_hits(
     return results
 
 
-def _merge(blocks: list[_Block], nq: int, k: int, higher: bool, retrieve_vectors: bool) -> list[Hits]:
+def _merge(
+    blocks: list[_Block], nq: int, k: int, higher: bool, retrieve_vectors: bool, metric: Metric,
+    queries: np.ndarray | SparseRows,
+) -> list[Hits]:
     """k-way merge of every block's candidates, per query, by the metric's direction (ties: first block).
 
     Every block comes from an engine, so each row of a block is already nearest first (with -1 where a row was
     filtered out): one block needs no sorting at all, which is the common case of one segment and one split.
+    The blocks' distances are float32: entries of different blocks that round to one float32 value among the k
+    nearest are ordered by their float64 distances (`_float64_order`), as one exact engine ranks its rows.
     """
     if not blocks:
         return [Hits([], [], ()) for _ in range(nq)]
@@ -571,13 +584,75 @@ def _merge(blocks: list[_Block], nq: int, k: int, higher: bool, retrieve_vectors
     rows = np.concatenate([b.rows for b in blocks], axis=1)
     owner = np.concatenate([np.full(b.rows.shape[1], i) for i, b in enumerate(blocks)])
     key = np.where(rows >= 0, -dist if higher else dist, np.inf)
-    order = np.argsort(key, axis=1, kind="stable")[:, :k]
-    dist = np.take_along_axis(dist, order, axis=1)
-    rows = np.take_along_axis(rows, order, axis=1)
+    # One past the k nearest: a k-th tied with the next may be ordered after it in float64 (below).
+    order = np.argsort(key, axis=1, kind="stable")[:, : k + 1]
+    dist_k = np.take_along_axis(dist, order, axis=1)
+    rows_k = np.take_along_axis(rows, order, axis=1)
     owners = owner[order]
     sources = tuple(b.source for b in blocks)
     results = []
-    for d_row, r_row, o_row in zip(dist.tolist(), rows.tolist(), owners.tolist(), strict=True):
+    for qi, (d_row, r_row, o_row) in enumerate(zip(dist_k.tolist(), rows_k.tolist(), owners.tolist(), strict=True)):
         n = r_row.index(-1) if -1 in r_row else len(r_row)  # filtered entries sort last
+        if len(set(d_row[:n])) < n:
+            # Equal float32 distances among them, maybe of two blocks: float32 cannot order those, float64 may
+            # (1 and 0.99999999 both round to 1.0). Rare: no distance repeats in the usual answer.
+            full = _float64_order(blocks, metric, queries, qi, key[qi], rows[qi], owner,
+                                  np.argsort(key[qi], kind="stable"), k, higher)[: k + 1]
+            d_row, r_row, o_row = dist[qi, full].tolist(), rows[qi, full].tolist(), owner[full].tolist()
+        n = min(n, k)
         results.append(Hits(r_row[:n], d_row[:n], sources, o_row[:n], retrieve_vectors))
     return results
+
+
+def _float64_order(
+    blocks: list[_Block], metric: Metric, queries: np.ndarray | SparseRows, qi: int, key: np.ndarray,
+    rows: np.ndarray, owner: np.ndarray, order: np.ndarray, k: int, higher: bool,
+) -> np.ndarray:
+    """One query's merge order (`order`, stable by the float32 `key`) with every run of equal keys that reaches
+    into the k nearest and spans blocks reordered by the entries' float64 distances, recomputed from their
+    stored vectors as the exact engines compute them (equal ones keep their order: first block). A run keeps its
+    place: float32 rounding is monotone, so entries of different float32 values are already in float64 order."""
+    sorted_key = key[order]
+    runs = []
+    start = 0
+    while start < min(k, len(order)) and sorted_key[start] < np.inf:
+        end = start + 1
+        while end < len(order) and sorted_key[end] == sorted_key[start]:
+            end += 1
+        if end - start > 1 and len(set(owner[order[start:end]].tolist())) > 1:
+            runs.append((start, end))
+        start = end
+    if not runs:
+        return order
+    order = order.copy()
+    entries = np.concatenate([order[a:b] for a, b in runs])
+    d64 = np.empty(len(order), dtype=np.float64)
+    for b in np.unique(owner[entries]).tolist():  # one gather per block
+        mine = entries[owner[entries] == b]
+        d64[mine] = _distances64(blocks[b], metric, queries, qi, rows[mine])
+    for a, b in runs:
+        run = order[a:b]
+        order[a:b] = run[np.argsort(-d64[run] if higher else d64[run], kind="stable")]
+    return order
+
+
+def _distances64(block: _Block, metric: Metric, queries: np.ndarray | SparseRows, qi: int,
+                 rows: np.ndarray) -> np.ndarray:
+    """The float64 distances of query `qi` to some stored rows of a block, as the exact engines compute them:
+    the L2 metrics summed from the coordinate differences, the others from float64 products (or L1 sums)."""
+    dim = queries.dim if isinstance(queries, SparseRows) else queries.shape[1]
+    sparse = block.source.sparse
+    cols = [SPARSE_INDICES, SPARSE_VALUES] if sparse else [VECTOR]
+    picked = vectors_of(block.source.table.select(cols).take(pa.array(rows, pa.int64())), sparse, dim)
+    v = picked.to_dense().astype(np.float64) if sparse else picked.astype(np.float64)
+    if isinstance(queries, SparseRows):
+        q = np.zeros(dim, dtype=np.float64)
+        q_idx, q_val = queries.row(qi)
+        q[q_idx] = q_val
+    else:
+        q = queries[qi].astype(np.float64)
+    if metric in (Metric.EUCLIDEAN, Metric.L2_SQUARED):
+        diff = v - q
+        sq = np.einsum("ij,ij->i", diff, diff)
+        return np.sqrt(sq) if metric is Metric.EUCLIDEAN else sq
+    return exact_distances(metric, q[None, :], v)[0]
