@@ -21,8 +21,8 @@ from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataPoint, DataSourceSpec, SparseVector, Tombstone
 from shoal.log.validation import (
     MAX_PROBLEMS,
-    _column_shape_problem,
     check_value,
+    column_shape_problem,
     number_array,
     numbers_to_float32,
     unfit_rows,
@@ -268,7 +268,7 @@ def _attribute_column(name: str, values: Any) -> pa.Array | pa.ChunkedArray:
     for every attribute type: not one column (a mapping, a string, a masked or 2-d array ...), a NumPy array of
     datetime64, timedelta, complex or bytes, or a value of another type than `_ATTRIBUTE_VALUE_TYPES`. A guid
     goes as its text, which the consumer reads as a guid attribute's value (and refuses for any other type)."""
-    wrong = _column_shape_problem(values)
+    wrong = column_shape_problem(values)
     if wrong is not None:
         raise ValidationError(Problem(wrong, attribute=name))
     if isinstance(values, pa.Array | pa.ChunkedArray):

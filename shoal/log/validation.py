@@ -490,7 +490,7 @@ def columns_to_table(
             )
             problems.add(rule, None, str(name))
     for name in (name for name in expected if name in attributes):
-        wrong = _column_shape_problem(attributes[name])
+        wrong = column_shape_problem(attributes[name])
         if wrong is not None:
             problems.add(wrong, None, name)
     problems.raise_if_any()
@@ -544,7 +544,7 @@ def columns_to_table(
     return _finish(spec, arrays)
 
 
-def _column_shape_problem(values: Any) -> str | None:
+def column_shape_problem(values: Any) -> str | None:
     """What keeps `values` from being read as one column of values (None when nothing): it must be a list, a 1-d
     NumPy array (not masked: its mask would be ignored) or an Arrow array. A mapping (its keys would be read),
     a string (its characters), None or a scalar is refused."""
