@@ -20,6 +20,7 @@ from shoal.index.generations import Generations, JobRecord
 from shoal.index.manifest import segments_of
 from shoal.intake.backpressure import Backpressure
 from shoal.intake.producer import Producer
+from shoal.log.commit import held_batches
 from shoal.log.reader import fold, read_log
 from shoal.log.records import (
     DATASET_KEY,
@@ -182,10 +183,6 @@ class Shoal:
     def message_token(self, name: str, version: str, message_id: str) -> WriteToken | None:
         """The write token of a published message once a consumer committed it (None before): publishers
         get no token back, so this is how they learn a message is durable."""
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session
-
-        from shoal.catalog.models import ProducerBatch
         from shoal.intake.publisher import message_id_problem
         from shoal.intake.topology import BATCH_ID_PREFIX
 
@@ -193,13 +190,10 @@ class Shoal:
         problem = message_id_problem(message_id)
         if problem is not None:  # the rule publishing applies: an id it refuses was never published
             raise ValidationError(f"message_id: {problem}")
-        with Session(self.engine) as s:
-            seq = s.scalar(
-                select(ProducerBatch.last_seq).where(
-                    ProducerBatch.data_source_id == record.id, ProducerBatch.batch_id == BATCH_ID_PREFIX + message_id
-                )
-            )
-        return None if seq is None else WriteToken(int(seq), name, version)
+        batch_id = BATCH_ID_PREFIX + message_id
+        with self.engine.connect() as conn:
+            held = held_batches(conn, record.id, [batch_id]).get(batch_id)
+        return None if held is None else WriteToken(held.token, name, version)
 
     def check_backpressure(self, name: str, version: str) -> None:
         """Raise BackpressureError (HTTP 429) when an index of the data source lags past

@@ -25,8 +25,6 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import TypeAdapter
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from shoal.api.fanout import (
@@ -40,10 +38,10 @@ from shoal.api.fanout import (
 )
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
-from shoal.catalog.models import ProducerBatch
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, NotFoundError, QueryError, ValidationError
 from shoal.intake.producer import check_batch_id
+from shoal.log.commit import held_batches
 from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.searcher import AnsweredAt
@@ -167,13 +165,12 @@ def _empty_upload(shoal: Any, name: str, version: str, key: str | None) -> Respo
     # Read afresh: a source gone answers 404.
     record = shoal.get_data_source(name, version)
     if key is not None:
-        with Session(shoal.engine) as s:
-            held = s.execute(select(ProducerBatch.last_seq, ProducerBatch.fingerprint).where(
-                ProducerBatch.data_source_id == record.id, ProducerBatch.batch_id == key)).first()
+        with shoal.engine.connect() as conn:
+            held = held_batches(conn, record.id, [key]).get(key)
         if held is not None:
             if held.fingerprint is not None:
-                raise BatchIdReusedError(key, int(held.last_seq))
-            return Response(status_code=200, headers={TOKEN_HEADER: str(held.last_seq)})
+                raise BatchIdReusedError(key, held.token)
+            return Response(status_code=200, headers={TOKEN_HEADER: str(held.token)})
     return Response(status_code=200, headers={TOKEN_HEADER: str(record.head_seq)})
 
 

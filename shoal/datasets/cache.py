@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
+from redis.commands.core import Script
 
 from shoal.datasets.catalog import DatasetRecord
 
@@ -97,6 +98,8 @@ class DatasetCache:
         self._timeout = timeout_s
         self._retry_after = retry_after
         self._client: redis.Redis | None = None
+        self._set_if_current: Script  # set with the client
+        self._hset_if_current: Script
         self._down_until = 0.0
         self._pending: set[str] = set()  # keys whose invalidation failed
         self._lock = threading.Lock()
@@ -109,9 +112,13 @@ class DatasetCache:
                 return None
             if self._client is None:
                 try:
-                    self._client = redis.Redis.from_url(
+                    client = redis.Redis.from_url(
                         self._url(), socket_connect_timeout=self._timeout, socket_timeout=self._timeout
                     )
+                    # Sent by their hash (EVALSHA), the body only once per server (redis-py loads it on a miss).
+                    self._set_if_current = client.register_script(_SET_IF_CURRENT)
+                    self._hset_if_current = client.register_script(_HSET_IF_CURRENT)
+                    self._client = client
                 except Exception as exc:  # noqa: BLE001 - a bad URL or an embedded server that will not start
                     self._mark_down(exc)
                     return None
@@ -180,7 +187,7 @@ class DatasetCache:
         Whether it was written."""
         value = json.dumps(record.to_json() | {"tenant_id": tenant_id})
         keys = (info_generation_key(tenant_id, record.name), info_key(tenant_id, record.name))
-        done = self._run(lambda c: c.eval(_SET_IF_CURRENT, 2, *keys, generation, value, INFO_TTL_S))
+        done = self._run(lambda c: self._set_if_current(keys, [generation, value, INFO_TTL_S], client=c))
         return bool(done)
 
     def _distrust(self, key: str, owner: object) -> None:
@@ -220,8 +227,8 @@ class DatasetCache:
         hash expires 5 minutes after its first page was cached. Whether it was written."""
         value = json.dumps({"tenant_id": tenant_id, "total": total, "datasets": [r.to_json() for r in records]})
         keys = (list_generation_key(tenant_id), list_key(tenant_id))
-        done = self._run(lambda c: c.eval(_HSET_IF_CURRENT, 2, *keys, generation, page_field(limit, offset), value,
-                                          LIST_TTL_S))
+        args = [generation, page_field(limit, offset), value, LIST_TTL_S]
+        done = self._run(lambda c: self._hset_if_current(keys, args, client=c))
         return bool(done)
 
     # -- invalidation --------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from shoal.intake.delivery import NotLeading, ReliableQueue, check_consumer_id, 
 from shoal.intake.producer import Producer as LogProducer
 from shoal.intake.publisher import message_id_problem
 from shoal.intake.topology import BATCH_ID_PREFIX, Target
+from shoal.log.commit import held_batches
 from shoal.log.writer import batch_fingerprint
 from shoal.runtime import SOURCE_TTL_S, Runtime
 from shoal.servers.broker import broker_url
@@ -469,33 +470,17 @@ class IntakeConsumer:
 
     def _fingerprint(self, producer: LogProducer, batch_id: str) -> str | None:
         """The fingerprint the batch id committed with (None: none recorded)."""
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session
-
-        from shoal.catalog.models import ProducerBatch
-
-        with Session(self.runtime().engine) as s:
-            return s.scalar(select(ProducerBatch.fingerprint).where(
-                ProducerBatch.data_source_id == producer.source.id, ProducerBatch.batch_id == batch_id))
+        with self.runtime().engine.connect() as conn:
+            held = held_batches(conn, producer.source.id, [batch_id]).get(batch_id)
+        return None if held is None else held.fingerprint
 
     def _committed_ids(self, producer: LogProducer, ids: list[str | None]) -> set[str]:
         """Which of these batch ids committed before (only to count redeliveries; the commit dedupes)."""
-        if not any(ids):
-            return set()
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session
-
-        from shoal.catalog.models import ProducerBatch
-
         wanted = [i for i in ids if i]
-        with Session(self.runtime().engine) as s:
-            return set(
-                s.scalars(
-                    select(ProducerBatch.batch_id).where(
-                        ProducerBatch.data_source_id == producer.source.id, ProducerBatch.batch_id.in_(wanted)
-                    )
-                )
-            )
+        if not wanted:
+            return set()
+        with self.runtime().engine.connect() as conn:
+            return set(held_batches(conn, producer.source.id, wanted))
 
     def _ack(self, message: Message) -> None:
         assert self._delivery is not None

@@ -44,6 +44,27 @@ class BatchSlot:
     fingerprint: str | None = None
 
 
+@dataclass(frozen=True)
+class HeldBatch:
+    """A batch id already committed in a data source: its write token and the fingerprint it committed with."""
+
+    token: int
+    fingerprint: str | None
+
+
+def held_batches(conn: Connection, source_id: int, batch_ids: Sequence[str]) -> dict[str, HeldBatch]:
+    """The batches committed in the data source under any of these ids (the ids not there are absent): the one
+    lookup the commit, repeats of empty uploads, message tokens and the consumer all decide by."""
+    if not batch_ids:
+        return {}
+    rows = conn.execute(
+        select(ProducerBatch.batch_id, ProducerBatch.last_seq, ProducerBatch.fingerprint).where(
+            ProducerBatch.data_source_id == source_id, ProducerBatch.batch_id.in_(list(batch_ids))
+        )
+    )
+    return {r.batch_id: HeldBatch(int(r.last_seq), r.fingerprint) for r in rows}
+
+
 # What became of a batch of a group commit: its write token (its last seq), or why it alone was refused.
 Outcome = int | BatchIdReusedError
 
@@ -158,14 +179,7 @@ def _attempt(
 
     ids = [b.batch_id for b in batches if b.batch_id is not None]
     # batch id -> (token, fingerprint) of the batches under it: committed before, or earlier in this group.
-    known: dict[str, tuple[int, str | None]] = {}
-    if ids:
-        rows = conn.execute(
-            select(ProducerBatch.batch_id, ProducerBatch.last_seq, ProducerBatch.fingerprint).where(
-                ProducerBatch.data_source_id == source_id, ProducerBatch.batch_id.in_(ids)
-            )
-        )
-        known = {r.batch_id: (r.last_seq, r.fingerprint) for r in rows}
+    known = {k: (h.token, h.fingerprint) for k, h in held_batches(conn, source_id, ids).items()}
 
     # Decide which batches go into the file: new ones, each batch id once (the first occurrence wins); a repeat
     # gets the first one's token, another batch under its id (both fingerprinted, and different) is refused.

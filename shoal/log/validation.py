@@ -72,6 +72,20 @@ NOT_UNICODE = "text must be valid Unicode: a lone surrogate (such as \\ud800) ca
 # A guid's text is read as the JSON upload route reads it (shoal.vektonn.json_fields.GUID, as Vektonn's DTOs did):
 # hyphenated, 32 hex digits, braced or `urn:uuid:`. uuid.UUID would also take hyphens anywhere ("12-3456...").
 _GUID = pydantic.TypeAdapter(uuid.UUID)
+# The hyphenated form, the one nearly every guid arrives in: pydantic and uuid.UUID agree on it, and matching it
+# first spares pydantic's parse (about 8 µs a value, against under 1 for the match).
+HYPHENATED_GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def guid_text(text: str) -> str | None:
+    """The canonical (lower-case, hyphenated) text of a guid written in any form the write paths accept; None
+    when the text is not a guid."""
+    if HYPHENATED_GUID.fullmatch(text):
+        return text.lower()
+    try:
+        return str(_GUID.validate_python(text))
+    except pydantic.ValidationError:
+        return None
 
 
 class _Problems:
@@ -115,10 +129,8 @@ def check_value(kind: AttributeType, value: Any) -> tuple[Any, str | None]:
         if isinstance(value, uuid.UUID):
             return str(value), None
         if isinstance(value, str):
-            try:
-                return str(_GUID.validate_python(value)), None
-            except pydantic.ValidationError:
-                return None, f"not a guid: {value[:50]!r}"
+            text = guid_text(value)
+            return (text, None) if text is not None else (None, f"not a guid: {value[:50]!r}")
         return None, f"expected guid, got {_tname(value)}"
     if kind is AttributeType.DATETIME:
         if not isinstance(value, dt.datetime):

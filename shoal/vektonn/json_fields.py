@@ -36,7 +36,7 @@ import pydantic
 
 from shoal.errors import Problem, ValidationError
 from shoal.log.records import AttributeType, DataSourceSpec, SparseVector, unicode_text
-from shoal.log.validation import MAX_PROBLEMS, NOT_UNICODE, SUB_MICROSECOND, sub_microsecond_text
+from shoal.log.validation import HYPHENATED_GUID, MAX_PROBLEMS, NOT_UNICODE, SUB_MICROSECOND, sub_microsecond_text
 
 JSON = "application/json"
 
@@ -69,8 +69,6 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Guids and datetimes are parsed by pydantic, as the DTOs parsed them: the same strings are accepted.
 GUID = pydantic.TypeAdapter(uuid.UUID)
 _DATETIME = pydantic.TypeAdapter(dt.datetime)
-# The hyphenated form: pydantic and uuid.UUID both take it and agree on its canonical (lower-case) text.
-HYPHENATED_GUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _COORDINATE_TYPES = frozenset((float, int, bool))  # a JSON boolean reads as 1 or 0, as the DTO read it
 # Numbers written as JSON strings, as .NET's parser reads them there: a sign, ASCII digits and, for a float, a
 # fraction and an exponent. An integer of more digits than Python's int() reads is far past any range anyway.
@@ -308,6 +306,8 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
     if kind is not str:
         return None, _wrong_type(slot, "string", raw)
     if slot == "guid":
+        if HYPHENATED_GUID.fullmatch(raw):
+            return uuid.UUID(raw), None  # the common form, read alike by both and faster by uuid
         try:
             return GUID.validate_python(raw), None
         except pydantic.ValidationError:

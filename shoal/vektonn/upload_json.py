@@ -32,12 +32,11 @@ from shoal.log.validation import (
     MAX_PROBLEMS,
     any_sub_microsecond_text,
     columns_to_table,
+    guid_text,
     points_to_table,
     to_float32,
 )
 from shoal.vektonn.json_fields import (
-    GUID,
-    HYPHENATED_GUID,
     SLOT,
     Entry,
     Vector,
@@ -241,13 +240,10 @@ def _fast_column(kind: AttributeType, values: list[Any], *, exact: bool = True) 
     if kind is AttributeType.GUID:
         out: list[str] = []
         for text in values:
-            if HYPHENATED_GUID.fullmatch(text):
-                out.append(text)  # columns_to_table canonicalises (lower case), as points_to_table does
-                continue
-            try:
-                out.append(str(GUID.validate_python(text)))
-            except pydantic.ValidationError:
+            guid = guid_text(text)
+            if guid is None:
                 return None
+            out.append(guid)
         return out
     try:
         moments = _DATETIMES.validate_python(values)
