@@ -189,3 +189,13 @@ def test_an_attribute_named_vector_of_the_wrong_length_is_named_like_any_other()
     for name in ("vector", "is_deleted", "tag"):
         with pytest.raises(ValidationError, match=f"attribute '{name}': column has 1 values, expected 2"):
             encode_arrow(np.zeros((2, 2), dtype=np.float32), {"id": [1, 2], name: ["a"]}, deleted=[False, False])
+
+
+def test_encode_arrow_refuses_upserts_without_vectors() -> None:
+    """With no vectors, every row `deleted` leaves an upsert went out without a vector: the publisher answered and
+    the consumer dead-lettered the message. Refused before sending, naming the rows."""
+    says = r"point 1, attribute 'vector': vectors are required for upserts"
+    with pytest.raises(ValidationError, match=says) as caught:
+        encode_arrow(None, {"id": [1, 2, 3]}, deleted=[True, False, False])
+    assert [p.position for p in caught.value.problems] == [1, 2]
+    assert encode_arrow(None, {"id": [1, 2]}, deleted=[True, True])  # tombstones alone need none

@@ -207,8 +207,9 @@ def encode_arrow(
     data source's definition: vectors of numbers only (no text, complex, dates or masked array), finite within
     float32's range and the norm bound (tombstone rows' vectors are not read); attribute columns of values some
     attribute type takes (bool, integer, float, text, guid, datetime; no NumPy datetime64, date, bytes, ...);
-    flags of booleans; columns of one length. Nothing is converted into another value: the coordinates sent are
-    the float32 values the producer would store, and the consumer checks the rest against the data source."""
+    flags of booleans; with no vectors, no row left an upsert; columns of one length. Nothing is converted into
+    another value: the coordinates sent are the float32 values the producer would store, and the consumer checks
+    the rest against the data source."""
     if not isinstance(attributes, Mapping):
         raise ValidationError(Problem(f"columns must be a mapping {{attribute name: column}}, got "
                                       f"{type(attributes).__name__}", attribute="attributes"))
@@ -237,6 +238,10 @@ def encode_arrow(
     if n == 0:
         raise ValidationError("nothing to publish: the batch is empty")
     if vectors is None:
+        if flags is not None and not flags.all():
+            # Rows `deleted` leaves as upserts would go without a vector, which the consumer dead-letters.
+            raise ValidationError([Problem("vectors are required for upserts (deleted is false here)", int(pos),
+                                           VECTOR_COLUMN) for pos in np.flatnonzero(~flags)[:MAX_PROBLEMS]])
         flags = np.ones(n, dtype=bool) if flags is None else flags
     else:
         arr = np.ascontiguousarray(numbers_to_float32(given))
