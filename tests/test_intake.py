@@ -18,6 +18,7 @@ import pyarrow as pa
 import pytest
 import redis
 from conftest import dead_count, run_helper, serve_api, settings_env, stop_process, wait_for
+from helpers.arrow_bodies import arrow_stream
 
 from shoal import Shoal
 from shoal.catalog.repo import head_of
@@ -32,15 +33,6 @@ from shoal.log.validation import VECTOR
 
 DIM = 8
 SPEC = DataSourceSpec("events", "1", DIM, {"id": AttributeType.INT64, "tag": AttributeType.STRING}, ["id"])
-
-
-def arrow_body(columns: dict[str, list[object]]) -> bytes:
-    """An Arrow IPC stream of these columns, as a client other than Shoal's might send it."""
-    table = pa.table(columns)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def vector(i: int) -> list[float]:
@@ -89,7 +81,7 @@ def test_json_and_arrow_bodies_decode_to_the_same_batch() -> None:
         (codec.ARROW, b"garbage", "not an Arrow IPC stream"),
         (codec.ARROW, codec.encode_arrow(np.ones((2, 3)), {"id": [1, 2], "tag": ["a", "b"]}), "dimension"),
         # Built by hand: encode_arrow refuses an upsert without a vector before sending.
-        (codec.ARROW, arrow_body({"id": [1], "tag": ["a"], "is_deleted": [False]}), "missing vector"),
+        (codec.ARROW, arrow_stream({"id": [1], "tag": ["a"], "is_deleted": [False]}), "missing vector"),
     ],
 )
 def test_bad_bodies_are_refused_by_name(content_type: str, body: bytes, says: str) -> None:

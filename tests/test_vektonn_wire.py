@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from helpers import dto_path as convert_module
+from helpers.arrow_bodies import arrow_stream
 from helpers.wire_cases import (
     ALL_TYPES,
     PROPERTY,
@@ -415,15 +415,6 @@ def test_codec_json_uses_the_wire_decoder_with_its_own_wording() -> None:
         codec.decode(CODEC_SPEC, codec.JSON, codec.encode_json([DataPoint({"id": 1}, [0.0] * 4)]), 100)
 
 
-def _arrow_stream(columns: dict[str, list[Any]]) -> bytes:
-    """An Arrow IPC stream of these columns, as a client other than Shoal's might send it."""
-    table = pa.table(columns)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
 def test_arrow_upload_is_the_one_implementation() -> None:
     vectors = np.arange(12, dtype=np.float32).reshape(3, 4)
     body = codec.encode_arrow(vectors, {"id": [1, 2, 1], "tag": ["a", "b", "c"]}, deleted=[False, True, False])
@@ -436,7 +427,7 @@ def test_arrow_upload_is_the_one_implementation() -> None:
     assert table.equals(json_table)
     for bad, says in [(b"garbage", "not an Arrow IPC stream"),
                       (codec.encode_arrow(np.ones((2, 3)), {"id": [1, 2], "tag": ["a", "b"]}), "dimension"),
-                      (_arrow_stream({"id": [1], "tag": ["a"], "is_deleted": [False]}), "missing vector")]:
+                      (arrow_stream({"id": [1], "tag": ["a"], "is_deleted": [False]}), "missing vector")]:
         with pytest.raises(ValidationError, match=says):
             decode_arrow_upload(CODEC_SPEC, bad, 10)
 
