@@ -273,3 +273,58 @@ def test_a_dictionary_of_wide_fixed_size_values_is_bounded_before_it_is_decoded(
         body = _ipc({"vector": _vectors([[1.0, 0.0, 0.0]] * 2), "id": [1, 2], "uid": nested})
         _refused(_post(http, GUIDS, body), "attribute 'uid'", "no attribute's type")
         assert _head(shoal, GUIDS) == 0
+
+
+# -- 7. tombstones-only bodies beside an attribute named `is_deleted` ----------------------------------------
+
+# A soft-delete flag kept as an attribute, as the upgrade found it: the key `id` and a non-key `is_deleted`.
+SOFT = DataSourceSpec("Soft", "1", 3, {"id": "int64", "is_deleted": "bool"}, ["id"])
+
+
+def _deletes(table: pa.Table) -> list[tuple[str, int]]:
+    """The batch's rows as (operation, id)."""
+    return list(zip(table["__op"].to_pylist(), table["id"].to_pylist(), strict=True))
+
+
+def test_a_body_without_vectors_takes_a_plain_is_deleted_as_the_tombstone_flags() -> None:
+    """`encode_arrow(None, {"id": ...})` (and the earlier releases' `publish_columns`) writes the flags as a plain
+    `is_deleted`: the consumer dead-lettered such a message ("missing vector column") on a data source with an
+    attribute of that name, and the deletes were lost. A body with no vectors can hold tombstones only."""
+    body = encode_arrow(None, {"id": [1, 2, 3]})
+    assert pa.ipc.open_stream(body).schema.names == ["id", "is_deleted"]  # the form earlier releases wrote
+    assert _deletes(codec.decode(SOFT, ARROW, body, 10)) == [("delete", 1), ("delete", 2), ("delete", 3)]
+    # Hand-made in that form, with a row left an upsert: refused for its missing vector, as on any data source.
+    mixed = _ipc({"id": [1, 2], "is_deleted": [True, False]})
+    with pytest.raises(ValidationError, match="attribute 'vector': missing vector column"):
+        codec.decode(SOFT, ARROW, mixed, 10)
+    # Beside `__is_deleted`, or beside vectors, the plain column is still the attribute.
+    flagged = _ipc({"id": [4], "is_deleted": [True], "__is_deleted": [True]})
+    assert codec.decode(SOFT, ARROW, flagged, 10).to_pylist()[0]["__op"] == "delete"
+    upsert = codec.decode(SOFT, ARROW, _ipc({"__vector": _vectors([[1.0, 0.0, 0.0]]), "id": [5],
+                                             "is_deleted": [True]}), 10)
+    assert (upsert["__op"].to_pylist(), upsert["is_deleted"].to_pylist()) == (["upsert"], [True])
+    # A key attribute named `is_deleted`: the tombstone needs its value, so encode_arrow sends the flags in
+    # `__is_deleted` and the plain column stays the key's.
+    keyed = DataSourceSpec("Keyed", "1", 3, {"is_deleted": "bool", "id": "int64"}, ["id", "is_deleted"])
+    table = codec.decode(keyed, ARROW, encode_arrow(None, {"id": [1, 1], "is_deleted": [True, False]}), 10)
+    assert table.select(["__op", "id", "is_deleted"]).to_pylist() == [
+        {"__op": "delete", "id": 1, "is_deleted": True}, {"__op": "delete", "id": 1, "is_deleted": False}]
+
+
+def test_tombstones_in_the_earlier_form_delete_over_http(served: tuple[str, Settings]) -> None:
+    url, settings = served
+    vectors = np.eye(3, dtype=np.float32)
+    with Shoal(settings, notify=False) as shoal, httpx.Client(base_url=url, timeout=30) as http:
+        shoal.create_data_source(SOFT)
+        body = encode_arrow(vectors, {"id": [1, 2, 3], "is_deleted": [False, True, False]})
+        assert _post(http, SOFT, body).status_code == 200
+        # The tombstones-only body an earlier release's publisher wrote: the key and a plain `is_deleted` flag.
+        old = _ipc({"id": [1, 2], "is_deleted": [True, True]})
+        response = _post(http, SOFT, old)
+        assert response.status_code == 200, response.text
+        state = {row["id"]: row for row in shoal.fold("Soft", "1").to_pylist()}
+        assert sorted(state) == [3]
+        assert (state[3]["is_deleted"], state[3]["__vector"]) == (False, [0.0, 0.0, 1.0])
+        # Today's encode_arrow writes the same form for tombstones only.
+        assert _post(http, SOFT, encode_arrow(None, {"id": [3]})).status_code == 200
+        assert shoal.fold("Soft", "1").num_rows == 0

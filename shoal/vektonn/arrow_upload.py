@@ -3,7 +3,9 @@ boolean `is_deleted` column, decoded to the validated batch table column-wise (n
 
 The control columns may also be named `__vector` and `__is_deleted` (no attribute name starts with `__`), and must
 be when the data source has an attribute named `vector` or `is_deleted`: a plain name is the attribute's column
-whenever the data source has that attribute (`control_column`).
+whenever the data source has that attribute (`control_column`), except for the flags of a body with no vector
+column, which can hold tombstones only: a plain boolean `is_deleted` is taken as the flags there, as earlier
+releases wrote them (`deleted_flags_column`).
 
 The body limit bounds what a request holds only if decoding cannot make more of it than it carries, so every
 IPC message is looked at before any is decoded (`_check_messages`): compressed buffers (zstd, lz4) are refused,
@@ -73,7 +75,7 @@ def _decode(spec: DataSourceSpec, body: bytes, max_points: int, max_bytes: int |
     if spec.vectors_are_sparse:
         raise ValidationError("the Arrow form carries dense vectors only: send sparse vectors as JSON")
     vector_column = control_column(spec, names, VECTOR_COLUMN, RESERVED_VECTOR_COLUMN, "vectors")
-    deleted_column = control_column(spec, names, DELETED_COLUMN, RESERVED_DELETED_COLUMN, "tombstone flags")
+    deleted_column = deleted_flags_column(spec, table)
     deleted = np.zeros(table.num_rows, dtype=bool)
     if deleted_column in names:
         col = table[deleted_column]
@@ -110,6 +112,25 @@ def control_column(spec: DataSourceSpec, names: list[str], plain: str, reserved:
             f"'{plain}'): send one of them"
         )
     return plain if plain in names else reserved if reserved in names else plain
+
+
+def deleted_flags_column(spec: DataSourceSpec, table: pa.Table) -> str:
+    """The name of the column that carries the tombstone flags in `table` (or the name to ask for when there is
+    none), as `control_column` chooses it, but for a body that can hold tombstones only: one with no vector
+    column (neither `vector` nor `__vector`) and no `__is_deleted` takes a plain boolean `is_deleted` as the flags
+    even when the data source has a non-key attribute of that name."""
+    names = table.column_names
+    chosen = control_column(spec, names, DELETED_COLUMN, RESERVED_DELETED_COLUMN, "tombstone flags")
+    if chosen in names or DELETED_COLUMN not in names or DELETED_COLUMN in spec.permanent_attributes:
+        # A key named `is_deleted` keeps its column: a tombstone needs the key's value (encode_arrow then sends
+        # the flags as `__is_deleted`).
+        return chosen
+    if VECTOR_COLUMN in names or RESERVED_VECTOR_COLUMN in names or not pa.types.is_boolean(table[DELETED_COLUMN].type):
+        return chosen
+    # Earlier releases' encode_arrow (Publisher.publish_columns) always wrote the flags as plain `is_deleted`, and
+    # today's still does for tombstones only (the columns name no `is_deleted` then): read as the attribute, the
+    # body would be upserts without vectors, refused, and the deletes of a queued message lost.
+    return DELETED_COLUMN
 
 
 def _run_table(spec: DataSourceSpec, part: pa.Table, deleted: bool, max_points: int,
