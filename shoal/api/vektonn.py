@@ -112,7 +112,8 @@ async def upload(dataSourceName: str, dataSourceVersion: str, request: Request) 
 
     The body is Vektonn's JSON, or an Arrow IPC stream (`Content-Type: application/vnd.apache.arrow.stream`:
     a `vector` column, one column per attribute, optional boolean `is_deleted`; `__vector` / `__is_deleted` when
-    the data source has an attribute of the plain name). An `Idempotency-Key` header
+    the data source has an attribute of the plain name, though a body without vectors takes a plain boolean
+    `is_deleted` as the flags). An `Idempotency-Key` header
     becomes the batch id: a retry of an upload whose answer was lost returns the same token, writing nothing.
     """
     body = await request.body()
