@@ -377,7 +377,7 @@ def test_worker_command_builds_indexes_with_beat(tenant: str, cli_env: Path) -> 
     finally:
         _stop(proc)
     text = log.read_text()
-    assert "beat:    a sweep every 0.5 s" in text and "celery -A shoal.workers.app flower" in text
+    assert "beat:    a sweep every 0.5 s" in text and "celery -A shoal.workers.app flower --address=127.0.0.1" in text
     assert "shoal.workers.tasks.sweep" in text and "materialize_shard" in text
     assert (cli_env / "celerybeat-schedule").exists() or list(cli_env.glob("celerybeat-schedule*"))
     assert proc.returncode == 0, text[-2000:]

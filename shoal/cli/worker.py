@@ -205,9 +205,9 @@ def worker(
     SHOAL_REDIS_URL is set) and the storage. Stop it with Ctrl-C (a warm shutdown: running tasks finish;
     press it again to abort them; an aborted task is redelivered and is safe to run twice).
 
-    The same worker, started by Celery itself: `celery -A shoal.workers.app worker --beat`. Flower (not
-    a Shoal dependency: `pip install flower`) can watch the workers: `celery -A shoal.workers.app flower`
-    (it turns on task events; or start the worker with --events).
+    The same worker, started by Celery itself: `celery -A shoal.workers.app worker --beat`. Flower (installed
+    with Shoal) can watch the workers: `celery -A shoal.workers.app flower --address=127.0.0.1` (it turns on task
+    events; or start the worker with --events; without --address it listens on every interface).
     """
     from shoal.servers.broker import broker_url
     from shoal.workers.app import app
@@ -233,7 +233,8 @@ def worker(
         out.print(f"beat:    a sweep every {every} (SHOAL_SWEEP_INTERVAL_S); schedule file {schedule}")
     else:
         out.print("beat:    off (--no-beat); run it in one other worker")
-    err.print("Watch it with Flower: celery -A shoal.workers.app flower   (Ctrl-C stops the worker)")
+    err.print("Watch it with Flower: celery -A shoal.workers.app flower --address=127.0.0.1"
+              "   (Ctrl-C stops the worker)")
     code = app.worker_main(argv)
     if code:
         raise typer.Exit(code)
