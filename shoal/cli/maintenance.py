@@ -119,5 +119,6 @@ def gc(
             "already gone": result.already_gone,
             "kept (referenced)": result.kept,
             "still in grace period": result.pending,
+            "empty folders removed": result.folders_removed,
         },
     )
