@@ -206,3 +206,18 @@ def test_a_corrupt_segment_is_detected(local_shoal: Shoal) -> None:
     open(path, "wb").write(bytes(data))
     with pytest.raises(CorruptSegmentError, match="checksum"):
         local_shoal.fold(SPEC.name, SPEC.version)
+
+
+def test_catalog_times_come_back_in_utc_whatever_zone_the_session_has(
+    make_shoal, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """psycopg hands timestamptz values over in the session's zone: with a server, database or client (PGTZ) set
+    to another one, `shoal source list --json`, the trash and the dataset API answered +14:00 beside +00:00."""
+    monkeypatch.setenv("PGTZ", "Pacific/Kiritimati")  # libpq's way to start every session in that zone
+    shoal = make_shoal()
+    shoal.create_data_source(SPEC)
+    shoal.producer(SPEC.name, SPEC.version).upload([point(0, 0, "a", 1.0)])
+    record = shoal.get_data_source(SPEC.name, SPEC.version)
+    assert record.head_committed_at is not None and record.created_at is not None
+    assert record.head_committed_at.utcoffset() == dt.timedelta(0)
+    assert record.created_at.utcoffset() == dt.timedelta(0)

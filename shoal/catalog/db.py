@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 if TYPE_CHECKING:
@@ -44,10 +44,24 @@ def make_engine(url: str, *, pool_size: int = 5, max_overflow: int = 5) -> Engin
     """An engine for the catalog, with pre-ping so a restarted server costs one retry, not an error. It holds
     at most `pool_size + max_overflow` connections, named `shoal/<pid>` in pg_stat_activity (so an operator
     sees which process holds which connections)."""
-    return create_engine(
+    engine = create_engine(
         url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow,
         connect_args={"application_name": application_name()},
     )
+    event.listen(engine, "connect", _utc_session)
+    return engine
+
+
+def _utc_session(dbapi_connection: Any, _record: Any) -> None:
+    """Every catalog session in UTC: psycopg hands timestamptz values over in the session's time zone, and a
+    server or database set to another one (or PGTZ) made answers mix offsets. A SET, not a startup option, which
+    poolers such as PgBouncer refuse; in autocommit, so no rollback of the first transaction undoes it."""
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        dbapi_connection.execute("SET TIME ZONE 'UTC'")
+    finally:
+        dbapi_connection.autocommit = autocommit
 
 
 def application_name() -> str:
