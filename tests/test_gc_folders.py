@@ -15,8 +15,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from shoal import DataPoint, DataSourceSpec, Shoal
+from shoal.catalog.indexes import ShardCatalog
 from shoal.datasets.service import DatasetService
 from shoal.index.builder import ShardBuilder
+from shoal.index.reindex import drop_expired_generations, start_reindex
 from shoal.log.records import IndexSpec
 from shoal.storage import Storage, layout
 
@@ -101,6 +103,77 @@ def test_gc_removes_the_folders_of_dropped_owners_and_keeps_live_ones(
         assert len(searcher.search("live.I", "1", [[1.0, 1.0]], 2)[0]) == 2
     finally:
         searcher.close()
+
+
+def generation_folders(shoal: Shoal, index: str) -> dict[str, set[str]]:
+    """What the storage holds below each `gen-N` folder of version 1 of `index` ("gen-N" -> paths below it; an
+    empty set for an empty folder)."""
+    base = f"indexes/{index}/1/"
+    found: dict[str, set[str]] = {}
+    for p in stored(shoal):
+        if p.startswith(base) and p != base:
+            gen, _, below = p[len(base):].partition("/")
+            found.setdefault(gen, set())
+            if below:
+                found[gen].add(below)
+    return found
+
+
+def test_gc_removes_the_folders_of_swept_generations_and_keeps_the_serving_one(
+    make_shoal: Callable[..., Shoal],
+) -> None:
+    """Each reindex builds its generation in a new `gen-N` folder; once the generations it replaced are swept
+    (their keep time over) and GC ran, their folders are gone too, not left empty forever, and the serving
+    generation's folder keeps all its files."""
+    shoal = make_shoal("local", gc_grace_s=0)
+    builder = ShardBuilder(shoal.engine, shoal.storage)
+    source_with_index(shoal, builder, "rx")
+    assert shoal.reindex("rx.I", "1", algorithm="hnsw", wait=True).state == "swapped"
+    assert shoal.reindex("rx.I", "1", algorithm="flat", wait=True).state == "swapped"
+    assert set(generation_folders(shoal, "rx.I")) == {"gen-1", "gen-2", "gen-3"}
+    serving = generation_folders(shoal, "rx.I")["gen-3"]
+
+    swept = drop_expired_generations(shoal.engine, shoal.storage, keep_s=0, tenant_id=shoal.catalog.tenant_id)
+    assert swept == 2
+    shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5))
+
+    left = generation_folders(shoal, "rx.I")
+    assert set(left) == {"gen-3"}, f"folders of swept generations left behind: {sorted(left)}"
+    assert left["gen-3"] == serving
+    searcher = shoal.searcher(follow=False)
+    try:  # the serving generation still answers from its files
+        assert len(searcher.search("rx.I", "1", [[1.0, 1.0]], 2)[0]) == 2
+    finally:
+        searcher.close()
+
+
+def test_gc_keeps_the_folder_of_a_generation_being_built_and_removes_it_once_cancelled(
+    make_shoal: Callable[..., Shoal],
+) -> None:
+    """The `gen-N` folder of a reindex in flight stays while its generation's row exists, even when GC deletes
+    the last file in it (here a killed writer's stray file, before anything was built): the build writes there
+    next. Once the reindex is cancelled its generation's files and folders go, and the serving one's stay."""
+    shoal = make_shoal("local", gc_grace_s=0)
+    builder = ShardBuilder(shoal.engine, shoal.storage)
+    source_with_index(shoal, builder, "fx")
+    serving = generation_folders(shoal, "fx.I")["gen-1"]
+    job = start_reindex(shoal.catalog, shoal.indexes, "fx.I", "1", algorithm="hnsw")
+    assert job.definition["generation"] == 2
+    stray = f"{layout.index_dir(shoal.settings.tenant, 'fx.I', '1')}/gen-2/shard-0/stray"
+    shoal.storage.write_atomic(stray, pa.py_buffer(b"x"))
+
+    result = shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5))
+    assert result.deleted == 1 and not shoal.storage.exists(stray)
+    assert generation_folders(shoal, "fx.I") == {"gen-1": serving, "gen-2": {"shard-0/"}}
+
+    found = ShardCatalog(shoal.engine).index_by_id(job.to_index_id)  # type: ignore[arg-type]
+    assert found is not None
+    for shard in found[1].shards:
+        builder.materialize(shard.id)
+    assert any(p.startswith("shard-0/") and not p.endswith("/") for p in generation_folders(shoal, "fx.I")["gen-2"])
+    assert shoal.cancel_reindex("fx.I", "1").state == "cancelled"
+    shoal.collect_garbage(now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5))
+    assert generation_folders(shoal, "fx.I") == {"gen-1": serving}
 
 
 WRITES = 1500

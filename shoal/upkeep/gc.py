@@ -46,11 +46,12 @@ Once the last file of an index segment's folder is gone, the folder goes too (an
 directory marker pyarrow leaves on S3): builds make a new one every time. Locally the folders above it that it
 leaves empty go as well, up to the owner's folder (`indexes/{index}`, `sources/{source}`, `datasets/{name}`,
 `trash/{id}`; the tenant's kind folders and the tenant's folder stay), each only once its owner is gone from the
-catalog (no data source of that name and version, index of that name and version, live data source of that
-dataset's name, data source in the trash with that id), checked right before it goes; a directory is removed only
-while it is empty, and a write whose folder vanished before its temp file was opened makes the folder again
-(`Storage.write_atomic`). On S3 they stay: pyarrow removes a marker only with every object under it, and a listing
-just before cannot rule out a new owner of the name writing there in between.
+catalog (no data source of that name and version, index of that name and version, for a `gen-{n}` folder and
+below none of those of generation n, live data source of that dataset's name, data source in the trash with that
+id), checked right before it goes; a directory is removed only while it is empty, and a write whose folder
+vanished before its temp file was opened makes the folder again (`Storage.write_atomic`). On S3 they stay:
+pyarrow removes a marker only with every object under it, and a listing just before cannot rule out a new owner
+of the name writing there in between.
 
 A folder holding a storage marker (`shoal-catalog.json`) is the root of another storage nested inside this one's
 folders (another deployment's, set up by mistake): none of its files is this catalog's to judge, so the scan
@@ -416,10 +417,11 @@ def _segment_folder(folder: str) -> bool:
 def _owner_present(engine: Engine, folder: str) -> bool:
     """Whether the catalog still holds the owner of a folder below a tenant's kind folder, who may write into it
     again: for `sources/{s}` any data source named s, for `sources/{s}/{v}/...` one of that version (live or in
-    the trash); for `indexes/{i}` any index named i, for `indexes/{i}/{v}/...` one of that version or one of its
-    generations; for `datasets/{n}/...` a live data source named n; for `trash/{id}/...` a data source in the
-    trash with that id. Never for an index segment's folder (`.../shard-N/{uuid}` and below): nothing writes
-    into it again once its files are gone."""
+    the trash); for `indexes/{i}` any index named i, for `indexes/{i}/{v}` one of that version or one of its
+    generations, for `indexes/{i}/{v}/gen-{n}/...` one of those whose generation is n; for `datasets/{n}/...`
+    a live data source named n; for `trash/{id}/...` a data source in the trash with that id. Never for an
+    index segment's folder (`.../shard-N/{uuid}` and below): nothing writes into it again once its files are
+    gone."""
     tenant, kind, *rest = folder.split("/")[1:]
     owner = rest[0]
     with engine.connect() as conn:
@@ -432,17 +434,38 @@ def _owner_present(engine: Engine, folder: str) -> bool:
         if kind == "indexes":
             if _segment_folder(folder):
                 return False  # an index segment's folder (uuid-named) or one below it
-            q = select(Index.id).join(Tenant, Tenant.id == Index.tenant_id).where(
-                Tenant.name == tenant, Index.name == owner)
-            if len(rest) > 1:
-                # A generation's folder keeps the version it was built under (older ones: `{v}~g{n}`).
-                base = rest[1].partition(GENERATION_MARK)[0]
-                q = q.where((Index.version == base)
-                            | Index.version.startswith(base + GENERATION_MARK, autoescape=True))
-            return conn.execute(q.limit(1)).first() is not None
+            return _index_owner_present(conn, tenant, rest)
         if kind == "datasets":
             return bool(garbage.live_source_names(conn, tenant, [owner]))
         return owner.isdigit() and bool(garbage.trashed_source_ids(conn, tenant, [int(owner)]))
+
+
+def _index_owner_present(conn: Connection, tenant: str, rest: Sequence[str]) -> bool:
+    """Whether the catalog holds an index that may write into the folder `indexes/{rest...}` of `tenant`: for
+    `{i}` any index named i; for `{i}/{v}` one of that version or one of its generations (`{v}~g{n}`), live or
+    in the trash; for `{i}/{v}/gen-{n}` and below, one of those whose generation is n."""
+    q = select(Index.generation).join(Tenant, Tenant.id == Index.tenant_id).where(
+        Tenant.name == tenant, Index.name == rest[0])
+    if len(rest) > 1:
+        # A generation's folder keeps the version it was built under (older ones: `{v}~g{n}`).
+        base = rest[1].partition(GENERATION_MARK)[0]
+        q = q.where((Index.version == base) | Index.version.startswith(base + GENERATION_MARK, autoescape=True))
+    generation = _generation_of(rest[2]) if len(rest) > 2 else None
+    if generation is not None:
+        # Only the index row of generation n writes into `gen-{n}`: its folder outlives that row for nothing
+        # (a swept or cancelled generation's would stay empty forever, one per reindex). A reindex allocates n
+        # and inserts its row in one transaction (shoal.index.reindex._start_job) and builds only after that
+        # commits, so no file of gen-n is written while no row of n is visible; a number a dropped generation
+        # had is taken again only by a reindex started after the drop (n = highest generation left + 1), whose
+        # build makes the folder again if it went meanwhile (Storage.write_atomic).
+        q = q.where(Index.generation == generation)
+    return conn.execute(q.limit(1)).first() is not None
+
+
+def _generation_of(folder_name: str) -> int | None:
+    """The generation number of a `gen-{n}` folder name; None for any other name."""
+    prefix, _, number = folder_name.partition("-")
+    return int(number) if prefix == "gen" and number.isascii() and number.isdigit() else None
 
 
 def _nested_roots(paths: Iterable[str]) -> set[str]:
