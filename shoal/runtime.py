@@ -20,7 +20,7 @@ from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
 from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord, tenant_exists
 from shoal.config.settings import Settings
-from shoal.errors import NotFoundError
+from shoal.errors import NotFoundError, ShoalError
 from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.heads import HeadAnnouncer
@@ -126,6 +126,15 @@ class Runtime:
             if self._redis is None:
                 self._redis = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
             return self._redis
+
+    def redis_if_any(self) -> redis.Redis | None:
+        """The Redis client of `redis()`, or None (logged) when the broker cannot be had (a configuration error,
+        an embedded Valkey that will not start): for best-effort work such as deleting a purged source's keys."""
+        try:
+            return self.redis()
+        except (ShoalError, redis.RedisError, OSError) as exc:
+            log.warning("no Redis client for best-effort work: %s", exc)
+            return None
 
     def celery(self) -> Any:
         """A Celery app that only sends Shoal's tasks to the broker."""

@@ -132,9 +132,10 @@ def trash_purge(
             if items and not yes:
                 typer.confirm(f"Delete for good the {len(items)} datasets in the trash of tenant {shoal.tenant!r}?",
                               abort=True, err=True)
-            result = trash.purge(shoal.storage)
+            result = trash.purge(shoal.storage, redis_client=shoal.runtime.redis_if_any())
         else:
-            result = purge_due(shoal.engine, shoal.storage, source_ids=due_sources(shoal.engine, [t.id for t in items]))
+            result = purge_due(shoal.engine, shoal.storage, source_ids=due_sources(shoal.engine, [t.id for t in items]),
+                               redis_client=shoal.runtime.redis_if_any())
         left = len(trash.list())
         tenant_name = shoal.tenant
     if as_json:

@@ -115,7 +115,8 @@ class Deletions(DatasetScope):
         `trash_id` picks one): its rows, then its files. DATASET_NOT_FOUND if it left the trash meanwhile."""
         name = self._lookup_name(name)
         chosen = self._trashed_one(name, trash_id)
-        result = self._trash().purge(self.shoal.storage, [chosen.record.source_id])
+        result = self._trash().purge(self.shoal.storage, [chosen.record.source_id],
+                                     redis_client=self.shoal.runtime.redis_if_any())
         purged = any(i == chosen.record.source_id for _, _, _, i in result.sources)
         if not purged:  # restored or purged by someone else meanwhile
             raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} is no longer in the trash",

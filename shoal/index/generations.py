@@ -11,7 +11,8 @@ A job belongs to the index whose generations it links (`from_index_id`, `to_inde
 name is free for a new index once the old one is dropped or in the trash, and the old one's jobs are not the
 new one's. Once an index is dropped for good, its job rows stay (a job is still read by its id) but are marked
 as a dropped index's (`forget_jobs`): with their generations gone they link nothing, and no index of the name
-(one restored from the trash, older than they are) may take them for its own.
+(one restored from the trash, older than they are) may take them for its own. A week after the drop (and after
+they ended) the trash purge deletes them (`shoal.upkeep.leftovers.sweep_jobs`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, cast, func, literal, or_, select, update
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import Connection, Engine, Text, and_, cast, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source
@@ -31,7 +31,8 @@ from shoal.errors import ConflictError, NotFoundError, ReindexConflictError
 from shoal.log.records import GENERATION_MARK
 
 HIDDEN = GENERATION_MARK  # version suffix of generations that do not serve: `{version}~g{generation}`
-# Key set in a job's `definition` once its index was dropped for good (`forget_jobs`); never shown in a JobRecord.
+# Key set in a job's `definition` once its index was dropped for good (`forget_jobs`), to the time of the drop
+# (marks of before hold `true`); never shown in a JobRecord.
 DROPPED = "_index_dropped"
 
 
@@ -137,7 +138,8 @@ def forget_jobs(conn: Connection, index_ids: Sequence[int]) -> int:
     dropped index's, so that `jobs` of no index of the same name takes them for its own once
     their generation rows are gone (an index restored from the trash is older than they are, so their start
     time does not tell them apart). Marked: the jobs linking one of the rows and, of a live index, those its
-    `jobs` lists that link none any more. The rows stay, so a job is still read by its id. How many."""
+    `jobs` lists that link none any more; the mark holds the time of the drop. The rows stay, so a job is still
+    read by its id, until `shoal.upkeep.leftovers.sweep_jobs` deletes them a retention later. How many."""
     if not index_ids:
         return 0
     ids = list(index_ids)
@@ -165,7 +167,10 @@ def forget_jobs(conn: Connection, index_ids: Sequence[int]) -> int:
     return int(conn.execute(
         update(ReindexJob)
         .where(or_(ReindexJob.from_index_id.in_(ids), ReindexJob.to_index_id.in_(ids), *unlinked))
-        .values(definition=ReindexJob.definition.op("||")(cast(literal(f'{{"{DROPPED}": true}}'), JSONB)))
+        # The mark holds the time of the drop: the jobs stay readable by id for a retention counted from it
+        # (shoal.upkeep.leftovers).
+        .values(definition=ReindexJob.definition.op("||")(func.jsonb_build_object(cast(literal(DROPPED), Text),
+                                                                                 func.now())))
     ).rowcount or 0)
 
 

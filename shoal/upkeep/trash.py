@@ -16,7 +16,12 @@ queued at once:
    (`garbage_files`, reason `trash-purged`, due at once) every file its rows reference (log segments, the
    files of every index version) and the files of its trash folder, and deletes the rows (the cascade takes
    segments, batches, indexes, shards, versions and aliases);
-2. the queued files are deleted through GC's checked deletion, each deletion logged.
+2. given a Redis client, the source's Redis keys (announced head, index token) are deleted, best effort
+   (`shoal.upkeep.leftovers`): the soft delete announced the drop already, and no restore can need them now;
+3. the queued files are deleted through GC's checked deletion, each deletion logged.
+
+A full run (every due source, as beat's runs) also runs the backstop `leftovers.sweep`: the Redis keys of data
+sources no row has (with a client) and the reindex jobs of dropped indexes past their retention (7 days).
 
 Grace 0 is safe here: the source and its indexes have been hidden from every lookup since the soft delete,
 for the whole retention, so no searcher still reads their files. A crash before step 1's COMMIT changes
@@ -33,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -46,6 +52,7 @@ from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
 from shoal.storage.layout import trash_dir
 from shoal.upkeep import gc_queue as garbage
+from shoal.upkeep import leftovers
 from shoal.upkeep.drops import cancel_reindexes, delete_now, delete_source_rows
 
 log = logging.getLogger(__name__)
@@ -75,6 +82,8 @@ class PurgeResult:
     sources: list[tuple[str, str, str, int]]  # (tenant, name, version, id) of each purged data source
     files: int = 0  # files deleted (already missing ones not counted)
     pending: int = 0  # queued files of an earlier, interrupted purge finished by this run
+    keys: int = 0  # Redis keys of deleted data sources deleted (shoal.upkeep.leftovers)
+    jobs: int = 0  # reindex jobs of dropped indexes deleted past their retention (a full run's backstop)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready."""
@@ -82,6 +91,8 @@ class PurgeResult:
             "purged": [{"tenant": t, "name": n, "version": v, "id": i} for t, n, v, i in self.sources],
             "files_deleted": self.files,
             "pending_finished": self.pending,
+            "redis_keys_deleted": self.keys,
+            "reindex_jobs_deleted": self.jobs,
         }
 
 
@@ -243,10 +254,13 @@ class Trash:
                      sorted(expired), self.tenant)
         return ids
 
-    def purge(self, storage: Storage, source_ids: Sequence[int] | None = None) -> PurgeResult:
-        """Purge now the given sources in the trash (all of the tenant's when None), retention or not."""
+    def purge(
+        self, storage: Storage, source_ids: Sequence[int] | None = None, *, redis_client: redis.Redis | None = None
+    ) -> PurgeResult:
+        """Purge now the given sources in the trash (all of the tenant's when None), retention or not; with
+        `redis_client`, their Redis keys go too (`purge_due`)."""
         ids = self.expire(source_ids)
-        return purge_due(self.engine, storage, source_ids=ids)
+        return purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client)
 
 
 # -- the purge ----------------------------------------------------------------------------------------------
@@ -262,11 +276,18 @@ def due_sources(engine: Engine, source_ids: Sequence[int] | None = None) -> list
 
 
 def purge_due(
-    engine: Engine, storage: Storage, *, source_ids: Sequence[int] | None = None, lock_timeout_ms: int = 30_000
+    engine: Engine,
+    storage: Storage,
+    *,
+    source_ids: Sequence[int] | None = None,
+    lock_timeout_ms: int = 30_000,
+    redis_client: redis.Redis | None = None,
 ) -> PurgeResult:
     """Purge every data source in the trash whose retention ended (of `source_ids` when given): its rows go
-    and its files are queued in one transaction, then the files are deleted. A run over every source first
-    finishes what an interrupted one left queued. Idempotent; safe to run concurrently and to kill anywhere."""
+    and its files are queued in one transaction, then its Redis keys (with `redis_client`; best effort) and its
+    files are deleted. A run over every source first runs the backstop (`leftovers.sweep`: keys of deleted
+    data sources, with `redis_client`, and reindex jobs of dropped indexes past their retention) and finishes
+    what an interrupted run left queued. Idempotent; safe to run concurrently and to kill anywhere."""
     result = PurgeResult([])
 
     def announce(row: garbage.GarbageRow) -> None:
@@ -274,9 +295,12 @@ def purge_due(
         log.info("purge: deleted file %s", row.path)
 
     if source_ids is None:
-        leftovers = garbage.due(engine, dt.datetime.now(dt.UTC), reason=PURGED)
-        if leftovers:
-            done = delete_now(engine, storage, [r.path for r in leftovers], reason=PURGED,
+        # First: it needs no storage, so a storage outage (which fails what follows) does not stop it.
+        swept = leftovers.sweep(engine, redis_client)
+        result.keys, result.jobs = swept.keys, swept.jobs
+        queued = garbage.due(engine, dt.datetime.now(dt.UTC), reason=PURGED)
+        if queued:
+            done = delete_now(engine, storage, [r.path for r in queued], reason=PURGED,
                               lock_timeout_ms=lock_timeout_ms, announce=announce)
             result.pending = done.deleted + done.already_gone + done.kept
     for source_id in due_sources(engine, source_ids):
@@ -285,6 +309,8 @@ def purge_due(
             continue
         owner, files = purged
         result.sources.append(owner)
+        # Its rows are gone for good, and the soft delete announced the drop: the keys have no reader left.
+        result.keys += leftovers.forget_source_keys(redis_client, [source_id])
         delete_now(engine, storage, files, reason=PURGED, lock_timeout_ms=lock_timeout_ms, announce=announce)
     return result
 
