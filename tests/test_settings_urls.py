@@ -55,3 +55,16 @@ def test_a_redis_url_redis_cannot_use_is_refused_naming_the_setting(url: str, sa
                                  "redis:///0", "redis://:pw@/0"])
 def test_redis_urls_redis_takes_are_accepted(url: str, tmp_path: Path) -> None:
     assert Settings(redis_url=url, data_dir=tmp_path).redis_url == url
+
+
+@pytest.mark.parametrize("url", ["redis://:RSec@ret4@127.0.0.1:6390/0", "redis://default:p@ss@word@cache.internal:6379/0"])
+def test_a_redis_password_holding_an_at_sign_is_masked_whole(url: str) -> None:
+    """redis-py (urllib) ends the user part at the last `@` of the host part; masking stopped at the first and
+    `shoal settings` showed `redis://:***@ret4@...`."""
+    import redis
+
+    password = redis.connection.parse_url(url)["password"]
+    shown = mask_url(url)
+    assert "@" in password and password not in shown
+    assert all(piece not in shown for piece in password.split("@"))
+    assert shown.endswith("***@" + url.rpartition("@")[2])

@@ -554,13 +554,19 @@ _SECRET_PARAMS = frozenset({"password", "sslpassword"})
 
 # A URL's user:password@, as SQLAlchemy reads it: the password runs to the first "@", "/", "?" and "#" included
 # (a base64 password often holds "/"), where urlsplit ends the authority at the first of those.
+# A password in the user part, as either reader of Shoal's URLs splits it: SQLAlchemy's ends at the first `@`
+# and may hold `/`, `?` and `#`; urllib's (redis-py's) ends at the last `@` before the path and may hold `@`.
+# The longer of the two is masked.
 _USERINFO_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@]*:)[^@]*@")
+_NETLOC_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:)[^/?#]*@")
 
 
 def mask_url(url: str) -> str:
     """`url` with any password replaced by `***`, in its user part or as a query parameter (safe to print or
     log); never raises (a URL it cannot read is shown as its scheme alone)."""
-    masked = _USERINFO_PASSWORD.sub(r"\1***@", url, count=1)
+    found = [m for m in (_USERINFO_PASSWORD.match(url), _NETLOC_PASSWORD.match(url)) if m is not None]
+    longest = max(found, key=lambda m: m.end(), default=None)
+    masked = url if longest is None else f"{longest.group(1)}***@{url[longest.end():]}"
     try:
         parts = urlsplit(masked)
     except ValueError:  # e.g. a broken IPv6 host: nothing of it is shown
