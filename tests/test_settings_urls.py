@@ -68,3 +68,13 @@ def test_a_redis_password_holding_an_at_sign_is_masked_whole(url: str) -> None:
     assert "@" in password and password not in shown
     assert all(piece not in shown for piece in password.split("@"))
     assert shown.endswith("***@" + url.rpartition("@")[2])
+
+
+@pytest.mark.parametrize(("query", "says"), [("port=abc", "its port 'abc' is not a number"),
+                                             ("port=99999", "has port 99999: a port is 1..65535"),
+                                             ("port=5432,x", "its port 'x' is not a number")])
+def test_a_port_given_as_a_query_parameter_is_checked_like_the_other(query: str, says: str) -> None:
+    """`?port=abc` passed the settings check and every command then printed SQLAlchemy's 133-line traceback."""
+    with pytest.raises(ValidationError, match=says):
+        Settings(database_url=f"postgresql://u:pw@/shoal?host=/tmp&{query}")
+    Settings(database_url="postgresql://u:pw@/shoal?host=/tmp,/var/run&port=5433,")  # libpq's lists stay valid

@@ -426,13 +426,21 @@ def check_database_url(url: str) -> str:
         what = f"scheme {scheme!r}" if scheme else "no scheme"
         raise ValueError(f"{named} has {what}: the catalog is PostgreSQL, {form} (or postgresql+psycopg://...)")
     try:
-        port = make_url(url).port
+        parsed = make_url(url)
     except (ArgumentError, ValueError) as exc:
         text = str(exc).strip()
         reason = "its port is not a number" if "int()" in text else (text.splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{named} is not a valid URL ({reason}): use {form}") from None
-    if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"{named} has port {port}: a port is 1..65535")
+    # A port may also come as a query parameter (`?host=/tmp&port=5433`, libpq's form); it is read as the other.
+    ports = [str(parsed.port)] if parsed.port is not None else []
+    given = parsed.query.get("port", ())
+    ports += [given] if isinstance(given, str) else list(given)
+    # libpq takes one port per host, comma-separated (an empty one: the default).
+    for port in (p.strip() for listed in ports for p in listed.split(",") if p.strip()):
+        if not (port.isascii() and port.isdigit()):
+            raise ValueError(f"{named} is not a valid URL (its port {port!r} is not a number): use {form}")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"{named} has port {port}: a port is 1..65535")
     return url
 
 
