@@ -37,6 +37,8 @@ from shoal.errors import (
     CommitError,
     ConfigurationError,
     ConflictError,
+    CorruptArtifactError,
+    CorruptSegmentError,
     DatasetError,
     NotFoundError,
     PermissionDeniedError,
@@ -221,11 +223,17 @@ def vektonn_error(status: int, messages: list[str]) -> JSONResponse:
 
 def vektonn_response(exc: ShoalError) -> JSONResponse:
     """A core error in Vektonn's shape: its status, one message per validation problem (else one message)."""
+    status = answer(exc).status
+    if isinstance(exc, CorruptSegmentError | CorruptArtifactError):
+        # A file the catalog names gone missing or damaged: logged in full, answered naming nothing internal (its
+        # storage path, an object key), as the dataset API answers it.
+        log.error("internal error answered %d: %s", status, exc)
+        return _vektonn(status, ["internal error"], extra_headers(exc))
     if isinstance(exc, ValidationError):
         messages = [f"{exc.prefix}: {p}" for p in exc.problems]
     else:
         messages = [str(exc)]
-    return _vektonn(answer(exc).status, messages, extra_headers(exc))
+    return _vektonn(status, messages, extra_headers(exc))
 
 
 def vektonn_request_error(exc: RequestValidationError) -> JSONResponse:
