@@ -187,6 +187,10 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
         # A shard the index does not have is the caller's mistake (400), not one to retry later (503).
         beyond = search(a, "Pkg.Hnsw", _body(queries[:1]), **{"X-Shoal-Shards": "1,7"})
         assert beyond.status_code == 400 and "has 4 shards (0..3): no shard 7" in beyond.text, beyond.text
+        # An empty list is no list of shards (it answered 200 with no hits).
+        for raw in ("", "1,"):
+            empty = search(a, "Pkg.Hnsw", _body(queries[:1]), **{"X-Shoal-Shards": raw})
+            assert empty.status_code == 400 and "must list shard numbers" in empty.text, (raw, empty.text)
 
         # Node b goes away: its shards are named in a 503, never silently left out...
         stop_process(pb)

@@ -74,8 +74,9 @@ class PeerError(Exception):
 
 
 def parse_shards(raw: str) -> list[int]:
-    """The shard numbers of an X-Shoal-Shards header ("0,2,3"); ValueError when it is not such a list."""
-    numbers = [int(x) for x in raw.split(",")] if raw.strip() else []
+    """The shard numbers of an X-Shoal-Shards header ("0,2,3"); ValueError when it is not such a list (an empty
+    one included: a part names at least one shard, and an empty list answered every search with no hits)."""
+    numbers = [int(x) for x in raw.split(",")]
     if any(n < 0 for n in numbers):
         raise ValueError(raw)
     return numbers
