@@ -4,27 +4,35 @@
   longer than the calendar: it keeps every point, and never stops the retention sweep of the other sources (every
   tenant's);
 - a tag (or as_of) on an index made after a compaction, with a shard not built yet, reads the log from seq 0 up to
-  a seq at or past the compaction's bound: it answers exactly, while a read that needs compacted entries refuses.
+  a seq at or past the compaction's bound: it answers exactly, while a read that needs compacted entries refuses;
+- retention completes while uploads keep landing (commits between its decision and its commit no longer make it
+  start over until it gives up), and still never deletes a point upserted after its decision.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import use_settings_env, wait_for
+from sqlalchemy import text
 
 from shoal import DataPoint, DataSourceSpec, Shoal, Tombstone
+from shoal.catalog.repo import SourceRecord
 from shoal.config.settings import Settings
 from shoal.engines.metrics import Metric, exact_top_k
 from shoal.errors import NotFoundError
 from shoal.index.builder import ShardBuilder
 from shoal.log import retention
+from shoal.log.commit import BatchSlot, _attempt
 from shoal.log.records import IndexSpec
+from shoal.log.segment_file import build_segment_table, store_segment
+from shoal.log.validation import points_to_table
 from shoal.workers.base import ShoalTask
 
 DIM = 2
@@ -179,3 +187,142 @@ def test_as_of_from_a_version_inside_the_compacted_range_is_still_refused(make_s
             10, 11, 12, 13]
     finally:
         searcher.close()
+
+
+# -- retention while uploads keep landing ------------------------------------------------------------------
+
+BULK = 50_000  # large enough that deciding the expiry takes far longer than an upload's commit
+
+
+def _expiring_source(shoal: Shoal, name: str, days: float) -> dt.datetime:
+    """A source of BULK points under `days` of retention; returns a `now` whose cutoff lies just after their
+    ingestion, so that exactly they expire and every later upload is fresh."""
+    shoal.create_data_source(_spec(name, days))
+    shoal.producer(name, "1").upload_columns(np.zeros((BULK, DIM), np.float32), {"id": np.arange(BULK)})
+    ingested = max(shoal.fold(name, "1")["__ingested_at"].to_pylist())
+    return ingested + dt.timedelta(days=days, microseconds=1)
+
+
+def _live(shoal: Shoal, name: str) -> dict[int, list[float]]:
+    state = shoal.fold(name, "1")
+    return dict(zip(state["id"].to_pylist(), state["__vector"].to_pylist(), strict=True))
+
+
+class _Uploader(threading.Thread):
+    """A real producer committing one small batch after another until stopped: each re-upserts a key of the
+    bulk (walking through it) and adds a key of its own. `acked` holds every acknowledged point's last vector."""
+
+    def __init__(self, shoal: Shoal, name: str) -> None:
+        super().__init__(daemon=True)
+        self.producer = shoal.producer(name, "1")
+        self.acked: dict[int, list[float]] = {}
+        self.commits = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        i = 0
+        try:
+            while not self.stop.is_set():
+                points = {(i * 97) % BULK: [float(i), 1.0], BULK + i: [float(i), 2.0]}
+                self.producer.upload([DataPoint({"id": k}, v) for k, v in points.items()])
+                self.acked.update(points)
+                self.commits += 1
+                i += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+def test_retention_completes_while_uploads_keep_landing(make_shoal: Callable[..., Shoal]) -> None:
+    """50,000 expired points and a producer committing small batches without pause: every run of retention was
+    refused (CommitError "the log kept moving") because a commit landed between its decision and its own, and
+    the points stayed forever. Now the first run expires every point not upserted since, and every acknowledged
+    upload (during the run too) stays live with its latest vector."""
+    shoal = make_shoal()
+    now = _expiring_source(shoal, "Busy", 1.0)
+    uploader = _Uploader(shoal, "Busy")
+    uploader.start()
+    try:
+        wait_for(lambda: uploader.commits >= 5 or uploader.error is not None, 30, "the uploads to start")
+        before = uploader.commits
+        result = shoal.apply_retention("Busy", "1", now=now)
+        during = uploader.commits - before
+    finally:
+        uploader.stop.set()
+        uploader.join(30)
+    assert uploader.error is None, uploader.error
+    assert during > 0  # the producer kept committing while retention ran
+    live = _live(shoal, "Busy")
+    # Every bulk point the producer did not upsert again expired; every acknowledged point is live, as uploaded.
+    assert live == uploader.acked
+    reupserted = sum(1 for k in uploader.acked if k < BULK)
+    assert BULK - reupserted <= result.expired <= BULK
+    assert shoal.apply_retention("Busy", "1", now=now).expired == 0
+
+
+def _commit_while_locked(shoal: Shoal, source: SourceRecord, conn: Any, key: int, vector: list[float]) -> int:
+    """Upsert one point through the commit protocol on `conn`, whose transaction holds the source's row lock
+    (the test's window: retention waits for that lock with its decision made). Returns its seq."""
+    spec = source.spec
+    table = points_to_table(spec, [DataPoint({"id": key}, vector)], 10)
+
+    def write(first_seq: int, keep: list[int]) -> Any:
+        return store_segment(shoal.storage, source.tenant, spec.name, spec.version, first_seq,
+                             build_segment_table([table]))
+
+    [token] = _attempt(conn, source.id, [BatchSlot(1, None)], write, lock_timeout_ms=10_000, expect_head=None,
+                       made=[])
+    assert isinstance(token, int)
+    return token
+
+
+def test_a_point_upserted_between_the_decision_and_the_commit_is_never_expired(
+    make_shoal: Callable[..., Shoal],
+) -> None:
+    """The race made deterministic: the test holds the source's row lock, so retention decides its expiry and
+    then waits for the lock; inside that window the test re-upserts key 2 and commits. Retention must not
+    tombstone key 2 (its decision saw the old, expired upsert) yet expire every other expired point, and finish
+    however often the window repeats (each of its attempts meets a fresh commit)."""
+    shoal = make_shoal()
+    now = _expiring_source(shoal, "Raced", 1.0)
+    source = shoal.get_data_source("Raced", "1")
+    outcome: dict[str, Any] = {}
+
+    def expire() -> None:
+        try:
+            outcome["result"] = shoal.apply_retention("Raced", "1", now=now)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=expire, daemon=True)
+    windows, vector = 0, [0.0, 0.0]
+    with shoal.engine.connect() as locker, shoal.engine.connect() as watcher:
+        pid = locker.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+        def retention_waits() -> bool:
+            blocked = watcher.execute(
+                text("SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"), {"pid": pid}
+            ).scalar_one()
+            watcher.rollback()  # pg_stat_activity is a snapshot per transaction: look again next time
+            return bool(blocked) or not runner.is_alive()
+
+        def lock() -> None:
+            locker.execute(text("SELECT id FROM data_sources WHERE id = :id FOR UPDATE"), {"id": source.id})
+
+        lock()  # before retention starts: its first decision meets the window
+        runner.start()
+        while True:
+            wait_for(retention_waits, 60, "retention to wait for the source's lock")
+            if not runner.is_alive():
+                locker.rollback()
+                break
+            windows += 1
+            vector = [2.0, float(windows)]
+            _commit_while_locked(shoal, source, locker, 2, vector)
+            locker.commit()
+            lock()  # waits while retention holds the lock; retention's next attempt, if any, meets the window
+        runner.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert windows >= 1
+    assert _live(shoal, "Raced") == {2: vector}
+    assert outcome["result"].expired == BULK - 1

@@ -8,7 +8,9 @@ look fails, StateUnknownError).
 
 A caller that decided what to write from the log up to some head states it as `expect_head`: under the lock
 the head must still be that one, or the commit writes nothing and raises ConflictError carrying the actual
-head, and the caller reloads and decides again (retention does).
+head, and the caller reloads and decides again. A caller may instead bring its decision up to date under the
+lock (`rebase`): given the head found, it returns the batches to write in its place, from the few entries
+committed since (retention does: under steady ingest the head always moves while it decides).
 
 A batch id answers a repeat of its batch with the first token, writing nothing. A batch slot may carry its
 fingerprint (a hash of its content): a batch whose id committed, or is taken by an earlier batch of the same
@@ -72,6 +74,11 @@ Outcome = int | BatchIdReusedError
 # Called under the lock with the first seq and which batches to write; returns the durable file.
 SegmentWriter = Callable[[int, list[int]], WrittenSegment]
 
+# Called under the lock when the head is no longer `expect_head`, with the head found: the batches to commit in
+# place of the stale decision's and the writer of their file, or None to decline (ConflictError, as without it).
+# It holds the lock while it runs, so every other writer of the source waits: it must stay cheap (bounded).
+Rebase = Callable[[int], tuple[Sequence[BatchSlot], SegmentWriter] | None]
+
 
 def commit_group(
     engine: Engine,
@@ -83,6 +90,7 @@ def commit_group(
     retries: int,
     lock_timeout_ms: int,
     expect_head: int | None = None,
+    rebase: Rebase | None = None,
     on_commit: Callable[[int], None] | None = None,
 ) -> list[Outcome]:
     """Commit the batches as one segment; return each batch's last seq (its write token), or the
@@ -94,18 +102,21 @@ def commit_group(
     A batch whose id already committed writes nothing and gets its original token back; one that carries a
     fingerprint other than the one its id committed with (or was taken with earlier in `batches`) is refused
     with BatchIdReusedError in its place, the others committing as usual. With `expect_head`, the rest is
-    written only if the head is still `expect_head` under the row lock; otherwise nothing is written and
-    ConflictError is raised with `actual` set to the head found. Transient failures (and a
-    lost head compare-and-swap) are retried up to `retries` times, then CommitError; StateUnknownError when
-    the catalog cannot say whether the last attempt landed; NotFoundError when the source is gone or in
-    the trash.
+    written only if the head is still `expect_head` under the row lock; otherwise `rebase(head found)`, when
+    given, replaces them (the outcomes returned are then those of its batches), and when it is not given or
+    declines, nothing is written and ConflictError is raised with `actual` set to the head found. Transient
+    failures (and a lost head compare-and-swap) are retried up to `retries` times, then CommitError;
+    StateUnknownError when the catalog cannot say whether the last attempt landed; NotFoundError when the
+    source is gone or in the trash.
     """
     last_error: Exception | None = None
     for attempt in range(1, retries + 1):
         made: list[WrittenSegment] = []  # filled as soon as the file exists, so a failure can remove it
         try:
             with engine.connect() as conn:
-                tokens = _attempt(conn, source_id, batches, write_segment, lock_timeout_ms, expect_head, made)
+                tokens = _attempt(
+                    conn, source_id, batches, write_segment, lock_timeout_ms, expect_head, made, rebase
+                )
                 try:
                     conn.commit()
                 except DBAPIError as exc:
@@ -163,28 +174,25 @@ def _landed(engine: Engine, segment_id: uuid.UUID) -> bool | None:
         return None
 
 
-def _attempt(
-    conn: Connection,
-    source_id: int,
-    batches: Sequence[BatchSlot],
-    write_segment: SegmentWriter,
-    lock_timeout_ms: int,
-    expect_head: int | None,
-    made: list[WrittenSegment],
-) -> list[Outcome]:
-    # `live`: no batch lands in a source in the trash (a soft delete takes the same lock).
-    head = lock_source(
-        conn, source_id, lock_timeout_ms=lock_timeout_ms, live=True, during="while the batch was in flight"
-    ).head_seq
+@dataclass(frozen=True)
+class _Plan:
+    """Which batches of a group go into the file (`keep`), each batch's last seq there (None: not written),
+    every batch's outcome, and the head after the file."""
 
+    keep: list[int]
+    ends: list[int | None]
+    tokens: list[Outcome]
+    end: int
+
+
+def _plan(conn: Connection, source_id: int, batches: Sequence[BatchSlot], head: int) -> _Plan:
+    """Decide which batches go into the file after `head`: new ones, each batch id once (the first occurrence
+    wins); a repeat gets the first one's token, another batch under its id (both fingerprinted, and different)
+    is refused."""
     ids = [b.batch_id for b in batches if b.batch_id is not None]
     # batch id -> (token, fingerprint) of the batches under it: committed before, or earlier in this group.
     known = {k: (h.token, h.fingerprint) for k, h in held_batches(conn, source_id, ids).items()}
-
-    # Decide which batches go into the file: new ones, each batch id once (the first occurrence wins); a repeat
-    # gets the first one's token, another batch under its id (both fingerprinted, and different) is refused.
     keep: list[int] = []
-    first_seq = head + 1
     end = head
     ends: list[int | None] = []
     tokens: list[Outcome] = []
@@ -201,15 +209,42 @@ def _attempt(
         tokens.append(end)
         if b.batch_id is not None:
             known[b.batch_id] = (end, b.fingerprint)
-    if not keep:
-        return tokens
+    return _Plan(keep, ends, tokens, end)
+
+
+def _attempt(
+    conn: Connection,
+    source_id: int,
+    batches: Sequence[BatchSlot],
+    write_segment: SegmentWriter,
+    lock_timeout_ms: int,
+    expect_head: int | None,
+    made: list[WrittenSegment],
+    rebase: Rebase | None = None,
+) -> list[Outcome]:
+    # `live`: no batch lands in a source in the trash (a soft delete takes the same lock).
+    head = lock_source(
+        conn, source_id, lock_timeout_ms=lock_timeout_ms, live=True, during="while the batch was in flight"
+    ).head_seq
+
+    plan = _plan(conn, source_id, batches, head)
+    if not plan.keep:
+        return plan.tokens
     # Checked after the batch ids: a decision that already landed is answered with its tokens, as any replay.
     if expect_head is not None and head != expect_head:
-        raise ConflictError(
-            f"data source {source_id}: head is {head}, not {expect_head} as expected; nothing written",
-            expected=expect_head,
-            actual=head,
-        )
+        rebased = rebase(head) if rebase is not None else None
+        if rebased is None:
+            raise ConflictError(
+                f"data source {source_id}: head is {head}, not {expect_head} as expected; nothing written",
+                expected=expect_head,
+                actual=head,
+            )
+        batches, write_segment = rebased
+        plan = _plan(conn, source_id, batches, head)
+        if not plan.keep:
+            return plan.tokens
+    keep, ends, tokens, end = plan.keep, plan.ends, plan.tokens, plan.end
+    first_seq = head + 1
 
     written = write_segment(first_seq, keep)
     made.append(written)

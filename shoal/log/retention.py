@@ -7,10 +7,14 @@ commit (one segment of tombstones under the batch id `shoal-retention:{head}:{n}
 producer batches record every expiry), and the indexes apply it like any delete; compaction later removes
 the expired entries from the log itself.
 
-The commit happens only if the head is still the one the expiry was computed at (the commit's `expect_head`
-precondition, checked under the data source's lock): a point updated meanwhile is never deleted by a stale
-decision. When the head moved (ConflictError, carrying the actual head), the entries since are folded in and
-the decision is made again.
+A point updated after the decision is never deleted by it: the commit is checked under the data source's lock
+against the head the expiry was computed at (the commit's `expect_head`). Under steady ingest that head has
+always moved by then (deciding reads the whole log; an upload commits in milliseconds), so insisting on it
+never let retention finish. Instead, still under the lock, the few entries committed since are read and every
+key they touch (upserted or deleted again) leaves the expiry, and the rest commits at once, its batch ids
+named after the head it was brought up to (`commit.Rebase`). Only when too much landed meanwhile to read
+under the lock (REBASE_SEQS, REBASE_SEGMENTS) does the commit refuse (ConflictError, carrying the actual
+head); then the entries since are folded in and the decision is made again.
 
 A batch id of the expiry may be taken by a batch it did not write: a client's, from before such ids were
 refused (`shoal.intake.producer.RESERVED_PREFIXES`), which the commit answers as a repeat with that batch's
@@ -27,16 +31,16 @@ import math
 import sys
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import Engine
 
-from shoal.catalog.repo import SourceRecord, head_of
+from shoal.catalog.repo import SourceRecord, head_of, list_segments
 from shoal.errors import CommitError, ConflictError
-from shoal.log.commit import BatchSlot, Outcome, commit_group
+from shoal.log.commit import BatchSlot, Outcome, SegmentWriter, commit_group
 from shoal.log.compaction_swap import sources_with_metadata
 from shoal.log.reader import fold, read_log
 from shoal.log.records import DATASET_KEY, DataSourceSpec
@@ -51,6 +55,11 @@ METADATA_KEY = "retention_days"
 DATASET_MARKER = DATASET_KEY  # where the dataset API keeps a dataset's definition (shoal.datasets.catalog)
 BATCH_PREFIX = "shoal-retention:"
 ATTEMPTS = 8  # head moved under us this often in a row: give up for this run (the next one retries)
+# How far the head may have moved since the decision for it to be brought up to date under the source's lock.
+# Reading those entries holds the lock, so every upload to the source waits meanwhile: a few thousand entries
+# in a few files take milliseconds; past that the decision is made again without the lock (the old retry).
+REBASE_SEQS = 4096
+REBASE_SEGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -151,8 +160,9 @@ def apply_retention(
             for i in range(0, expired.num_rows, max_batch_points)
         ]
         try:
-            tokens = _commit(
-                engine, storage, source, head, tables, lock_timeout_ms, commit_retries, announce_head, salt
+            landed = _commit(
+                engine, storage, source, head, tables, lock_timeout_ms, commit_retries, announce_head, salt,
+                rebase=True,
             )
         except ConflictError as moved:
             # The head the commit found under the lock (reloaded if the conflict did not say).
@@ -161,9 +171,10 @@ def apply_retention(
             state = fold([*state.to_batches(), *newer])
             head = new_head
             continue
-        # This decision's tombstones land after `head`; a token at or below it answered one of its batch ids
-        # with a batch committed before the decision, which the expiry did not write.
-        wrote = [t for t, seq in zip(tables, tokens, strict=True) if isinstance(seq, int) and seq > head]
+        # This decision's tombstones land after the head it was made (or brought up) to; a token at or below it
+        # answered one of its batch ids with a batch committed before the decision, which the expiry did not write.
+        tokens = landed.outcomes
+        wrote = [t for t, seq in zip(landed.tables, tokens, strict=True) if isinstance(seq, int) and seq > landed.head]
         appended = sum(t.num_rows for t in wrote)
         if appended:
             done, last = done + appended, max(seq for seq in tokens if isinstance(seq, int))
@@ -172,11 +183,11 @@ def apply_retention(
                 "before %s (retention %s days), up to seq %d",
                 appended, source.id, source.tenant, spec.name, spec.version, cutoff.isoformat(), days, last,
             )
-        if len(wrote) == len(tables):
+        if len(wrote) == len(landed.tables):
             return RetentionResult(source.id, days, cutoff, done, last)
         log.warning(
             "retention of data source %s: a batch id of its expiry at head %d was taken by a batch it did not "
-            "write; deciding again under other ids", source.id, head,
+            "write; deciding again under other ids", source.id, landed.head,
         )
         salt = uuid.uuid4().hex[:12]
         new_head = head_of(engine, source.id)[0]
@@ -192,6 +203,16 @@ def _older_than(state: pa.Table, cutoff: dt.datetime) -> pa.Table:
     return state.filter(pc.less(state[INGESTED_AT], pa.scalar(cutoff, pa.timestamp("us", tz="UTC"))))
 
 
+@dataclass
+class _Landed:
+    """What a commit of an expiry wrote: the head its decision was made (or brought up) to, its tombstone
+    batches then, and each one's outcome."""
+
+    head: int
+    tables: list[pa.Table]
+    outcomes: list[Outcome] = field(default_factory=list)
+
+
 def _commit(
     engine: Engine,
     storage: Storage,
@@ -202,23 +223,62 @@ def _commit(
     retries: int,
     announce_head: Callable[[int, int], None] | None = None,
     salt: str = "",
-) -> list[Outcome]:
+    *,
+    rebase: bool = False,
+) -> _Landed:
+    """Commit the tombstones decided at `head`. Without `rebase`, ConflictError (nothing written) once a commit
+    landed since; with it, such commits are read under the lock and their keys spared (`_rebased`)."""
     spec = source.spec
-
-    def write(first_seq: int, keep: list[int]) -> WrittenSegment:
-        table = build_segment_table([tables[i] for i in keep])
-        return store_segment(storage, source.tenant, spec.name, spec.version, first_seq, table)
-
     # Fingerprinted: another run that decided at the same head (with another `now`) may have expired other
     # points under these ids; its batches are not this decision's.
     suffix = f":{salt}" if salt else ""
-    slots = [
-        BatchSlot(t.num_rows, f"{BATCH_PREFIX}{head}:{i}{suffix}", batch_fingerprint(t)) for i, t in enumerate(tables)
-    ]
-    # `expect_head`: a commit that landed since the decision makes it stale (ConflictError, nothing written).
-    return commit_group(
-        engine, source.id, slots, write, storage.delete_quietly, retries=retries, lock_timeout_ms=lock_timeout_ms,
-        expect_head=head,
+
+    def slots(at: int, batches: list[pa.Table]) -> list[BatchSlot]:
+        return [
+            BatchSlot(t.num_rows, f"{BATCH_PREFIX}{at}:{i}{suffix}", batch_fingerprint(t))
+            for i, t in enumerate(batches)
+        ]
+
+    def writer(batches: list[pa.Table]) -> SegmentWriter:
+        def write(first_seq: int, keep: list[int]) -> WrittenSegment:
+            table = build_segment_table([batches[i] for i in keep])
+            return store_segment(storage, source.tenant, spec.name, spec.version, first_seq, table)
+
+        return write
+
+    # Replaced by each rebase: the outcomes commit_group returns are those of the last attempt, which rebased
+    # whenever an earlier one did (the head never comes back to `head`).
+    landed = _Landed(head, tables)
+
+    def bring_up_to(actual: int) -> tuple[list[BatchSlot], SegmentWriter] | None:
+        kept = _rebased(engine, storage, source.id, head, actual, tables)
+        if kept is None:
+            return None
+        landed.head, landed.tables = actual, kept
+        return slots(actual, kept), writer(kept)
+
+    # `expect_head`: a commit that landed since the decision makes it stale; `rebase` brings it up to date.
+    landed.outcomes = commit_group(
+        engine, source.id, slots(head, tables), writer(tables), storage.delete_quietly, retries=retries,
+        lock_timeout_ms=lock_timeout_ms, expect_head=head, rebase=bring_up_to if rebase else None,
         on_commit=(lambda new_head: announce_head(source.id, new_head)) if announce_head is not None else None,
     )
+    return landed
 
+
+def _rebased(
+    engine: Engine, storage: Storage, source_id: int, head: int, actual: int, tables: list[pa.Table]
+) -> list[pa.Table] | None:
+    """The tombstone batches decided at `head` without every key an entry in (head, actual] touches: such a key
+    was upserted (or deleted) after the decision, which therefore no longer stands for it. None when more
+    landed than may be read under the lock (REBASE_SEQS, REBASE_SEGMENTS): the decision is made again."""
+    if not 0 < actual - head <= REBASE_SEQS:
+        return None
+    if len(list_segments(engine, source_id, head, actual)) > REBASE_SEGMENTS:
+        return None
+    since = [b.column(KEY) for b in read_log(engine, storage, source_id, head, actual, columns=[KEY]) if b.num_rows]
+    if not since:
+        return tables
+    touched = pa.chunked_array(since).unique()
+    kept = [t.filter(pc.invert(pc.is_in(t[KEY], value_set=touched))) for t in tables]
+    return [t for t in kept if t.num_rows]
