@@ -227,3 +227,38 @@ def test_rollback_names_the_metric_and_no_empty_parameter_list(tenant: str, tmp_
     shoal_cli("reindex", "rb.flat", "1", "--metric", "dot_product", "--wait")
     out = shoal_cli("rollback", "rb.flat", "1").output
     assert "again (flat, cosine)" in out, out
+
+
+# A tenant's text that drives a terminal: colour, a window title (OSC ... BEL), erase the line, DEL, a C1 CSI
+# and a right-to-left override. What an operator must see instead: each control as a visible escape.
+CONTROLS = "X\x1b[31mRED\x1b[0m\x1b]0;TITLE\x07\x1b[2K\x7f\x9b\u202eZ"
+SHOWN = "X\\x1b[31mRED\\x1b[0m\\x1b]0;TITLE\\x07\\x1b[2K\\x7f\\x9b\\u202eZ"
+RAW = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+       if chr(c) not in "\t\n"]
+
+
+def assert_visible(output: str) -> None:
+    """`output` holds no raw control character (ESC, C1, bidi override) and shows CONTROLS escaped."""
+    raw = sorted({f"U+{ord(c):04X}" for c in output if c in RAW})
+    assert not raw, f"raw control characters {raw} in:\n{output!r}"
+    assert SHOWN in output, output
+
+
+def test_cli_shows_control_characters_of_stored_text_as_escapes(tenant: str, tmp_path: Path) -> None:
+    """A description and a string attribute holding ESC sequences reached the operator's terminal raw through
+    `source get`, `log --show` and `search` (recolouring, erasing lines, setting the window title); --json keeps
+    the text exactly."""
+    shoal_cli("source", "create", "esc", "1", "--dim", "2", "--attr", "id:int64,s:string", "--permanent", "id",
+              "--description", CONTROLS)
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"id": [1], "s": [CONTROLS], "vector": [[1.0, 0.0]]}), path)
+    shoal_cli("import", "esc", "1", str(path))
+    shoal_cli("index", "create", "esc.flat", "1", "--source", "esc", "--source-version", "1")
+    got = shoal_cli("source", "get", "esc", "1").stdout
+    assert_visible(got)
+    assert table_value(got, "description") == SHOWN
+    assert_visible(shoal_cli("log", "esc", "1", "--show", "1").stdout)
+    assert_visible(shoal_cli("search", "esc.flat", "1", "-q", "1,0", "--consistency", "strong").stdout)
+    assert json.loads(shoal_cli("source", "get", "esc", "1", "--json").stdout)["description"] == CONTROLS
+    found = json.loads(shoal_cli("search", "esc.flat", "1", "-q", "1,0", "--consistency", "strong", "--json").stdout)
+    assert found[0]["hits"][0]["attributes"]["s"] == CONTROLS

@@ -6,6 +6,11 @@ with 2 (Typer's own convention).
 The consoles print strings literally (no rich markup, no :emoji: codes): what they print holds names,
 descriptions, attribute values, paths and reasons that may contain "[...]" or ":...:". A message styled on
 purpose passes markup=True with its data escaped (rich.markup.escape), or prints a rich Text.
+
+Nor do they let that text drive the terminal: every string and rich Text they print (tables, titles, cells,
+messages) shows its control characters (C0 but tab and newline, DEL, C1, bidi overrides) as escapes such as
+\\x1b or \\u202e (see `visible`), so a tenant's description or attribute value cannot recolour, erase or spoof
+lines, or set the window title. `--json` output is json.dumps', which escapes them itself.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import kombu.exceptions
 import pydantic
 import redis
 import typer
-from rich.console import Console
-from rich.text import Text
+from rich.console import Console, ConsoleOptions, RenderableType
+from rich.segment import Segment
+from rich.text import Span, Text
 
 from shoal.catalog.repo import tenant_exists
 from shoal.client import Shoal
@@ -32,8 +38,56 @@ from shoal.runtime import Runtime
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-out = Console(highlight=False, markup=False, emoji=False)
-err = Console(stderr=True, highlight=False, markup=False, emoji=False)
+
+# What `visible` escapes: C0 but tab and newline, DEL, C1, and the bidi embeddings, overrides and isolates
+# (they reorder what follows on the line: "Trojan Source").
+_HIDDEN = [*(c for c in range(0x20) if chr(c) not in "\t\n"), *range(0x7F, 0xA0),
+           *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+_VISIBLE = str.maketrans({c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _HIDDEN})
+
+
+def visible(text: str) -> str:
+    """`text` with every control character but tab and newline (C0, DEL, C1) and every bidi override shown
+    as a Python-style escape (\\x1b, \\u202e): printed, it cannot move the cursor, restyle or reorder a line."""
+    return text.translate(_VISIBLE)
+
+
+def visible_text(text: Text) -> Text:
+    """A copy of the rich Text `text` with `visible` applied to its characters, its styles kept on them."""
+    plain = text.plain
+    if plain == visible(plain):
+        return text
+    starts = [0]  # starts[i]: where the i-th character of `plain` starts once escaped (the last: the end)
+    for char in plain:
+        starts.append(starts[-1] + len(visible(char)))
+    last = len(plain)
+    shown = text.copy()
+    shown.plain = visible(plain)
+    shown.spans = [Span(starts[min(s.start, last)], starts[min(s.end, last)], s.style) for s in text.spans]
+    return shown
+
+
+class PlainConsole(Console):
+    """A Console whose every str and Text goes through `visible` before it is printed.
+
+    render_str turns every str (printed, a table cell, a title) into Text, for rendering and measuring alike;
+    render is where any Text arrives, built by a command or nested in a table, panel or group. A Text cell of
+    a table is measured before render sees it: built from visible() text, its column fits what is shown.
+    """
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        """Console.render_str of `visible(text)`."""
+        return super().render_str(visible(text), **kwargs)
+
+    def render(self, renderable: RenderableType, options: ConsoleOptions | None = None) -> Iterator[Segment]:
+        """Console.render, a Text first made visible (a str is, by render_str)."""
+        if isinstance(renderable, Text):
+            renderable = visible_text(renderable)
+        yield from super().render(renderable, options)
+
+
+out = PlainConsole(highlight=False, markup=False, emoji=False)
+err = PlainConsole(stderr=True, highlight=False, markup=False, emoji=False)
 PIPE_WIDTH = 200  # columns of piped or captured output
 
 Tenant = Annotated[

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from shoal.cli.common import load_settings, out
+from shoal.cli.common import load_settings, out, visible
 from shoal.cli.worker import check_catalog, check_storage
 
 
@@ -52,9 +52,10 @@ def consume(
                 table.add_column(col)
             for d in letters:
                 h = d["headers"]
-                # Text: a reason quotes what the message held, which rich must not read as markup.
-                table.add_row(*(Text(str(h.get(k, ""))) for k in ("shoal-tenant", "shoal-source", "shoal-version",
-                                                                  "shoal-message-id", "shoal-dead-reason")))
+                # Text: a reason quotes what the message held, which rich must not read as markup; visible
+                # here (not only when printed) so the columns are measured on what is shown.
+                keys = ("shoal-tenant", "shoal-source", "shoal-version", "shoal-message-id", "shoal-dead-reason")
+                table.add_row(*(Text(visible(str(h.get(k, "")))) for k in keys))
             out.print(table)
 
         dead_letters(settings, group, show=show)
