@@ -16,7 +16,8 @@ Wire it with `install(app)`. The semantics (schema, names, counts, cache, merge 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -55,6 +56,7 @@ from shoal.api.security import (
     require_admin,
     writer_tenant,
 )
+from shoal.api.time_travel import AS_OF_HEADER, TAG_HEADER, TimeTravel, sent, time_travel
 from shoal.auth import Role
 from shoal.client import ShardStatus
 from shoal.datasets.cache import DatasetCache
@@ -74,6 +76,7 @@ from shoal.datasets.results import (
     TrashEntry,
 )
 from shoal.datasets.service import DatasetService
+from shoal.errors import QueryError, ValidationError
 
 
 class DatasetRoute(APIRoute):
@@ -422,10 +425,53 @@ def upsert_vectors(
 def search_dataset(
     dataset_id: str, body: Annotated[SearchRequest, Body()], svc: Reader, request: Request
 ) -> dict[str, Any]:
-    """The `top_k` nearest vectors of one dataset."""
-    with request.app.state.metrics.search_timer(request.state.dataset_tenant):
+    """The `top_k` nearest vectors of one dataset; `X-Shoal-Tag` or `X-Shoal-As-Of` search the state its index
+    had at that tag or seq (time travel), as the Vektonn search of the dataset's index does."""
+    travel = _time_travel(request)
+    with request.app.state.metrics.search_timer(request.state.dataset_tenant), _fields_as_headers():
         return _search_json(svc.search(dataset_id, body.vector, body.top_k, consistency=body.consistency,
-                                       min_write_token=body.min_write_token, filters=body.filters))
+                                       min_write_token=body.min_write_token, filters=body.filters,
+                                       tag=travel.tag, as_of=travel.as_of))
+
+
+# The service's time-travel parameters, as the headers that carry them over HTTP.
+TRAVEL_FIELDS = {"tag": TAG_HEADER, "as_of": AS_OF_HEADER}
+
+
+def _time_travel(request: Request) -> TimeTravel:
+    """The older state the search's headers ask for (`shoal.api.time_travel`, as the Vektonn routes read them);
+    a header that is malformed, or both sent, is VALIDATION_ERROR naming the headers sent."""
+    try:
+        return time_travel(request.headers)
+    except ValidationError as exc:
+        raise DatasetError(ErrorCode.VALIDATION_ERROR, str(QueryError.of(exc)),
+                           {"field": ", ".join(sent(request.headers))}) from None
+
+
+@contextmanager
+def _fields_as_headers() -> Iterator[None]:
+    """Errors raised inside name the time-travel headers as their `field`, not the service's parameters."""
+    try:
+        yield
+    except DatasetError as exc:
+        field = exc.details.get("field")
+        if isinstance(field, str) and field in TRAVEL_FIELDS:
+            exc.details["field"] = TRAVEL_FIELDS[field]
+        raise
+
+
+def _no_time_travel(request: Request) -> None:
+    """Refuse (VALIDATION_ERROR naming it) a time-travel header on a search over several datasets: a tag or a
+    seq belongs to one dataset's index or log, and would mean nothing (or another state) in the others."""
+    headers = sent(request.headers)
+    if headers:
+        named = ", ".join(headers)
+        raise DatasetError(
+            ErrorCode.VALIDATION_ERROR,
+            f"header {named}: multi-dataset search takes no time travel (a tag or a seq belongs to one dataset); "
+            "search each dataset with POST /api/v1/datasets/{dataset_id}/search and the header",
+            {"field": named},
+        )
 
 
 def _one_of(field: str, specified: Any, older: str, older_value: Any, default: Any = None) -> Any:
@@ -441,6 +487,7 @@ def search_datasets(body: Annotated[MultiSearchRequest, Body()], svc: Reader, re
     """One query over several datasets (by name), merged by `interleave`, `score` or `round_robin`: the
     specified body `{query_vector, datasets, options: {top_k, merge_strategy, consistency}}` or the older
     `{vector, dataset_ids, top_k, merge_strategy, consistency}`. `options.filters` filters every dataset searched."""
+    _no_time_travel(request)
     options = body.options or MultiSearchOptions()
     vector = _one_of("query_vector", body.query_vector, "vector", body.vector)
     names = _one_of("datasets", body.datasets, "dataset_ids", body.dataset_ids)

@@ -38,11 +38,11 @@ from shoal.api.fanout import (
 )
 from shoal.api.process_tuning import collector_paused
 from shoal.api.security import TenantContext, reader_tenant, writer_tenant
+from shoal.api.time_travel import int_header, time_travel
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, NotFoundError, QueryError, ValidationError
 from shoal.intake.producer import check_batch_id
 from shoal.log.commit import held_batches
-from shoal.log.records import MAX_SEQ
 from shoal.searcher.consistency import Consistency
 from shoal.searcher.searcher import AnsweredAt
 from shoal.vektonn import wire
@@ -190,28 +190,13 @@ def _decode_upload(request: Request, spec: Any, body: bytes, settings: Settings)
 # -- search ------------------------------------------------------------------------------------------------
 
 
-def _int_header(headers: Mapping[str, str], name: str) -> int | None:
-    """The header's seq (None when absent); ValidationError unless it is plain ASCII digits (around spaces)
-    within 0..MAX_SEQ. int() alone would take `1_0` as 10, `+5`, or digits of other scripts."""
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    digits = raw.strip()
-    if not (digits.isascii() and digits.isdigit()):
-        raise ValidationError(f"header {name}: must be a non-negative integer of digits 0-9, got {raw!r}")
-    value = int(digits)
-    if not 0 <= value <= MAX_SEQ:
-        raise ValidationError(f"header {name}: must be a seq between 0 and {MAX_SEQ}, got {raw!r}")
-    return value
-
-
 def _consistency(headers: Mapping[str, str]) -> Consistency:
     """The level the headers ask for, as the dataset API reads `consistency` and `min_write_token`: `strong` if
     asked (it reflects every committed write, so whatever token is sent too); else at least the required token
     when one is sent, `eventual` included (the token is checked: one past the log head is refused); else
     eventual."""
     level = headers.get("x-shoal-consistency")
-    token = _int_header(headers, "x-shoal-required-token")
+    token = int_header(headers, "X-Shoal-Required-Token")
     if level not in (None, "eventual", "strong", "at_least"):
         raise ValidationError(f"unknown X-Shoal-Consistency {level!r}: use eventual, strong or at_least")
     if level == "strong":
@@ -277,13 +262,14 @@ def _search_answer(
     try:
         query = wire.decode_search(body, settings.max_query_vectors)
         consistency = _consistency(headers)
+        travel = time_travel(headers)
         if shards is None and (raw := headers.get(SHARDS_HEADER)) is not None:
             try:
                 shards = parse_shards(raw)
             except ValueError:
                 raise ValidationError(f"header X-Shoal-Shards: must list shard numbers as 0,2,3; got {raw!r}")\
                     from None
-            pin = _int_header(headers, PIN_HEADER)
+            pin = int_header(headers, PIN_HEADER)
         answered = AnsweredAt() if shards is not None else None
         searcher = ctx.handle.searcher
         # The searcher's view holds the definitions: an eventual search makes no catalog round trip.
@@ -294,8 +280,8 @@ def _search_answer(
             split_filter=wire.split_filter(source, query),
             retrieve_vectors=query.retrieve_vectors,
             consistency=consistency,
-            tag=headers.get("x-shoal-tag"),
-            as_of=_int_header(headers, "x-shoal-as-of"),
+            tag=travel.tag,
+            as_of=travel.as_of,
             filters=query.filter,
             shards=shards,
             max_hits=settings.max_search_hits,

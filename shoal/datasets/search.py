@@ -14,7 +14,8 @@ from shoal.datasets.scope import DatasetScope
 from shoal.datasets.stats import metadata_value
 from shoal.engines.metrics import higher_is_nearer
 from shoal.errors import NotFoundError, QueryError, ValidationError
-from shoal.searcher.consistency import Consistency
+from shoal.log.records import check_name
+from shoal.searcher.consistency import Consistency, check_seq
 from shoal.searcher.execute import Hit
 from shoal.searcher.filters import Filter, parse_filter
 from shoal.searcher.views import IndexView
@@ -31,6 +32,31 @@ def consistency_of(level: str | None, min_write_token: int | None) -> Consistenc
             raise invalid("min_write_token must be a non-negative integer", field="min_write_token")
         return Consistency.at_least(min_write_token)
     return Consistency.eventual()
+
+
+def _travel_checked(tag: Any, as_of: Any, consistency: str | None, min_write_token: int | None) -> bool:
+    """True when a search asks for an older state (`tag` or `as_of`), checked: a legal tag name, a seq, not both,
+    and no consistency level or `min_write_token` besides (an older state is answered exactly as it was);
+    otherwise VALIDATION_ERROR naming the field."""
+    if tag is None and as_of is None:
+        return False
+    if tag is not None and as_of is not None:
+        raise invalid("give a tag or an as_of seq, not both", field="tag")
+    # `eventual` is every search's default, and says nothing a search of an older state would break.
+    for given, value in (("consistency", None if consistency == "eventual" else consistency),
+                         ("min_write_token", min_write_token)):
+        if value is not None:
+            raise invalid(f"a search of an older state (tag, as_of) takes no {given} {value!r}: it answers "
+                          "that state exactly as it was", field=given)
+    try:
+        if tag is not None:
+            check_name("tag", tag)
+        else:
+            check_seq(as_of, "as_of")
+    except ValidationError as exc:
+        field = "tag" if tag is not None else "as_of"
+        raise invalid(str(QueryError.of(exc)), field=field, problems=problems_of(exc)) from None
+    return True
 
 
 def filter_of(raw: Any, field: str) -> Filter | None:
@@ -164,6 +190,43 @@ class Search(DatasetScope):
         except ValidationError as exc:
             raise invalid(str(QueryError.of(exc)), problems=problems_of(exc)) from None  # a search writes nothing
 
+    def _hits_then(
+        self, record: DatasetRecord, vector: Sequence[float], top_k: int, tag: str | None, as_of: int | None,
+        filters: Filter | None,
+    ) -> tuple[Sequence[Hit], str]:
+        """The hits of a query already checked (`_check_query`) over the state the dataset's index had at `tag`
+        or at seq `as_of` (exactly one given; `_travel_checked`), and the metric their scores are distances of:
+        the tagged generation's for a tag (a reindex since may have changed it), the serving one's for a seq (an
+        `as_of` search reads the log as the generation serving now defines the index). A tag, or a seq, that
+        cannot be answered (unknown, pruned, compacted away) is VALIDATION_ERROR naming `tag` or `as_of`; a seq
+        past the log head VALIDATION_ERROR saying so; a dataset gone meanwhile DATASET_NOT_FOUND."""
+        field = "tag" if tag is not None else "as_of"
+        try:
+            metric = self._tagged_metric(record, tag) if tag is not None else self._metric(record)
+            hits = self.searcher.search(record.name, rules.VERSION, [list(vector)], top_k, tag=tag, as_of=as_of,
+                                        filters=filters)[0]
+        except NotFoundError as exc:
+            self._forget(record.name)
+            self.catalog.get(record.name)  # DATASET_NOT_FOUND when the dataset itself went
+            raise invalid(str(exc), field=field, **{field: tag if tag is not None else as_of}) from None
+        except ValidationError as exc:
+            # Not necessarily the tag's or the seq's fault (a query value the searcher refuses): no field named.
+            raise invalid(str(QueryError.of(exc)), problems=problems_of(exc)) from None
+        return hits, metric
+
+    def _tagged_metric(self, record: DatasetRecord, tag: str) -> str:
+        """The metric of the index generation `tag` was taken on; NotFoundError when there is no such tag."""
+        from shoal.index import history
+
+        index = self._view(record).index
+        tagged = history.tagged_versions(self.shoal.engine, index.id, tag)
+        if tagged.index_id == index.id:
+            return index.spec.metric
+        found = self.shoal.runtime.shards.index_by_id(tagged.index_id)
+        if found is None:  # its generation was swept since: the searcher finds no tag either
+            raise NotFoundError(f"tag {tag!r} not found")
+        return found[1].spec.metric
+
     def _metric(self, record: DatasetRecord) -> str:
         """The metric the dataset's scores are distances of: the served generation's. A reindex or rollback may
         have swapped another in since the (cached) record was read, by another process that cannot touch this
@@ -179,15 +242,23 @@ class Search(DatasetScope):
         consistency: str | None = None,
         min_write_token: int | None = None,
         filters: Any = None,
+        tag: str | None = None,
+        as_of: int | None = None,
     ) -> SearchResults:
         """The `top_k` nearest vectors, nearest first; `score` is the metric's distance. `filters`: only vectors
-        matching it (see `filter_of`) are searched."""
+        matching it (see `filter_of`) are searched. `tag` or `as_of` (time travel, one at most) answer the state
+        the index had at that tag or seq, exactly as the Vektonn search of the dataset's index does (no
+        consistency level or `min_write_token` with them: that state is answered as it was)."""
         record = self.record(name)
         level = consistency_of(consistency, min_write_token)
         flt = filter_of(filters, "filters")
+        travel = _travel_checked(tag, as_of, consistency, min_write_token)
         self._check_query(record, vector, top_k)
-        metric = self._metric(record)
-        hits = self._hits(record, vector, top_k, level, flt)
+        if travel:
+            hits, metric = self._hits_then(record, vector, top_k, tag, as_of, flt)
+        else:
+            metric = self._metric(record)
+            hits = self._hits(record, vector, top_k, level, flt)
         return SearchResults(record.name, metric, higher_is_nearer(metric), level.level,
                              tuple(match_of(h) for h in hits))
 
