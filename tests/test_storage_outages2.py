@@ -31,7 +31,7 @@ from shoal.index.builder import ShardBuilder
 from shoal.storage.layout import trash_dir
 from shoal.upkeep import gc_queue as garbage
 from shoal.upkeep.drops import release_files
-from shoal.upkeep.trash import Trash
+from shoal.upkeep.trash import Trash, purge_due
 from shoal.workers.names import PURGE_TRASH, QUEUE
 from shoal.workers.triggers import producer_app
 
@@ -305,3 +305,60 @@ def test_a_dataset_deleted_while_s3_is_down_is_deleted_and_says_so(
         trash = http.get("/trash")
         assert trash.status_code == 200, trash.text
         assert [t["name"] for t in trash.json()["datasets"]] == ["docs"], trash.text
+
+
+def test_a_dataset_restored_while_s3_is_down_is_restored_and_says_so(
+    make_settings: Callable[..., Settings], s3: OwnS3
+) -> None:
+    """A restore commits to the catalog, then counted the dataset's vectors by reading its log: with S3 away
+    that step failed the request (503) after the restore had committed, so the client was told it failed and its
+    retry found the trash empty (404). The restore answers 200 with the dataset now (its vector count the
+    catalog's); once S3 is back it counts and searches as before the delete."""
+    settings = _anonymous(_s3_settings(make_settings, s3))
+    with serve_api(settings) as url, _client(settings, url) as http:
+        _create(http, "docs", ("a", [1.0, 0.0]), ("b", [0.0, 1.0]))
+        assert http.delete("/datasets/docs").status_code == 200
+
+        s3.stop()
+        restored = http.post("/trash/docs/restore")
+        assert restored.status_code == 200, restored.text
+        assert (restored.json()["name"], restored.json()["dimensions"], restored.json()["vector_count"]) == (
+            "docs", 2, 2), restored.text
+        assert http.get("/trash").json()["total"] == 0  # the catalog alone answers this
+
+        s3.start()
+        assert http.get("/datasets/docs").json()["vector_count"] == 2
+        found = http.post("/datasets/docs/search", json={"vector": [0.0, 1.0], "top_k": 2, "consistency": "strong"})
+        assert found.status_code == 200, found.text
+        assert [r["id"] for r in found.json()["results"]] == ["b", "a"]
+
+
+def test_a_dataset_purged_while_s3_fails_its_file_deletions_is_purged_and_says_so(
+    make_settings: Callable[..., Settings], s3: OwnS3
+) -> None:
+    """A purge deletes the dataset's rows (listing its trash folder in that transaction), then its files: with
+    S3 failing the deletions ("503 Slow Down") that step failed the request after the purge had committed, so
+    the client was told it failed and its retry found the trash empty (404). The purge answers 200 now; the
+    files, still queued, go with the next purge run once S3 answers again."""
+    proxy = FaultyS3(s3)
+    try:
+        settings = _anonymous(_s3_settings(make_settings, s3).model_copy(update={"s3_endpoint_url": proxy.endpoint}))
+        with serve_api(settings) as url, _client(settings, url) as http, Shoal(settings, notify=False) as shoal:
+            _create(http, "docs", ("a", [1.0, 0.0]))
+            trash_id = http.delete("/datasets/docs").json()["trash_id"]
+            folder = trash_dir(settings.tenant, trash_id)
+            assert shoal.storage.list_files(folder)
+
+            proxy.refuse = lambda method, path: method == "DELETE" or (method == "POST" and "?delete" in path)
+            purged = http.delete("/trash/docs")
+            assert proxy.refused > 0
+            assert purged.status_code == 200, purged.text
+            assert (purged.json()["purged"], purged.json()["trash_id"]) == (True, trash_id)
+            assert http.get("/trash").json()["total"] == 0
+            assert http.get("/datasets/docs").status_code == 404
+
+            proxy.refuse = lambda method, path: False
+            purge_due(shoal.engine, shoal.storage)  # what beat's purge_trash task runs
+            assert shoal.storage.list_files(folder) == []
+    finally:
+        proxy.close()

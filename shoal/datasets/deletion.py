@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from shoal.datasets import rules
-from shoal.datasets.catalog import LogTotals, TrashedDataset
+from shoal.datasets.catalog import DatasetRecord, LogTotals, TrashedDataset
 from shoal.datasets.errors import DatasetError, ErrorCode, not_found
 from shoal.datasets.files import forget_files, move_mirror_to_trash, trash_mirror_path
 from shoal.datasets.results import Dataset, Deletion, Page, Purge, TrashEntry
@@ -97,28 +97,65 @@ class Deletions(DatasetScope):
                                    {"dataset_id": name, "trash_id": source_id, "conflict": "dataset",
                                     "action": "delete the dataset that took the name first, then restore"}) from None
             log.info("dataset %s (#%d) of tenant %s restored from the trash", name, source_id, self.tenant)
+            # From here on the restore has committed: no step below may tell the client it failed (its retry
+            # would find the trash empty), so each one logs what it could not do instead of raising.
             record = self.catalog.get(name)
             try:
                 self._write_mirror(record)
             except Exception as exc:  # noqa: BLE001 - the catalog is the source of truth
                 log.warning("could not rewrite the metadata mirror of restored dataset %s: %s", name, exc)
-            # The trash folder is the source's alone (keyed by its id).
-            forget_files(self.shoal.engine, self.shoal.storage, folder=trash_dir(self.tenant, source_id),
-                         files=[trash_mirror_path(self.tenant, source_id)])
+            try:
+                # The trash folder is the source's alone (keyed by its id).
+                forget_files(self.shoal.engine, self.shoal.storage, folder=trash_dir(self.tenant, source_id),
+                             files=[trash_mirror_path(self.tenant, source_id)])
+            except Exception as exc:  # noqa: BLE001 - what is not given up now, GC's scan of trash folders finds
+                log.warning("could not give up the trash folder of restored dataset %s (#%d): %s",
+                            name, source_id, exc)
             self._refresh_searcher()
         finally:
             self._forget(name)
-        return self._datasets([record])[0]
+        return self._restored(record)
+
+    def _restored(self, record: DatasetRecord) -> Dataset:
+        """The dataset a restore answers, as `get` shows it; when its log cannot be read (the storage is away,
+        or its files are), with the catalog's vector count instead of the live one, never an error: the restore
+        has committed."""
+        record = self._current([record])[0]
+        totals = self.catalog.log_totals([record.source_id]).get(record.source_id, LogTotals())
+        try:
+            return self._dataset(record, totals)
+        except Exception as exc:  # noqa: BLE001 - the answer must not say a committed restore failed
+            log.warning("restored dataset %s (#%d) answered with the catalog's vector count: its log cannot be "
+                        "read: %s", record.name, record.source_id, exc)
+            # The catalog's estimate (upserts minus tombstones, as the trash listing shows): exact unless some id
+            # was written more than once or deleted; `get` counts exactly once the log can be read again.
+            return self._dataset(record, totals, live=False)
 
     def purge(self, name: Any, trash_id: int | None = None) -> Purge:
         """Delete for good, now, a dataset in the trash (the most recently deleted of that name unless
         `trash_id` picks one): its rows, then its files. DATASET_NOT_FOUND if it left the trash meanwhile."""
         name = self._lookup_name(name)
         chosen = self._trashed_one(name, trash_id)
-        result = self._trash().purge(self.shoal.storage, [chosen.record.source_id],
-                                     redis_client=self.shoal.runtime.redis_if_any())
-        purged = any(i == chosen.record.source_id for _, _, _, i in result.sources)
+        source_id = chosen.record.source_id
+        try:
+            result = self._trash().purge(self.shoal.storage, [source_id],
+                                         redis_client=self.shoal.runtime.redis_if_any())
+        except Exception as exc:
+            if self._in_trash(name, source_id):
+                raise  # nothing committed (e.g. the trash folder could not be listed): the error is the answer
+            # The rows went (this purge's commit, or a concurrent purge's); deleting the files failed after it.
+            # They stay queued and the next purge run deletes them: the purge happened, so it answers success.
+            log.warning("dataset %s (#%d) of tenant %s purged; its files stay queued for the next purge run: %s",
+                        name, source_id, self.tenant, exc)
+            return Purge(name, source_id, 0)
+        purged = any(i == source_id for _, _, _, i in result.sources)
         if not purged:  # restored or purged by someone else meanwhile
             raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} is no longer in the trash",
-                               {"dataset_id": name, "trash_id": chosen.record.source_id})
-        return Purge(name, chosen.record.source_id, result.files)
+                               {"dataset_id": name, "trash_id": source_id})
+        return Purge(name, source_id, result.files)
+
+    def _in_trash(self, name: str, source_id: int) -> bool:
+        """Whether the data source `source_id` of dataset `name` is still in the trash. A purge ends its
+        retention first, and a source past its retention cannot be restored: once a purge was asked for, a
+        source no longer in the trash has been purged."""
+        return any(t.record.source_id == source_id for t in self.catalog.trashed(name))
