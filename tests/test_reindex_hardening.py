@@ -5,6 +5,7 @@ however many calls race; a build of a dropped shard ends instead of retrying; ba
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from shoal.index.manifest import Manifest
 from shoal.index.reindex import reindex_step, run_reindex, start_reindex
 from shoal.index.sharding import shard_numbers
 from shoal.log.records import AttributeType, IndexSpec
+from shoal.log.validation import VECTOR, columns_to_table, vector_problem
 from shoal.searcher.consistency import Consistency
 
 DIM = 8
@@ -254,3 +256,199 @@ def test_the_recall_gate_judges_small_norm_data_by_its_own_scale(local_shoal: Sh
         local_shoal.create_index(IndexSpec(f"{name}I", "1", name, "1", algorithm="flat", metric="dot_product"))
         job = local_shoal.reindex(f"{name}I", "1", algorithm="hnsw", wait=True)
         assert job.state == expected, job
+
+
+# -- vectors stored under the former norm bound (sqrt(float32 max) / 2, about 9.22e18) -----------------------------
+
+# Past today's bound (MAX_NORM, about 6.52e18) and within the former one: a vector an earlier release stored.
+FORMER = 8.5e18
+
+
+def _store_unchecked(shoal: Shoal, name: str, rows: dict[int, np.ndarray]) -> None:
+    """Commit `rows` (id -> vector) to the data source's log as an earlier release did: a validated batch whose
+    vectors are then replaced, handed to the log writer (which appends batches validated before it), so the
+    norm check of today's release never sees them."""
+    record = shoal.get_data_source(name, "1")
+    ids = np.array(sorted(rows), dtype=np.int64)
+    vectors = np.stack([rows[i] for i in ids]).astype(np.float32)
+    table = columns_to_table(record.spec, np.zeros_like(vectors), {"id": ids}, len(ids))
+    flat = pa.array(vectors.reshape(-1), pa.float32())
+    column = pa.FixedSizeListArray.from_arrays(flat, record.spec.vector_dimension)
+    table = table.set_column(table.schema.get_field_index(VECTOR), table.schema.field(VECTOR), column)
+    shoal.runtime.writer(record).submit(table)
+
+
+def _former_bound_source(shoal: Shoal, algorithm: str) -> np.ndarray:
+    """`_setup`'s source and index `ix`/`1` (built), plus point 10 at norm FORMER, stored unchecked and built
+    into the index; returns that vector."""
+    _setup(shoal, n=300, algorithm=algorithm)
+    big = np.zeros(DIM, dtype=np.float32)
+    big[0] = FORMER
+    assert vector_problem(big, big) is not None  # no upload or query takes it today
+    _store_unchecked(shoal, "docs", {10: big})
+    builder = ShardBuilder(shoal.engine, shoal.storage)
+    for shard in shoal.get_index("ix", "1").shards:
+        builder.materialize(shard.id)
+    return big
+
+
+@pytest.mark.parametrize(("algorithm", "change"), [("flat", {"algorithm": "hnsw"}),
+                                                   ("hnsw", {"params": {"M": 24, "ef_search": 64}})])
+def test_a_reindex_over_a_vector_stored_under_the_former_bound_swaps_and_serves_it(
+    local_shoal: Shoal, algorithm: str, change: dict[str, Any]
+) -> None:
+    """README: vectors stored under the former norm bound "stay stored and are still built into every index". The
+    recall check sampled them as queries, which the query path refuses: the reindex raised ValidationError and its
+    job stayed `building` for ever. Such a vector is left out of the sample (it cannot be a query); the reindex
+    swaps, and the new generation serves the point."""
+    big = _former_bound_source(local_shoal, algorithm)
+    job = local_shoal.reindex("ix", "1", wait=True, **change)
+    assert job.state == "swapped", job
+    assert job.recall is not None and job.recall >= job.gate, job
+    index = local_shoal.get_index("ix", "1")
+    assert index.spec.algorithm == "hnsw" and index.spec.params["M"] == (24 if algorithm == "hnsw" else 16)
+    near = big * np.float32(0.7)  # a query within today's bound, nearest to point 10
+    searcher = local_shoal.searcher(follow=False)
+    try:
+        # Every other point is about 5.95e18 from the query, one float32 value: a walk of the graph sees them all
+        # tied, so ef_search past the point count makes it visit every node rather than stop among the ties.
+        hits = searcher.search("ix", "1", near[None, :], 3, search_params={"ef_search": 1024})[0]
+    finally:
+        searcher.close()
+    assert hits[0].attributes["id"] == 10, list(hits)
+    assert hits[0].distance == pytest.approx(FORMER * 0.3, rel=1e-6)
+
+
+def test_a_vector_stored_under_the_former_bound_does_not_loosen_the_recall_gate(local_shoal: Shoal) -> None:
+    """The gate's tolerance followed the largest norm stored: one vector of norm 8.5e18 made it about 1e13 for
+    every query, and an HNSW graph of real recall about 0.2 passed as 1.0. It follows each query's own nearest
+    rows now: the same graph fails the gate with or without that vector."""
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((4000, 64)).astype(np.float32)
+    big = np.zeros(64, dtype=np.float32)
+    big[0] = FORMER
+    # A poor graph, yet connected enough that every search finds k rows (else hnsw answers by an exact scan).
+    weak = {"M": 4, "ef_construction": 8, "ef_search": 10}
+    for name, stored in (("Plain", {}), ("Former", {5000: big})):
+        local_shoal.create_data_source(DataSourceSpec(name, "1", 64, {"id": "int64"}, ["id"]))
+        local_shoal.producer(name, "1").upload_columns(vectors, {"id": np.arange(4000)})
+        if stored:
+            _store_unchecked(local_shoal, name, stored)
+        local_shoal.create_index(IndexSpec(f"{name}I", "1", name, "1", algorithm="flat", metric="euclidean"))
+        job = local_shoal.reindex(f"{name}I", "1", algorithm="hnsw", params=weak, wait=True)
+        assert job.state == "failed" and job.recall is not None and job.recall < 0.5, (name, job)
+
+
+def test_a_reindex_whose_build_refuses_the_data_fails_its_job_and_a_new_one_starts(local_shoal: Shoal) -> None:
+    """`reindex(..., wait=True)` to IVF over a row faiss's k-means cannot take (norm 1e19, past even the former
+    bound; it stands for any input a step refuses the same way every time): the ValidationError escaped, the job
+    stayed `building` and every later reindex of the index was a 409. The job now fails with the error recorded,
+    the old generation serving; once the row is re-uploaded scaled down, a new reindex is accepted and swaps."""
+    _setup(local_shoal, n=200, algorithm="flat")
+    past = np.zeros(DIM, dtype=np.float32)
+    past[0] = 1e19
+    _store_unchecked(local_shoal, "docs", {10: past})
+    job = local_shoal.reindex("ix", "1", algorithm="ivf", wait=True)
+    assert job.state == "failed", job
+    assert job.error is not None and "ValidationError" in job.error and "vector norm 1e+19" in job.error, job
+    assert local_shoal.get_index("ix", "1").spec.algorithm == "flat"  # the old generation serves
+    assert [j.state for j in local_shoal.reindex_jobs("ix", "1")] == ["failed"]
+
+    local_shoal.producer("docs", "1").upload([DataPoint({"id": 10}, (past / np.float32(1e10)).tolist())])
+    again = local_shoal.reindex("ix", "1", algorithm="ivf", wait=True)
+    assert again.state == "swapped", again
+    assert local_shoal.get_index("ix", "1").spec.algorithm == "ivf"
+
+
+def _damage_segments(shoal: Shoal) -> dict[str, bytes]:
+    """Flip a byte in the middle of each of the data source's log segment files; their paths and good bytes."""
+    saved = {}
+    for segment in shoal.log_segments("docs", "1"):
+        path = shoal.storage.path(segment.path)
+        with open(path, "rb") as f:
+            saved[path] = f.read()
+        data = bytearray(saved[path])
+        data[len(data) // 2] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(bytes(data))
+    return saved
+
+
+def test_a_reindex_step_failing_the_same_way_every_time_fails_its_job_in_a_worker(  # type: ignore[no-untyped-def]
+    make_settings, redis_url
+) -> None:
+    """A worker steps a job whose generation is built, while the log it checks recall against is damaged
+    (CorruptSegmentError on every read): the step was retried every 10 s for ever, the job `building` with no
+    error and every new reindex a 409. The job now fails with the error recorded, the old generation serving;
+    once the log is repaired, a new reindex is accepted and the worker swaps it in."""
+    from conftest import start_worker, stop_process, wait_for
+
+    from shoal.workers.names import QUEUE, REINDEX
+    from shoal.workers.triggers import producer_app
+
+    settings = make_settings("local", redis_url=redis_url)
+    with Shoal(settings, notify=False) as shoal:
+        _setup(shoal, n=200)
+        job = start_reindex(shoal.catalog, shoal.indexes, "ix", "1", params={"M": 24})
+        builder = ShardBuilder(shoal.engine, shoal.storage)
+        for shard in _generation(shoal, job).shards:  # built: the worker's step goes on to check recall
+            builder.materialize(shard.id)
+        saved = _damage_segments(shoal)
+        worker = start_worker(settings)
+        try:
+            producer_app(shoal.broker_url()).send_task(REINDEX, args=[job.id], queue=QUEUE)
+
+            def ended() -> bool:
+                return shoal.generations.job(job.id).state != "building"
+
+            wait_for(ended, 60, "the worker to end the reindex job")
+            failed = shoal.generations.job(job.id)
+            assert failed.state == "failed", failed
+            assert failed.error is not None and "CorruptSegmentError" in failed.error, failed
+            assert "is corrupt" in failed.error, failed
+            assert shoal.get_index("ix", "1").spec.params["M"] == 16  # the old generation serves
+
+            for path, data in saved.items():  # the operator restores the log
+                with open(path, "wb") as f:
+                    f.write(data)
+            second = shoal.reindex("ix", "1", params={"M": 24})  # accepted: no 409
+            assert second.id != job.id and second.state == "building", second
+
+            def swapped() -> bool:
+                return shoal.generations.job(second.id).state != "building"
+
+            wait_for(swapped, 120, "the worker to end the second reindex job")
+            assert shoal.generations.job(second.id).state == "swapped", shoal.generations.job(second.id)
+            assert shoal.get_index("ix", "1").spec.params["M"] == 24
+        finally:
+            stop_process(worker)
+
+
+def test_a_job_whose_steps_keep_failing_fails_once_past_its_timeout(local_shoal: Shoal) -> None:
+    """README: "A job still building 24 h after it started fails". The timeout was checked only while the new
+    generation lagged: a built one whose recall check raised (here its files are missing, an error a later step
+    may not meet) was stepped for ever. Such an error leaves the job building; past the timeout it fails the job,
+    the error recorded, and a new reindex starts."""
+    from shoal.errors import CorruptArtifactError
+    from shoal.index.builder import shard_dir
+
+    _setup(local_shoal, n=100)
+    job = start_reindex(local_shoal.catalog, local_shoal.indexes, "ix", "1", params={"M": 24})
+    generation = _generation(local_shoal, job)
+    builder = ShardBuilder(local_shoal.engine, local_shoal.storage)
+    for shard in generation.shards:
+        builder.materialize(shard.id)
+    folder = Path(local_shoal.storage.path(shard_dir(generation, generation.shards[0], generation.generation)))
+    folder.rename(folder.with_name(folder.name + ".away"))
+
+    def queue(index: IndexRecord) -> None:  # built already: nothing to queue
+        pass
+
+    with pytest.raises(CorruptArtifactError):
+        reindex_step(local_shoal.engine, local_shoal.storage, job.id, build=queue)
+    assert local_shoal.reindex_jobs("ix", "1")[0].state == "building"  # carried on: the files may come back
+    outcome = reindex_step(local_shoal.engine, local_shoal.storage, job.id, build=queue, timeout_s=0.0)
+    assert outcome.state == "failed", outcome
+    assert outcome.error is not None and "CorruptArtifactError" in outcome.error, outcome
+    assert [(j.state, j.error) for j in local_shoal.reindex_jobs("ix", "1")] == [("failed", outcome.error)]
+    assert local_shoal.reindex("ix", "1", params={"M": 32}, wait=True).state == "swapped"

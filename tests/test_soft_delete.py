@@ -31,6 +31,8 @@ from shoal.auth import create_key
 from shoal.catalog.models import DataSource, Index, IndexShard, IndexVersion, LogSegment
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
+from shoal.log.heads import head_key
+from shoal.searcher.announce import index_token_key
 from shoal.upkeep import gc_queue as garbage
 from shoal.upkeep.trash import PURGED, Trash, pending_files, purge_due
 from shoal.workers.base import ShoalTask
@@ -271,7 +273,10 @@ def test_delete_restore_delete_again_purge_leaves_other_tenants_untouched(
         from shoal.workers.tasks import purge_trash
 
         caplog.set_level(logging.INFO, logger="shoal.upkeep.trash")
+        keys = [head_key(source_id), index_token_key(source_id)]
+        assert shoal.runtime.redis().exists(*keys) == 2  # announced by its writes and its drop
         result = purge_trash()
+        assert shoal.runtime.redis().exists(*keys) == 0  # the purge leaves nothing of the source in Redis
         purged = [p for p in result["purged"] if p["id"] == source_id]
         assert purged == [{"tenant": settings.tenant, "name": "docs", "version": "1", "id": source_id}]
         collect_after_grace(shoal)  # the hard-deleted second "docs" above: its drop queued its files

@@ -11,8 +11,10 @@
    recall meets the job's gate.
    The swap renames two catalog rows in one transaction; searchers load the new generation whole, then
    replace their view of the index in one step, so every answer comes from one generation.
+   Stored vectors a query may not carry (written under the former norm bound) are left out of that sample.
 3. A failed or cancelled job leaves the old generation serving and drops its own rows and files; the old
-   generation of a swapped job is kept for `rollback` until `drop_expired_generations` removes it.
+   generation of a swapped job is kept for `rollback` until `drop_expired_generations` removes it. A step that
+   fails in a way every later step would repeat (bad input, a damaged file) fails its job, the error recorded.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from shoal.catalog.models import DataSource, Index, LogSegment, ReindexJob
 from shoal.catalog.repo import Catalog, SourceRecord
 from shoal.engines import get_engine
 from shoal.engines.metrics import exact_top_k, higher_is_nearer
-from shoal.errors import ConflictError, IndexDefinitionError, NotFoundError, ReindexConflictError, ValidationError
+from shoal.errors import (
+    ConflictError,
+    CorruptSegmentError,
+    IndexDefinitionError,
+    NotFoundError,
+    ReindexConflictError,
+    ValidationError,
+)
 from shoal.index.builder import LeaseBusyError, ShardBuilder
 from shoal.index.generations import HIDDEN, Generations, JobRecord, generation_ids, hidden_version, is_hidden
 from shoal.index.segment import vectors_of
@@ -44,7 +53,7 @@ from shoal.index.sharding import shard_numbers
 from shoal.index.spec import resolve_index, vektonn_metric_problem
 from shoal.log.reader import fold, read_log
 from shoal.log.records import IndexSpec
-from shoal.log.validation import SEQ
+from shoal.log.validation import SEQ, unfit_rows
 from shoal.searcher.execute import execute, prepare_queries
 from shoal.searcher.views import IndexView, load_shard
 from shoal.storage import Storage
@@ -194,6 +203,24 @@ class ReindexOutcome:
         return self.state != "building"
 
 
+# Errors a reindex step meets again on every run, however long it waits: its job then fails with the error
+# recorded (the old generation keeps serving) instead of being stepped again every few seconds for ever, which
+# also refused every new reindex of the index (409). Outages (the catalog, storage or broker away, a lost race:
+# shoal.workers.base.TRANSIENT) and other OSErrors (a full disk) are not here: a later step may pass. Nor is
+# CorruptArtifactError: the generation's own files, which a later build may replace, are carried on as missing
+# for a while (tests/test_worker_races.py); a log segment is the data itself, and nothing mends one.
+DETERMINISTIC_ERRORS: tuple[type[Exception], ...] = (
+    ValidationError,  # the stored data or the definition breaks a rule (a build, a recall query refused)
+    CorruptSegmentError,  # a log segment missing or damaged: every build and recall check reads it
+    # A bug: the same code on the same data fails the same way.
+    TypeError,
+    ValueError,
+    LookupError,
+    ArithmeticError,
+    AttributeError,
+    NotImplementedError,
+)
+
 # How a step gets the new generation's shards built: `materialize_inline` (in this process) or a function that
 # queues their materialization for the workers.
 Build = Callable[[IndexRecord], None]
@@ -230,6 +257,8 @@ def reindex_step(
     progress and ETA; once it caught up, check recall and swap it in (or fail, if below the gate). Returns
     state `building` when the generation still lags (run another step later), or how the job ended. Never
     waits. Idempotent: a job that ended returns its outcome; a job older than `timeout_s` that still lags fails.
+    An error every later step would meet again (DETERMINISTIC_ERRORS), or any error once the job is older than
+    `timeout_s`, fails the job with the error recorded; any other error is raised, the job still building.
     """
     gens = Generations(engine)
     job = gens.job(job_id)
@@ -245,6 +274,11 @@ def reindex_step(
         recall = measure_recall(storage, shards, new, source, sample=sample, k=k)
     except ReindexConflictError as exc:
         return _abandon(engine, storage, gens, job, "failed", None, str(exc))
+    except Exception as exc:
+        if not _ends_the_job(exc, job, timeout_s):
+            raise  # transient (the catalog, storage or broker away): the next step or Celery's retry tries again
+        return _abandon(engine, storage, gens, job, "failed", None,
+                        f"a step failed: {type(exc).__name__}: {exc}; the old generation keeps serving")
     if recall is not None and recall < job.gate:
         return _abandon(engine, storage, gens, job, "failed", recall,
                         f"recall@{k} {recall:.4f} below the gate {job.gate:.4f}: the old generation keeps serving")
@@ -265,6 +299,15 @@ def reindex_step(
     if on_swap is not None:
         on_swap(new)
     return ReindexOutcome(job_id, "swapped", recall)
+
+
+def _ends_the_job(exc: Exception, job: JobRecord, timeout_s: float) -> bool:
+    """Whether a step that raised `exc` ends the job as failed: the error is one every later step would meet
+    again (DETERMINISTIC_ERRORS), or the job is older than `timeout_s` (a job still building then fails, whatever
+    keeps its steps from finishing). Any other error leaves the job building for the next step."""
+    if isinstance(exc, DETERMINISTIC_ERRORS):
+        return True
+    return (dt.datetime.now(dt.UTC) - job.created_at).total_seconds() > timeout_s
 
 
 def refresh_dataset_mirror(engine: Engine, storage: Storage, source_id: int) -> None:
@@ -374,14 +417,17 @@ def measure_recall(
     if state.num_rows == 0:
         return 1.0
     vectors = vectors_of(state, False, source.spec.vector_dimension)
+    pool = _queryable_rows(vectors)
+    if not pool.size:  # no stored vector can be a query: nothing to measure, as for an empty index
+        return 1.0
     rng = np.random.default_rng(20261122)
-    rows = rng.choice(len(vectors), size=min(sample, len(vectors)), replace=False)
+    rows = rng.choice(pool, size=min(sample, pool.size), replace=False)
     queries = prepare_queries(source.spec, vectors[rows])
     kk = min(k, len(vectors))
-    exact, _ = exact_top_k(index.spec.metric, queries, vectors, kk)
+    exact, nearest = exact_top_k(index.spec.metric, queries, vectors, kk)
     hits = execute(view, queries, kk, lambda values: True, {}, False)
     higher = higher_is_nearer(index.spec.metric)
-    scales = _distance_scales(index.spec.metric, np.asarray(queries, dtype=np.float64), vectors)
+    scales = _distance_scales(index.spec.metric, np.asarray(queries, dtype=np.float64), vectors, nearest)
     found = 0
     for bound, scale, qhits in zip(exact[:, -1], scales, hits, strict=True):
         # A hit counts when within float32 rounding of the k-th exact distance. Rounding scales with the vectors'
@@ -392,11 +438,27 @@ def measure_recall(
     return found / (len(rows) * kk)
 
 
-def _distance_scales(metric: str, queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+def _queryable_rows(vectors: np.ndarray) -> np.ndarray:
+    """Positions of the rows of float32 [n, d] `vectors` a query may carry (`unfit_rows`, the query path's own
+    check, finds none of them wrong). Rows stored under the former norm bound, past today's (README: they stay
+    stored and are built into every index), are searched against but never sampled: the query path refuses them,
+    and measuring recall with one failed the reindex step on every run."""
+    everything = np.arange(len(vectors))
+    unfit = unfit_rows(vectors)
+    return np.delete(everything, unfit) if unfit.size else everything
+
+
+def _distance_scales(metric: str, queries: np.ndarray, vectors: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     """Per query, the magnitude a distance's float32 rounding error is relative to under `metric`: 1 for cosine,
-    the product of the norms for a dot product, their squares' sum for l2_squared, and so on."""
+    the product of the norms for a dot product, their squares' sum for l2_squared, and so on; of the query's norm
+    and the largest norm among its exact k nearest rows (`nearest`: row positions, -1 for padding), the rows
+    whose distances the k-th exact one is compared with."""
     q = np.linalg.norm(queries, axis=1)
-    v = float(np.linalg.norm(vectors.astype(np.float64), axis=1).max(initial=0.0))
+    # The query's own neighbours, not the largest norm stored: one vector stored under the former norm bound
+    # (8.5e18) made the tolerance of every query some 1e13, and an HNSW graph of recall 0.04 passed the gate.
+    wide = vectors.astype(np.float64)
+    norms = np.sqrt(np.einsum("ij,ij->i", wide, wide))
+    v = np.where(nearest >= 0, norms[np.maximum(nearest, 0)], 0.0).max(axis=1, initial=0.0)
     if metric == "cosine":
         return np.ones_like(q)
     if metric == "dot_product":

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 # A reindex job's task runs one bounded step, then queues the next this many seconds later while it lags.
 REINDEX_STEP_DELAY_S = 2.0
-# After a step that raised an error Celery does not retry (a non-transient one, or a transient one past the retries),
+# After a step that raised an error Celery does not retry (one that is neither transient nor deterministic, such as a
+# full disk, or a transient one past the retries; a deterministic one fails the job instead, in reindex_step),
 # the next step runs this many seconds later: soon enough that the job does not wait for sweep_generations' stall
 # detection (10 minutes), late enough that a fault that persists does not fail a step every REINDEX_STEP_DELAY_S.
 REINDEX_FAILED_STEP_DELAY_S = 10.0
@@ -172,15 +173,17 @@ def purge_trash(self: ShoalTask) -> dict[str, Any]:
     """Purge the soft-deleted data sources (datasets) whose retention ended, in every tenant: their rows go and
     their files are queued for GC in one transaction, then deleted (`shoal.upkeep.trash`; beat runs this every
     SHOAL_PURGE_INTERVAL_S). Takes no arguments; a run killed at any point is finished by the next (or by GC);
-    every deletion is logged."""
+    every deletion is logged. Also the backstop of what sources and indexes deleted for good leave behind: their
+    Redis keys and, 7 days on, their reindex jobs (`shoal.upkeep.leftovers`)."""
     from shoal.upkeep.trash import purge_due
 
     ctx = self.context
     rt = ctx.runtime
-    result = purge_due(rt.engine, rt.storage)
-    if result.sources or result.pending:
-        log.info("purge_trash: purged %d data sources, deleted %d files (%d left by an earlier run)",
-                 len(result.sources), result.files, result.pending)
+    result = purge_due(rt.engine, rt.storage, redis_client=rt.redis_if_any())
+    if result.sources or result.pending or result.keys or result.jobs:
+        log.info("purge_trash: purged %d data sources, deleted %d files (%d left by an earlier run), %d Redis keys "
+                 "and %d reindex jobs of deleted sources and indexes",
+                 len(result.sources), result.files, result.pending, result.keys, result.jobs)
     return result.to_json()
 
 
@@ -271,7 +274,9 @@ def reindex(self: ShoalTask, job_id: int) -> dict[str, Any]:
     generation's lagging shards and record its progress, or, once it caught up, check recall and swap it in.
     While the job still builds, the task queues itself again REINDEX_STEP_DELAY_S later instead of waiting,
     so no run comes near the broker's visibility timeout (coalesced: one pending continuation per job). A step
-    that raises is carried on too: by Celery's retry when the error is transient, else by a continuation
+    that meets an error every later step would meet again (bad input, a damaged file: `reindex_step`'s
+    DETERMINISTIC_ERRORS) ends the job as failed with the error recorded, and answers `failed`; one that raises
+    another error is carried on: by Celery's retry when the error is transient, else by a continuation
     REINDEX_FAILED_STEP_DELAY_S later. A job that no longer exists (its tenant was deleted) answers `dropped`."""
     from shoal.index.generations import Generations
     from shoal.index.reindex import reindex_step
