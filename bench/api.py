@@ -55,7 +55,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -79,6 +78,9 @@ from shoal.index.builder import ShardBuilder
 from shoal.intake.codec import ARROW, JSON, encode_arrow
 from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
 from shoal.vektonn import wire
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -2091,29 +2093,13 @@ def upload_points(batch: int, args: argparse.Namespace, body: str = "json") -> i
     return (QUICK_UPLOAD_POINTS if args.quick else DEFAULT_UPLOAD_POINTS).get(batch, 20 * batch)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-api-bench-"))
-    overrides: dict[str, Any] = {"data_dir": tmp}
-    if args.storage:
-        overrides["storage_uri"] = args.storage
-    console.print(
-        f"[bold]shoal API bench[/] python {platform.python_version()}, numpy {np.__version__}, "
-        f"{os.cpu_count()} cpus, load average before the bench {_load()}"
-    )
-    if args.load_note:
-        console.print(escape(args.load_note))
-    t_start = time.perf_counter()
-    cleanup: list[Callable[[], None]] = []
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "gt.npy", "points.parquet")
     cases: list[Case] = []
     notes: list[str] = []
     setup: SearchSetup | None = None
@@ -2121,20 +2107,32 @@ def main(argv: list[str] | None = None) -> int:
     server: Server | None = None
     scaled: Server | None = None
     idem: Idempotency | None = None
-    embedded = False
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-api-bench-", keep=args.keep)
+        overrides: dict[str, Any] = {"data_dir": tmp}
+        if args.storage:
+            overrides["storage_uri"] = args.storage
+        console.print(
+            f"[bold]shoal API bench[/] python {platform.python_version()}, numpy {np.__version__}, "
+            f"{os.cpu_count()} cpus, load average before the bench {_load()}"
+        )
+        if args.load_note:
+            console.print(escape(args.load_note))
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)  # the Valkey (and the Postgres, when embedded) under the temp dir
         console.print("loading data …")
         data = load_data()
         settings = Settings(**overrides)
         embedded = not settings.database_url
-        if not settings.redis_url:
-            from shoal.servers.embedded import ensure_valkey
+        with life.starting(tmp):
+            if not settings.redis_url:
+                from shoal.servers.embedded import ensure_valkey
 
-            settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
-        settings = settings.model_copy(update={"tenant": TENANT})
-        database_url = resolve_database_url(settings)  # starts the embedded Postgres
-        shoal = Shoal(settings, tenant=TENANT)
-        cleanup.append(shoal.close)
+                settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
+            settings = settings.model_copy(update={"tenant": TENANT})
+            database_url = resolve_database_url(settings)  # starts the embedded Postgres
+            shoal = Shoal(settings, tenant=TENANT)
+        life.cleanup("Shoal connections", shoal.close)
         storage_uri = shoal.storage.root if shoal.storage.local else settings.resolved_storage_uri
         postmaster = None
         pidfile = tmp / "postgres" / "postmaster.pid"
@@ -2144,9 +2142,10 @@ def main(argv: list[str] | None = None) -> int:
             f"catalog: {'embedded Postgres in ' + str(tmp) if embedded else 'SHOAL_DATABASE_URL'}; "
             f"storage: {shoal.storage.root}; broker: {mask_url(str(settings.redis_url))}"
         )
-        server = Server(settings, database_url, storage_uri, tmp / "api.log", args.no_access_log, args.workers)
-        cleanup.append(server.stop)
-        server.wait_ready()
+        with life.starting(tmp, "the API server"):
+            server = Server(settings, database_url, storage_uri, tmp / "api.log", args.no_access_log, args.workers)
+            life.cleanup("the API server", server.stop)
+            server.wait_ready()
         console.print(f"API server: pid {server.pid}, `{server.command}` on {server.url}")
         meter = Meter(server.pid, postmaster)
 
@@ -2222,19 +2221,19 @@ def main(argv: list[str] | None = None) -> int:
             with console.status(f"ingesting {args.search_points:,} points and materializing the index …"):
                 # No notifications: nothing runs a worker here; the index is built in this process.
                 builder_shoal = Shoal(settings, tenant=TENANT, notify=False)
-                cleanup.append(builder_shoal.close)
+                life.cleanup("Shoal connections", builder_shoal.close)
                 setup = search_setup(builder_shoal, data, min(args.search_points, data.base.shape[0]))
             if not args.keep:
                 index_name = setup.index
-                cleanup.append(lambda: builder_shoal.drop_data_source(index_name, "1"))
-                cleanup.append(lambda: builder_shoal.drop_index(index_name, "1"))  # runs first: reversed order
+                life.cleanup("the bench's data source", lambda: builder_shoal.drop_data_source(index_name, "1"))
+                life.cleanup("the bench's index", lambda: builder_shoal.drop_index(index_name, "1"))  # runs first
             notes.append(setup.note)
             console.print(
                 f"  index {setup.index}: {setup.n:,} points ingested in {setup.ingest_s:.1f}s, materialized in "
                 f"{setup.materialize_s:.1f}s"
             )
             searcher = builder_shoal.searcher(follow=False)
-            cleanup.append(searcher.close)
+            life.cleanup("searchers", searcher.close)
             wrk = Wrk(data, tmp) if "wrk" in args.load else None
             for clients in args.clients:
                 if "stdlib" in args.load:
@@ -2277,8 +2276,9 @@ def main(argv: list[str] | None = None) -> int:
                     args.no_access_log,
                     args.scale_workers,
                 )
-                cleanup.append(scaled.stop)
-                scaled.wait_ready()  # every worker process answered /healthz
+                life.cleanup("the API server", scaled.stop)
+                with life.starting(tmp, f"the API server with {args.scale_workers} workers"):
+                    scaled.wait_ready()  # every worker process answered /healthz
                 console.print(
                     f"[bold]2b. search, scaling[/]: `{scaled.command}` on {scaled.url}, pid {scaled.pid}, worker "
                     f"processes {', '.join(map(str, scaled.worker_pids()))}"
@@ -2326,19 +2326,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"  {case.label}: HTTP {fmt(case.http.rate())} pts/s, in-process {fmt(case.local.rate())} "
                         f"pts/s ({time.perf_counter() - t0:.1f}s)"
                     )
-    finally:
-        for fn in reversed(cleanup):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup: {exc!r}")
-        from shoal.servers.embedded import stop_embedded
-
-        stop_embedded(tmp)  # the Valkey (and the Postgres, when embedded) under the temp dir
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     print_tables(cases, setup, args)
     for st in all_steps:
         ones = [c for c in cases if c.name == st.case and c.clients == 1 and c.workers == 1]

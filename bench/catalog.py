@@ -42,10 +42,8 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -58,7 +56,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
 
-from index import _interrupt, _load, percentile  # noqa: E402
+from _lifecycle import Lifecycle, children_ignore_sigint, require_data  # noqa: E402
+from index import _load, percentile  # noqa: E402
 from ingest import DATA_DIR, fmt_rate  # noqa: E402
 
 from shoal.config.settings import Settings  # noqa: E402
@@ -93,13 +92,9 @@ def psycopg_url(sqlalchemy_url: str) -> str:
 
 
 def load_vectors(rows: int) -> np.ndarray:
-    try:
-        base = np.load(DATA_DIR / "base_f16.npy", mmap_mode="r")
-        return np.ascontiguousarray(base[:rows], dtype=np.float32)
-    except OSError:
-        rng = np.random.default_rng(7)
-        v = rng.standard_normal((rows, DIM), dtype=np.float32)
-        return v / np.linalg.norm(v, axis=1, keepdims=True)
+    """The first `rows` real vectors (the parent checked the file is there: no silent stand-in)."""
+    base = np.load(DATA_DIR / "base_f16.npy", mmap_mode="r")
+    return np.ascontiguousarray(base[:rows], dtype=np.float32)
 
 
 class Worker:
@@ -298,9 +293,14 @@ class Pool:
             ctx.Process(target=worker_main, args=(r, cfg, self.cmd_qs[r], self.res_q), daemon=True, name=f"cat-{r}")
             for r in range(n)
         ]
-        for p in self.procs:
-            p.start()
-        for _ in range(n):
+
+    def start(self) -> None:
+        """Start the workers and wait until each has its Shoal. Separate from __init__ so that the caller can
+        register `stop` first: an interrupt while they start still stops them."""
+        with children_ignore_sigint():  # a terminal's Ctrl-C is for this process; it stops the workers
+            for p in self.procs:
+                p.start()
+        for _ in self.procs:
             rank, status, info = self.res_q.get(timeout=180)
             if status != "ready":
                 raise RuntimeError(f"worker {rank} failed to start: {info}")
@@ -326,10 +326,11 @@ class Pool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        started = [p for p in self.procs if p.pid is not None]  # an interrupt may come before all have started
         deadline = time.monotonic() + 15
-        for p in self.procs:
+        for p in started:
             p.join(max(0.1, deadline - time.monotonic()))
-        for p in self.procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
@@ -511,29 +512,31 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     seconds = args.seconds or (1.5 if args.quick else 4.0)
     top = max(levels)
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-catalog-bench-"))
-    settings = Settings(data_dir=tmp)
-    embedded = not settings.database_url
-    t_start = time.perf_counter()
-    console.print(
-        f"[bold]shoal catalog bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, "
-        f"load average before {_load()}; processes {levels}, {seconds} s per case"
-    )
-    shoal = None
-    pool: Pool | None = None
-    url = ""
+    require_data(DATA_DIR, "base_f16.npy")
     results: list[Result] = []
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-catalog-bench-", keep=args.keep)
+        settings = Settings(data_dir=tmp)
+        embedded = not settings.database_url
+        t_start = time.perf_counter()
+        console.print(
+            f"[bold]shoal catalog bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, "
+            f"load average before {_load()}; processes {levels}, {seconds} s per case"
+        )
         from shoal.catalog.db import resolve_database_url
         from shoal.client import Shoal
         from shoal.servers.embedded import ensure_valkey
 
-        redis_url = settings.redis_url or ensure_valkey(tmp)
-        # The first Shoal starts the embedded catalog (and migrates it); the workers then reach it by URL.
-        shoal = Shoal(Settings(data_dir=tmp, redis_url=redis_url), notify=False)
+        life.stop_servers(tmp)  # the embedded Valkey, and Postgres unless SHOAL_DATABASE_URL is set
+        with life.starting(tmp):
+            redis_url = settings.redis_url or ensure_valkey(tmp)
+            # The first Shoal starts the embedded catalog (and migrates it); the workers then reach it by URL.
+            shoal = Shoal(Settings(data_dir=tmp, redis_url=redis_url), notify=False)
+        life.cleanup("Shoal connections", shoal.close)
         url = resolve_database_url(shoal.settings)
+        if not embedded:
+            life.cleanup("the bench's objects in the shared catalog",
+                         lambda: drop_catalog(shoal, psycopg_url(url), top))
         child = {"data_dir": str(tmp), "database_url": url, "redis_url": redis_url,
                  "storage_uri": shoal.settings.resolved_storage_uri}
         facts = pg_facts(psycopg_url(url))
@@ -555,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(header)
         console.print(f"starting {top} worker processes …")
         pool = Pool(top, {"settings": child, "psycopg_url": psycopg_url(url)})
+        life.cleanup("worker processes", pool.stop)
+        with life.starting(tmp, f"{top} worker processes"):
+            pool.start()
         for group, label, n, batch, case in plan(levels, batches, shards, generation):
             case.update(seconds=seconds, warm=2, lead=0.3 + 0.05 * n)
             per, pg_seconds = pool.run(n, case, pg_cpu)
@@ -572,21 +578,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"p50 {r.p(50):.2f} ms, p99 {r.p(99):.2f} ms{extra}, CPU ms/op client {r.client_cpu_ms:.2f} "
                 f"Postgres {r.pg_cpu_ms:.2f}  (load {_load()})"
             )
-    finally:
-        if pool is not None:
-            pool.stop()
-        if shoal is not None:
-            if not embedded and url:
-                drop_catalog(shoal, psycopg_url(url), top)
-            shoal.close()
-        from shoal.servers.embedded import stop_embedded
-
-        if embedded or (tmp / "valkey").exists():
-            stop_embedded(tmp)
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     print_results(results, facts, header)
     console.print(f"total bench time {time.perf_counter() - t_start:.0f}s, load average after {_load()}")
     return 0
@@ -597,8 +588,4 @@ def dim_note() -> str:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); worker processes, embedded servers and temp files cleaned up")
-        sys.exit(130)
+    sys.exit(main())

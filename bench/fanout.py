@@ -35,7 +35,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +43,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: reuse api.py's wrk script
 
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 from api import WRK_LUA  # noqa: E402
 
 from shoal import DataSourceSpec, Shoal  # noqa: E402
@@ -153,19 +153,23 @@ def main() -> int:
     if WRK is None:
         print("wrk is needed (apt-get install wrk)", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-fanout-bench-"))
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy")
     procs: list[subprocess.Popen[bytes]] = []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-fanout-bench-", keep=bool(os.environ.get("SHOAL_BENCH_KEEP")))
+        life.stop_servers(tmp)
+        life.cleanup("the API servers", lambda: stop_api_servers(procs))
         base = np.load(DATA_DIR / "base_f16.npy", mmap_mode="r")[: args.rows].astype(np.float32)
         queries = np.load(DATA_DIR / "queries_f16.npy").astype(np.float32)
         # Built at the index's own parameters (no quick build: the bench measures search of a steady index).
         settings = Settings(data_dir=tmp, tenant=TENANT, quick_build_backlog_seqs=0)
         from shoal.servers.embedded import ensure_valkey
 
-        settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
-        database_url = resolve_database_url(settings)
-        with Shoal(settings) as shoal:
+        with life.starting(tmp):
+            settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
+            database_url = resolve_database_url(settings)
+            shoal = Shoal(settings)
+        with shoal:
             shoal.create_data_source(DataSourceSpec("Fan", "1", base.shape[1], {"id": "int64"}, ["id"]))
             shoal.create_index(IndexSpec(INDEX, "1", "Fan", "1", algorithm="hnsw", metric="cosine", shard_count=4,
                                          params={"M": 16, "ef_construction": 200, "ef_search": 64}))
@@ -192,8 +196,9 @@ def main() -> int:
             if name != "single":
                 env |= {"SHOAL_PLACEMENT_FILE": str(placement), "SHOAL_NODE": name}
             procs.append(start(env, port, tmp / f"api-{name}.log"))
-        for proc, (name, port) in zip(procs, ports.items(), strict=True):
-            wait_ready(proc, port, tmp / f"api-{name}.log")
+        with life.starting(tmp, "the API servers"):
+            for proc, (name, port) in zip(procs, ports.items(), strict=True):
+                wait_ready(proc, port, tmp / f"api-{name}.log")
         path = f"/api/v1/search/{INDEX}/1"
         bodies = [json.dumps({"k": K, "queryVectors": [{"isSparse": False, "coordinates": q}]}).encode()
                   for q in queries.tolist()]
@@ -230,23 +235,20 @@ def main() -> int:
                   f"{med(cpu_single):>10.2f} | {med(x[0] for x in cpu_fan):.2f} + {med(x[1] for x in cpu_fan):.2f}")
         if args.profile:
             profile(procs[1].pid, ports["a"], path, body_file, script, tmp)
-        return 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    return 0
+
+
+def stop_api_servers(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the `shoal api` processes (each leads its own session): SIGTERM, then SIGKILL after 20 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
         try:
-            from shoal.servers.embedded import stop_embedded
-            stop_embedded(tmp)
-        except (ImportError, AttributeError):
-            pass
-        if not os.environ.get("SHOAL_BENCH_KEEP"):
-            shutil.rmtree(tmp, ignore_errors=True)
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 if __name__ == "__main__":

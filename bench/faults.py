@@ -54,13 +54,11 @@ import http.client
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -75,6 +73,9 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -372,7 +373,12 @@ class Servers:
             done = subprocess.run(self.argv, env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
                                   stderr=subprocess.STDOUT, timeout=timeout, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"`{self.command}` exited with {done.returncode}; see {self.log}")
+            # The log's last lines in the message: the log itself goes with the temp dir unless --keep.
+            try:
+                tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-12:])
+            except OSError:
+                tail = ""
+            raise RuntimeError(f"`{self.command}` exited with {done.returncode}; {self.log} ends:\n{tail}")
         return time.monotonic() - t0
 
     def valkey_pid(self) -> int | None:
@@ -999,10 +1005,6 @@ def child_env(data_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _load() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -1056,28 +1058,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "points.parquet")
     for name in [k for k in os.environ if k.startswith("SHOAL_")]:
         del os.environ[name]  # the run is the embedded default on its own data dir, whatever this shell set
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-faults-"))
-    env = child_env(tmp, args)
-    os.environ.update({k: v for k, v in env.items() if k.startswith("SHOAL_")})
-    interval = args.minutes * 60 / args.faults
-    console.print(
-        f"[bold]shoal fault bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, load average "
-        f"{_load()}; {args.faults} faults ({', '.join(args.kinds)} in turn) every {interval:.0f}s or after "
-        f"recovery (up to {args.recover_timeout:g}s); uploads {args.http_rate:g} pts/s HTTP ({args.http_format}) + "
-        f"{args.broker_rate:g} pts/s broker in {args.batch}-point batches; {args.search_rate:g} searches/s per "
-        f"consistency level; {args.algorithm} index; data dir {tmp}"
-    )
     procs: dict[str, Proc] = {}
     work: Workload | None = None
     driver: Driver | None = None
     shoal: Any = None
-    servers = Servers(tmp, env, tmp / "servers.log")
-    t_begin = time.time()
-    code = 0
-    try:
+
+    def stop_flags() -> None:  # the workload and the driver stop first, before the processes they use
+        if work is not None:
+            work.stop.set()
+        if driver is not None:
+            driver.stop.set()
+
+    with Lifecycle() as life:
+        logs = "logs: api.log, worker.log, consumer.log, servers.log"
+        tmp = life.temp_dir("shoal-faults-", keep=args.keep, kept=logs)
+        life.stop_servers(tmp)
+        life.cleanup("Shoal connections", lambda: shoal is not None and shoal.close())
+        life.cleanup("the API, worker and consumer processes", lambda: stop_procs(procs))
+        life.cleanup(None, stop_flags, early=True)
+        env = child_env(tmp, args)
+        os.environ.update({k: v for k, v in env.items() if k.startswith("SHOAL_")})
+        interval = args.minutes * 60 / args.faults
+        console.print(
+            f"[bold]shoal fault bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, load average "
+            f"{_load()}; {args.faults} faults ({', '.join(args.kinds)} in turn) every {interval:.0f}s or after "
+            f"recovery (up to {args.recover_timeout:g}s); uploads {args.http_rate:g} pts/s HTTP "
+            f"({args.http_format}) + {args.broker_rate:g} pts/s broker in {args.batch}-point batches; "
+            f"{args.search_rate:g} searches/s per consistency level; {args.algorithm} index; data dir {tmp}"
+        )
+        servers = Servers(tmp, env, tmp / "servers.log")
+        t_begin = time.time()
         from shoal.auth.keys import create_key
         from shoal.client import Shoal
         from shoal.config.settings import Settings
@@ -1086,9 +1099,10 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data()
         console.print(f"data: {data.vectors.shape[0]:,} distinct real vectors (384-d) of {DATA_DIR}, "
                       f"{len(data.http_rows):,} ids written over HTTP, {len(data.broker_rows):,} through the broker")
-        servers.start()
-        settings = Settings()
-        shoal = Shoal(settings, tenant=TENANT, notify=False)
+        with life.starting(tmp):
+            servers.start()
+            settings = Settings()
+            shoal = Shoal(settings, tenant=TENANT, notify=False)
         shoal.create_data_source(DataSourceSpec(SOURCE, VERSION, data.vectors.shape[1], ATTRIBUTES, ["id"]))
         shoal.create_index(IndexSpec(
             f"{SOURCE}.idx", VERSION, SOURCE, VERSION, algorithm=args.algorithm, metric="cosine",
@@ -1108,9 +1122,10 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
         for name, cmd in [("servers", servers.command)] + [(p.name, p.command) for p in procs.values()]:
             console.print(f"  {name}: `{cmd}`")
-        ready, waited = wait_for(lambda: _healthz(port), 120)
-        if not ready:
-            raise RuntimeError(f"the API did not answer /healthz within 120s:\n{procs['api'].tail()}")
+        with life.starting(tmp, "the API"):
+            ready, waited = wait_for(lambda: _healthz(port), 120)
+            if not ready:
+                raise RuntimeError(f"the API did not answer /healthz within 120s:\n{procs['api'].tail()}")
         console.print(f"API ready on 127.0.0.1:{port} after {waited:.0f}s")
 
         rec = Record()
@@ -1139,36 +1154,20 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
         report(args, summary, rec, driver)
         console.print(f"JSON summary: {args.out}")
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); cleaning up")
-        code = 130
-    finally:
-        if work is not None:
-            work.stop.set()
-        if driver is not None:
-            driver.stop.set()
-        for p in procs.values():
-            try:
-                p.stop()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup {p.name}: {exc!r}")
-        if shoal is not None:
-            try:
-                shoal.close()
-            except Exception:  # noqa: BLE001
-                pass
-        from shoal.servers.embedded import stop_embedded
-
-        try:
-            stop_embedded(tmp)
-        except Exception as exc:  # noqa: BLE001
-            console.print(f"cleanup servers: {exc!r}")
-        if args.keep:
-            console.print(f"kept {tmp} (logs: api.log, worker.log, consumer.log, servers.log)")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     console.print(f"total bench time {time.time() - t_begin:.0f}s, load average after {_load()}")
-    return code
+    return 0
+
+
+def stop_procs(procs: dict[str, Proc]) -> None:
+    """Stop every process of the run, each on its own; raise naming those that would not stop."""
+    failed = []
+    for p in procs.values():
+        try:
+            p.stop()
+        except Exception as exc:  # noqa: BLE001 - the others still get stopped
+            failed.append(f"{p.name}: {exc!r}")
+    if failed:
+        raise RuntimeError("; ".join(failed))
 
 
 def _healthz(port: int) -> bool:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +32,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 from index import DATA_DIR, HNSW_PARAMS, K, raw_build, recall  # noqa: E402
 
 from shoal import DataSourceSpec, Shoal  # noqa: E402
@@ -264,12 +263,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep section and installed_size_kb as fields of a JSON `metadata` attribute, as the "
                              "dataset API does, and filter on those fields (parsed per search, as a request is)")
     args = parser.parse_args(argv)
-    base, queries, points = load(args.queries)
-    n = len(base)
-    unit = base / np.linalg.norm(base, axis=1, keepdims=True)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-filters-bench-"))
-    shoal = Shoal(Settings(data_dir=tmp), notify=False)
-    try:
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "points.parquet")
+    with Lifecycle() as life:
+        base, queries, points = load(args.queries)
+        n = len(base)
+        unit = base / np.linalg.norm(base, axis=1, keepdims=True)
+        tmp = life.temp_dir("shoal-filters-bench-")
+        life.stop_servers(tmp)  # the embedded Postgres and Valkey the Shoal starts in the temp dir
+        with life.starting(tmp):
+            shoal = Shoal(Settings(data_dir=tmp), notify=False)
+        life.cleanup("Shoal connections", shoal.close)
         tag = str(int(time.time()))
         attributes = ({"id": "int64", "metadata": "string"} if args.metadata
                       else {"id": "int64", "section": "string", "installed_size_kb": "int64"})
@@ -345,12 +348,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             sweep(searcher, index.spec.name, unit, queries, points, options, as_filter)
         searcher.close()
-    finally:
-        shoal.close()
-        from shoal.servers.embedded import stop_embedded
-
-        stop_embedded(tmp)  # the embedded Postgres and Valkey the Shoal started in the temp dir
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -41,11 +41,9 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -62,6 +60,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package: reuse index.py's helpers
 
 import index as ib  # noqa: E402
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 
 from shoal.catalog.db import resolve_database_url  # noqa: E402
 from shoal.cli.worker import start_worker_process, worker_argv  # noqa: E402
@@ -1115,33 +1114,33 @@ def print_searcher_stats() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-freshness-bench-"))
-    console.print(
-        f"[bold]shoal freshness bench[/] python {platform.python_version()}, {versions()}, "
-        f"{os.cpu_count()} cpus (available_cores() = {available_cores()}), load average before {ib._load()}"
-    )
-    signal.signal(signal.SIGTERM, ib._interrupt)
-    signal.signal(signal.SIGINT, ib._interrupt)
-    t_start = time.perf_counter()
-    cleanup: list[Callable[[], None]] = []
+    require_data(ib.DATA_DIR, "base_f16.npy", "queries_f16.npy", "gt.npy", "points.parquet")
     res = Result(shards=args.shards, workers=args.workers, rate_asked=args.rate, batch=args.batch)
     finished = False
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-freshness-bench-", keep=args.keep)
+        console.print(
+            f"[bold]shoal freshness bench[/] python {platform.python_version()}, {versions()}, "
+            f"{os.cpu_count()} cpus (available_cores() = {available_cores()}), load average before {ib._load()}"
+        )
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)
         console.print("[bold]1. setup[/]: embedded Postgres + Valkey, preload, materialize, worker(s)")
         # Always the embedded servers of a temp dir: the workers' sweeps must see no one else's indexes.
         base = Settings(data_dir=tmp, database_url=None, redis_url=None)
         from shoal.servers.embedded import ensure_valkey
 
-        overrides: dict[str, Any] = {
-            "data_dir": tmp,
-            "database_url": resolve_database_url(base),
-            "redis_url": ensure_valkey(tmp),
-            "sweep_interval_s": 5.0,
-        }
-        if args.storage:
-            overrides["storage_uri"] = args.storage
-        settings = Settings(**overrides)
-        Shoal(base, notify=False).close()  # the embedded catalog's schema (auto-migrated only without a URL)
+        with life.starting(tmp):
+            overrides: dict[str, Any] = {
+                "data_dir": tmp,
+                "database_url": resolve_database_url(base),
+                "redis_url": ensure_valkey(tmp),
+                "sweep_interval_s": 5.0,
+            }
+            if args.storage:
+                overrides["storage_uri"] = args.storage
+            settings = Settings(**overrides)
+            Shoal(base, notify=False).close()  # the embedded catalog's schema (auto-migrated only without a URL)
         console.print(
             f"  catalog and broker: embedded in {tmp}; storage {settings.resolved_storage_uri}; young tier bound "
             f"SHOAL_YOUNG_TIER_MAX_SEQS={getattr(settings, 'young_tier_max_seqs', 'n/a')}; searcher poll "
@@ -1151,21 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
         res.notes.append(note)
         if args.searcher_stats:
             trace_searcher()
-        run(settings, data, args, res, cleanup)
+        run(settings, data, args, res, life.steps("workers, producer, searcher and Shoal connections"))
         finished = True
-    finally:
-        for fn in reversed(cleanup):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup: {exc!r}")
-        from shoal.servers.embedded import stop_embedded
-
-        stop_embedded(tmp)
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     if finished:
         print_report(res, args)
         print_searcher_stats()
@@ -1177,8 +1163,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_produce":
         sys.exit(produce_main(sys.argv[2:]))
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); embedded servers, workers, producer and temp files cleaned up")
-        sys.exit(130)
+    sys.exit(main())

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 from index import DATA_DIR  # noqa: E402
 
 SHARDS = 4
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=5_000, help="rows/s the inserting thread adds (all shards)")
     parser.add_argument("--queries", type=int, default=300)
     args = parser.parse_args(argv)
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy")
     base = np.load(DATA_DIR / "base_f16.npy").astype(np.float32)
     base /= np.linalg.norm(base, axis=1, keepdims=True)
     queries = np.load(DATA_DIR / "queries_f16.npy").astype(np.float32)[: args.queries]
@@ -111,4 +113,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with Lifecycle():  # nothing to clean up; SIGTERM, like Ctrl-C, ends it with one line (the inserter joined)
+        raise SystemExit(main())

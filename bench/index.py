@@ -34,11 +34,8 @@ import importlib.metadata
 import os
 import platform
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -74,6 +71,9 @@ from shoal.searcher.consistency import Consistency
 from shoal.searcher.hits import Hits
 from shoal.searcher.searcher import Searcher
 from shoal.storage import Storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -1134,30 +1134,9 @@ def drop_bench_objects(shoal: Shoal) -> None:
             shoal.drop_data_source(source.spec.name, source.spec.version)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-index-bench-"))
-    overrides: dict[str, Any] = {"data_dir": tmp}
-    if args.storage:
-        overrides["storage_uri"] = args.storage
-    settings = Settings(**overrides)
-    embedded = not settings.database_url
-    console.print(
-        f"[bold]shoal index bench[/] python {platform.python_version()}, "
-        f"hnswlib {importlib.metadata.version('hnswlib')}, "
-        f"numpy {np.__version__}, pyarrow {pa.__version__}, {os.cpu_count()} cpus "
-        f"(available_cores() = {available_cores()}), load average before the bench {_load()}"
-    )
-    # Ctrl-C and SIGTERM unwind through the finally below (SIGINT too when started in the background, where
-    # the shell leaves it ignored).
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    t_start = time.perf_counter()
-    cleanup: list[Callable[[], None]] = []
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "gt.npy", "points.parquet")
     notes: list[str] = []
     mat: MatResult | None = None
     search: list[SearchRow] = []
@@ -1166,7 +1145,21 @@ def main(argv: list[str] | None = None) -> int:
     strong: list[StrongRow] = []
     sbd: Breakdown | None = None
     fresh: FreshResult | None = None
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-index-bench-", keep=args.keep)
+        overrides: dict[str, Any] = {"data_dir": tmp}
+        if args.storage:
+            overrides["storage_uri"] = args.storage
+        settings = Settings(**overrides)
+        embedded = not settings.database_url
+        console.print(
+            f"[bold]shoal index bench[/] python {platform.python_version()}, "
+            f"hnswlib {importlib.metadata.version('hnswlib')}, "
+            f"numpy {np.__version__}, pyarrow {pa.__version__}, {os.cpu_count()} cpus "
+            f"(available_cores() = {available_cores()}), load average before the bench {_load()}"
+        )
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)  # the embedded Postgres (unless SHOAL_DATABASE_URL is set) and part 3's Valkey
         console.print("loading data …")
         data, note = load_data(args.queries)
         notes.append(note)
@@ -1174,10 +1167,11 @@ def main(argv: list[str] | None = None) -> int:
         gt, note = truth(data, n)
         notes.append(note)
         # Parts 1, 2 and 4: no notifications, no worker; builds run in this process.
-        shoal = Shoal(settings, notify=False)
-        cleanup.append(shoal.close)
+        with life.starting(tmp):
+            shoal = Shoal(settings, notify=False)
+        life.cleanup("Shoal connections", shoal.close)
         if not embedded:  # a shared catalog: drop what the bench made (an embedded one goes with the temp dir)
-            cleanup.append(lambda: drop_bench_objects(shoal))
+            life.cleanup("the bench's objects in the shared catalog", lambda: drop_bench_objects(shoal))
         console.print(
             f"catalog: {'embedded Postgres in ' + str(tmp) if embedded else 'SHOAL_DATABASE_URL'}; "
             f"storage: {shoal.storage.root}"
@@ -1193,7 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[bold]1. materialization[/]")
         mat = run_materialize(shoal, data, source, n, args)
         searcher = shoal.searcher(follow=False)
-        cleanup.append(searcher.close)
+        life.cleanup("searchers", searcher.close)
         if 2 not in args.skip:
             console.print("[bold]2. search[/]")
             search, qbd, raw_q = run_search(shoal, searcher, mat, data, gt, args)
@@ -1213,35 +1207,19 @@ def main(argv: list[str] | None = None) -> int:
             console.print("[bold]3. freshness under sustained ingest[/] (Celery worker + beat, following searcher)")
             from shoal.servers.embedded import ensure_valkey
 
+            with life.starting(tmp, "the broker"):
+                redis_url = settings.redis_url or ensure_valkey(tmp)
             fresh_settings = Settings(
                 **{
                     **overrides,
                     "database_url": resolve_database_url(settings),
-                    "redis_url": settings.redis_url or ensure_valkey(tmp),
+                    "redis_url": redis_url,
                     "storage_uri": shoal.storage.root if shoal.storage.local else settings.resolved_storage_uri,
                     "sweep_interval_s": args.sweep_interval,
                     "pending_ttl_s": 30.0,
                 }
             )
-            fresh = run_freshness(fresh_settings, data, args, cleanup)
-    finally:
-        for fn in reversed(cleanup):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup: {exc!r}")
-        if embedded:
-            from shoal.servers.embedded import stop_embedded
-
-            stop_embedded(tmp)
-        elif (tmp / "valkey").exists():
-            from shoal.servers.embedded import stop_embedded
-
-            stop_embedded(tmp)
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fresh = run_freshness(fresh_settings, data, args, life.steps("part 3's worker, searcher and threads"))
     assert mat is not None
     print_main_table(mat, search, fresh, strong, args)
     print_materialize_breakdown(mat)
@@ -1255,8 +1233,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); embedded servers, worker and temp files cleaned up")
-        sys.exit(130)
+    sys.exit(main())

@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -50,6 +48,9 @@ from sqlalchemy import text
 from shoal.client import Producer, Shoal
 from shoal.config.settings import Settings
 from shoal.log.records import DataPoint, DataSourceSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -469,22 +470,26 @@ def fmt_rate(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-bench-"))
-    overrides: dict[str, Any] = {"data_dir": tmp}
-    if args.storage:
-        overrides["storage_uri"] = args.storage
-    settings = Settings(**overrides)
-    embedded = not settings.database_url
-    console.print(
-        f"[bold]shoal ingest bench[/] python {platform.python_version()}, pyarrow {pa.__version__}, "
-        f"numpy {np.__version__}, {os.cpu_count()} cpus, load average before the bench {_load()}"
-    )
-    console.print("loading data …")
-    pools = load_pools(args.dims)
-    t_start = time.perf_counter()
+    require_data(DATA_DIR, "base_f16.npy", "points.parquet")
     cases: list[Case] = []
-    shoal = Shoal(settings)
-    try:
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-bench-", keep=args.keep)
+        overrides: dict[str, Any] = {"data_dir": tmp}
+        if args.storage:
+            overrides["storage_uri"] = args.storage
+        settings = Settings(**overrides)
+        embedded = not settings.database_url
+        console.print(
+            f"[bold]shoal ingest bench[/] python {platform.python_version()}, pyarrow {pa.__version__}, "
+            f"numpy {np.__version__}, {os.cpu_count()} cpus, load average before the bench {_load()}"
+        )
+        console.print("loading data …")
+        pools = load_pools(args.dims)
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)  # the embedded Postgres (unless SHOAL_DATABASE_URL is set) and Valkey
+        with life.starting(tmp):
+            shoal = Shoal(settings)
+        life.cleanup("Shoal connections", shoal.close)
         with shoal.engine.connect() as conn:
             pg = {k: conn.execute(text(f"SHOW {k}")).scalar() for k in ("fsync", "synchronous_commit")}
         console.print(
@@ -507,16 +512,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {dim}-d × batch {batch:,}: ours {fmt_rate(case.ours.pps)} pts/s, raw {ref} pts/s, "
                     f"{case.segments} segments ({time.perf_counter() - t0:.1f}s)"
                 )
-    finally:
-        shoal.close()
-        if embedded:
-            from shoal.servers.embedded import stop_embedded
-
-            stop_embedded(tmp)
-        if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            console.print(f"kept {tmp}")
     print_table(cases, args, local=shoal.storage.local)
     console.print(f"total bench time {time.perf_counter() - t_start:.0f}s")
     return 0

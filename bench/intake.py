@@ -44,11 +44,9 @@ import multiprocessing as mp
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -74,6 +72,9 @@ from shoal.client import Shoal
 from shoal.config.settings import Settings
 from shoal.intake.topology import BATCH_ID_PREFIX
 from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, children_ignore_sigint, require_data  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"  # ../shared beside the repo
 DATA_DIR = Path(os.environ.get("SHOAL_BENCH_DATA", SHARED))
@@ -219,8 +220,9 @@ class Publishers:
                 )
                 for p in plans
             ]
-            for proc in self._procs:
-                proc.start()
+            with children_ignore_sigint():  # a terminal's Ctrl-C is for the parent, which stops them
+                for proc in self._procs:
+                    proc.start()
             for _ in plans:
                 self._ready.get(timeout=120)
         else:
@@ -941,10 +943,6 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def drop_bench_objects(shoal: Shoal) -> None:
     for index in shoal.list_indexes():
         if index.spec.name.endswith(f"-{TAG}"):
@@ -978,36 +976,37 @@ def server_facts(shoal: Shoal, broker: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-intake-bench-"))
-    overrides: dict[str, Any] = {"data_dir": tmp}
-    if args.storage:
-        overrides["storage_uri"] = args.storage
-    if args.commit_points:
-        overrides["intake_max_points"] = args.commit_points
-    if args.max_wait_ms:
-        overrides["intake_max_wait_ms"] = args.max_wait_ms
-    # An exchange and consumer group of the run's own: a shared broker never mixes runs.
-    overrides["intake_exchange"] = f"bench-{TAG}.intake"
-    overrides["intake_group"] = f"bench-{TAG}"
-    base_settings = Settings(**overrides)
-    embedded = not base_settings.database_url
-    versions = " ".join(
-        f"{m} {importlib.metadata.version(m)}" for m in ("shoal", "kombu", "celery", "redis", "sqlalchemy", "psycopg")
-    )
-    console.print(
-        f"[bold]shoal intake bench[/] python {platform.python_version()}, {versions}, numpy {np.__version__}, "
-        f"pyarrow {pa.__version__}, {os.cpu_count()} cpus, load average before the bench {_load()}"
-    )
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    t_start = time.perf_counter()
-    cleanup: list[Callable[[], None]] = []
+    require_data(DATA_DIR, "base_f16.npy", "points.parquet")
     notes: list[str] = []
     sides: list[Side] = []
     lags: list[LagResult] = []
     stop = threading.Event()  # set on interrupts and errors: paced senders stop before the servers do
     ctx: Ctx | None = None
-    try:
+    with Lifecycle() as life:
+        life.cleanup(None, stop.set, early=True)
+        tmp = life.temp_dir("shoal-intake-bench-", keep=args.keep)
+        overrides: dict[str, Any] = {"data_dir": tmp}
+        if args.storage:
+            overrides["storage_uri"] = args.storage
+        if args.commit_points:
+            overrides["intake_max_points"] = args.commit_points
+        if args.max_wait_ms:
+            overrides["intake_max_wait_ms"] = args.max_wait_ms
+        # An exchange and consumer group of the run's own: a shared broker never mixes runs.
+        overrides["intake_exchange"] = f"bench-{TAG}.intake"
+        overrides["intake_group"] = f"bench-{TAG}"
+        base_settings = Settings(**overrides)
+        embedded = not base_settings.database_url
+        versions = " ".join(
+            f"{m} {importlib.metadata.version(m)}"
+            for m in ("shoal", "kombu", "celery", "redis", "sqlalchemy", "psycopg")
+        )
+        console.print(
+            f"[bold]shoal intake bench[/] python {platform.python_version()}, {versions}, numpy {np.__version__}, "
+            f"pyarrow {pa.__version__}, {os.cpu_count()} cpus, load average before the bench {_load()}"
+        )
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)  # the embedded Valkey, and Postgres unless SHOAL_DATABASE_URL is set
         console.print("loading data …")
         data = load_data()
         notes.append(
@@ -1016,15 +1015,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         from shoal.servers.broker import broker_url
 
-        broker = broker_url(base_settings)  # the configured Redis, or the embedded Valkey (started here)
-        settings = Settings(**{**overrides, "redis_url": broker, "database_url": resolve_database_url(base_settings)})
-        if embedded:
-            # The embedded catalog's schema: Runtime auto-migrates only without a database URL.
-            Shoal(base_settings, notify=False).close()
-        shoal = Shoal(settings, notify=False)
-        cleanup.append(shoal.close)
+        with life.starting(tmp):
+            broker = broker_url(base_settings)  # the configured Redis, or the embedded Valkey (started here)
+            settings = Settings(
+                **{**overrides, "redis_url": broker, "database_url": resolve_database_url(base_settings)}
+            )
+            if embedded:
+                # The embedded catalog's schema: Runtime auto-migrates only without a database URL.
+                Shoal(base_settings, notify=False).close()
+            shoal = Shoal(settings, notify=False)
+        life.cleanup("Shoal connections", shoal.close)
         if not embedded:
-            cleanup.append(lambda: drop_bench_objects(shoal))
+            life.cleanup("the bench's objects in the shared catalog", lambda: drop_bench_objects(shoal))
         console.print(
             f"catalog: {'embedded Postgres in ' + str(tmp) if embedded else 'SHOAL_DATABASE_URL'}; "
             f"storage: {shoal.storage.root}; {server_facts(shoal, broker)}"
@@ -1036,11 +1038,11 @@ def main(argv: list[str] | None = None) -> int:
         import redis
 
         rclient = redis.Redis.from_url(broker)
-        cleanup.append(rclient.close)
+        life.cleanup("broker connections", rclient.close)
         queue_name = f"{settings.intake_exchange}.{settings.intake_group}"
         consumer = ConsumerRunner(settings, args.consumer)
+        life.cleanup("the consumer", consumer.stop)
         consumer.start()
-        cleanup.append(consumer.stop)
         pub_settings = settings.model_dump(exclude_none=True)
         ctx = Ctx(shoal, settings, data, args, consumer, lambda: int(rclient.llen(queue_name)), pub_settings)
 
@@ -1079,22 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append("3: skipped: its worker's beat sweep would build every lagging index of a shared catalog")
             else:
                 console.print("[bold]3. index lag[/] (flat index, Celery worker + beat)")
-                lags.append(run_index_lag(ctx, stop, cleanup))
-    finally:
-        stop.set()
-        for fn in reversed(cleanup):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup: {exc!r}")
-        if embedded or (tmp / "valkey").exists():
-            from shoal.servers.embedded import stop_embedded
-
-            stop_embedded(tmp)
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+                lags.append(run_index_lag(ctx, stop, life.steps("part 3's worker processes")))
     assert ctx is not None
     if sides:
         print_throughput(sides, args)
@@ -1106,8 +1093,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); embedded servers, consumer and temp files cleaned up")
-        sys.exit(130)
+    sys.exit(main())

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,13 +33,13 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _lifecycle import Lifecycle, require_data  # noqa: E402
 from index import DATA_DIR, K, load_data  # noqa: E402 - the index bench's data loader
 
 from shoal import DataSourceSpec, Shoal  # noqa: E402
 from shoal.config.settings import Settings  # noqa: E402
 from shoal.index.builder import ShardBuilder  # noqa: E402
 from shoal.log.records import AttributeType, IndexSpec  # noqa: E402
-from shoal.servers.embedded import stop_embedded  # noqa: E402
 
 console = Console(width=None if sys.stdout.isatty() else 150)
 OLD = {"M": 16, "ef_construction": 200, "ef_search": 64}
@@ -58,15 +56,20 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--steady-seconds", type=float, default=10.0)
     args = p.parse_args()
-    data, _ = load_data(1000)
-    n = min(args.points, len(data.base))
-    vectors, queries = data.base[:n], data.queries
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-reindex-bench-"))
-    settings = Settings(data_dir=tmp)
-    console.print(f"[bold]shoal reindex bench[/] {n:,} points x {vectors.shape[1]}-d from {DATA_DIR.name}, "
-                  f"{args.clients} clients, {os.cpu_count()} cpus")
-    try:
-        with Shoal(settings, notify=False) as shoal:
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "gt.npy", "points.parquet")
+    with Lifecycle() as life:
+        data, _ = load_data(1000)
+        n = min(args.points, len(data.base))
+        vectors, queries = data.base[:n], data.queries
+        tmp = life.temp_dir("shoal-reindex-bench-")  # the catalog, broker and segments of the run
+        settings = Settings(data_dir=tmp)
+        console.print(f"[bold]shoal reindex bench[/] {n:,} points x {vectors.shape[1]}-d from {DATA_DIR.name}, "
+                      f"{args.clients} clients, {os.cpu_count()} cpus")
+        life.stop_servers(tmp)
+        with life.starting(tmp):
+            shoal = Shoal(settings, notify=False)
+        life.cleanup("Shoal connections", shoal.close)
+        with shoal:
             dim = vectors.shape[1]
             shoal.create_data_source(DataSourceSpec("bench", "1", dim, {"id": AttributeType.INT64}, ["id"]))
             shoal.producer("bench", "1").upload_columns(vectors, {"id": np.arange(n)})
@@ -100,6 +103,7 @@ def main() -> int:
                     i += 1
 
             threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(args.clients)]
+            life.cleanup(None, stop.set, early=True)  # on an interrupt: the clients stop searching first
             for t in threads:
                 t.start()
             time.sleep(args.steady_seconds)  # the steady-state window is a duration, not a wait for a result
@@ -123,9 +127,6 @@ def main() -> int:
         raw.init_index(max_elements=n, M=32, ef_construction=200, random_seed=1)
         raw.add_items(vectors, np.arange(n), num_threads=os.cpu_count() or 1)
         raw_s = time.perf_counter() - raw0
-    finally:
-        stop_embedded(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)  # the catalog, broker and segments of the run
 
     steady = [s for t0, s, _, _ in samples if t0 < t_start]
     building = [s for t0, s, _, _ in samples if t_start <= t0 < t_swapped]

@@ -32,10 +32,8 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -58,6 +56,9 @@ from shoal.index.builder import ShardBuilder
 from shoal.intake.codec import ARROW, JSON, encode_arrow
 from shoal.log.records import DataPoint, DataSourceSpec, IndexSpec, Tombstone
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benches' helpers
+from _lifecycle import Lifecycle, require_data  # noqa: E402
+
 
 def _load_api_bench() -> Any:
     """bench/api.py as a module (its Server, light HTTP client and /proc helpers), under a name of its own."""
@@ -73,7 +74,6 @@ apibench = _load_api_bench()
 Server = apibench.Server
 LightClient = apibench.LightClient
 rss_bytes: Callable[[int], int] = apibench.rss_bytes
-_interrupt = apibench._interrupt  # SIGTERM as Ctrl-C, so cleanup runs
 _load = apibench._load  # the load average, for the report
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "debian-packages"
@@ -490,172 +490,165 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-soak-bench-"))
-    overrides: dict[str, Any] = {"data_dir": tmp}
-    if args.storage:
-        overrides["storage_uri"] = args.storage
-    if args.cache_mb:
-        overrides["searcher_cache_bytes"] = args.cache_mb * MB
-    console.print(
-        f"[bold]shoal soak bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, load average "
-        f"{_load()}; {args.minutes:g} min at {args.rate:g} entries/s in {args.batch}-entry batches "
-        f"({args.upload_via}), {args.update_share:.0%} updates, {args.delete_share:.0%} deletes"
-    )
-    cleanup: list[Callable[[], None]] = []
+    require_data(DATA_DIR, "base_f16.npy", "queries_f16.npy", "points.parquet")
     worker_log: Path | None = None
-    t_start = time.perf_counter()
-    try:
-        data = load_data()
-        settings = Settings(**overrides)
-        if not settings.redis_url:
-            from shoal.servers.embedded import ensure_valkey
-
-            settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
-        settings = settings.model_copy(update={"tenant": TENANT})
-        database_url = resolve_database_url(settings)  # starts the embedded Postgres
-        shoal = Shoal(settings, tenant=TENANT, notify=False)  # the preload is built here, not queued
-        cleanup.append(shoal.close)
-        storage_uri = shoal.storage.root if shoal.storage.local else settings.resolved_storage_uri
-        budget = getattr(settings, "searcher_cache_bytes", None)
-        extra_env = {"SHOAL_SEARCHER_CACHE_BYTES": str(budget)} if budget else {}
-
-        # 1. preload, index, materialize here; then the worker and the API.
-        name = f"bench-soak-{uuid.uuid4().hex[:6]}"
-        n = min(args.preload, data.base.shape[0])
-        shoal.create_data_source(DataSourceSpec(name, "1", data.base.shape[1], ATTRIBUTES, ["id"]))
-        t0 = time.perf_counter()
-        producer = shoal.producer(name, "1")
-        for s in range(0, n, 10_000):
-            e = min(n, s + 10_000)
-            producer.upload_columns(
-                data.base[s:e],
-                {
-                    "id": np.arange(s, e, dtype=np.int64),
-                    "package": data.package[s:e],
-                    "installed_size_kb": data.size[s:e],
-                },
-            )
-        index = shoal.create_index(
-            IndexSpec(name, "1", name, "1", algorithm="hnsw", metric="cosine", params=HNSW_PARAMS, id_attributes=["id"])
-        )
-        for shard in index.shards:
-            ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
-        console.print(f"preload: {n:,} points ingested and materialized in {time.perf_counter() - t0:.1f}s")
-
-        worker_log = tmp / "worker.log"
-        argv = worker_argv(beat=True, schedule=tmp / "beat-schedule", pool="solo", loglevel="info", quick=True)
-        worker = start_worker_process(argv, worker_log, settings.child_env())
-
-        def stop_worker() -> None:
-            stop_worker_process(worker, 20)
-            try:
-                os.killpg(worker.pid, signal.SIGKILL)  # its own session: the embedded beat goes with it
-            except (ProcessLookupError, PermissionError):
-                pass
-
-        cleanup.append(stop_worker)
-        server = Server(settings, database_url, storage_uri, tmp / "api.log", False, 1, extra_env)
-        cleanup.append(server.stop)
-        server.wait_ready()
-
-        def check() -> None:
-            if worker.poll() is not None:
-                raise RuntimeError(f"the worker exited with {worker.returncode}; log: {worker_log}")
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {server.proc.returncode}:\n{server.tail()}")
-
-        probe = LightClient(server.url)
-        cleanup.append(probe.close)
-        warm_body = json.dumps({"k": K, "queryVectors": [{"isSparse": False, "coordinates": data.queries[0].tolist()}]})
-        search_ids(probe, name, warm_body.encode())  # the API's searcher loads the index and reports it served
-        waited = wait_until(lambda: index_status(probe, name).caught_up, 180, "the preload to be served", check)
+    with Lifecycle() as life:
+        tmp = life.temp_dir("shoal-soak-bench-", keep=args.keep)
+        overrides: dict[str, Any] = {"data_dir": tmp}
+        if args.storage:
+            overrides["storage_uri"] = args.storage
+        if args.cache_mb:
+            overrides["searcher_cache_bytes"] = args.cache_mb * MB
         console.print(
-            f"worker pid {worker.pid}, API pid {server.pid} on {server.url} (`{server.command}`); the index is "
-            f"served at the head after {waited:.1f}s; API RSS {rss_bytes(server.pid) / MB:,.0f} MB"
+            f"[bold]shoal soak bench[/] python {platform.python_version()}, {os.cpu_count()} cpus, load average "
+            f"{_load()}; {args.minutes:g} min at {args.rate:g} entries/s in {args.batch}-entry batches "
+            f"({args.upload_via}), {args.update_share:.0%} updates, {args.delete_share:.0%} deletes"
         )
-        head0 = shoal.get_data_source(name, "1").head_seq
+        t_start = time.perf_counter()
+        life.stop_servers(tmp)
+        try:
+            data = load_data()
+            settings = Settings(**overrides)
+            with life.starting(tmp):
+                if not settings.redis_url:
+                    from shoal.servers.embedded import ensure_valkey
 
-        # 2. the soak.
-        console.print(f"[bold]soak[/]: {args.minutes:g} min, sampling every {args.sample_s:g}s")
-        writes = Writes(data, n, args.update_share, args.delete_share)
-        res = run_soak(args, data, server, writes, name, shoal, check)
+                    settings = settings.model_copy(update={"redis_url": ensure_valkey(tmp)})
+                settings = settings.model_copy(update={"tenant": TENANT})
+                database_url = resolve_database_url(settings)  # starts the embedded Postgres
+                shoal = Shoal(settings, tenant=TENANT, notify=False)  # the preload is built here, not queued
+            life.cleanup("Shoal connections", shoal.close)
+            storage_uri = shoal.storage.root if shoal.storage.local else settings.resolved_storage_uri
+            budget = getattr(settings, "searcher_cache_bytes", None)
+            extra_env = {"SHOAL_SEARCHER_CACHE_BYTES": str(budget)} if budget else {}
 
-        # 3. catch up, then a fresh API on the same settings.
-        caught = wait_until(lambda: index_status(probe, name).caught_up, args.catchup_timeout, "the catch-up", check)
-        final = index_status(probe, name)
-        grown = shoal.get_data_source(name, "1").head_seq - head0
-        old_rss_end = rss_bytes(server.pid)
-        old_metrics = parse_metrics(probe.request("GET", "/metrics").body.decode(), (CACHE_BYTES, CACHE_BUDGET))
-        fresh = Server(settings, database_url, storage_uri, tmp / "api-fresh.log", False, 1, extra_env)
-        cleanup.append(fresh.stop)
-        fresh.wait_ready()
-        fresh_client = LightClient(fresh.url)
-        cleanup.append(fresh_client.close)
-        checks = [
-            json.dumps({"k": K, "queryVectors": [{"isSparse": False, "coordinates": q}]}).encode()
-            for q in data.queries[:5].tolist()
-        ]
-        expected = [search_ids(probe, name, b) for b in checks]
-        same = wait_until(
-            lambda: [search_ids(fresh_client, name, b) for b in checks] == expected,
-            120,
-            "the fresh API's answers to equal the old one's",
-            check,
-        )
-        for q in range(args.fresh_queries):
-            b = json.dumps(
-                {
-                    "k": K,
-                    "queryVectors": [{"isSparse": False, "coordinates": data.queries[q % len(data.queries)].tolist()}],
-                }
-            )
-            search_ids(fresh_client, name, b.encode())
-        fresh_rss = rss_bytes(fresh.pid)
-        old_rss = rss_bytes(server.pid)
-        fresh_metrics = parse_metrics(
-            fresh_client.request("GET", "/metrics").body.decode(), (CACHE_BYTES, CACHE_BUDGET)
-        )
-        print_report(
-            args,
-            res,
-            final,
-            grown,
-            caught,
-            same,
-            old_rss_end,
-            old_rss,
-            fresh_rss,
-            old_metrics,
-            fresh_metrics,
-            len(writes.live),
-            server,
-            fresh,
-        )
-    except KeyboardInterrupt as exc:
-        console.print(f"interrupted ({exc or 'Ctrl-C'}); cleaning up")
-        return 130
-    except BaseException:
-        if worker_log is not None and worker_log.is_file():
-            console.print(
-                escape(
-                    "worker log, last lines:\n" + "\n".join(worker_log.read_text(errors="replace").splitlines()[-15:])
+            # 1. preload, index, materialize here; then the worker and the API.
+            name = f"bench-soak-{uuid.uuid4().hex[:6]}"
+            n = min(args.preload, data.base.shape[0])
+            shoal.create_data_source(DataSourceSpec(name, "1", data.base.shape[1], ATTRIBUTES, ["id"]))
+            t0 = time.perf_counter()
+            producer = shoal.producer(name, "1")
+            for s in range(0, n, 10_000):
+                e = min(n, s + 10_000)
+                producer.upload_columns(
+                    data.base[s:e],
+                    {
+                        "id": np.arange(s, e, dtype=np.int64),
+                        "package": data.package[s:e],
+                        "installed_size_kb": data.size[s:e],
+                    },
                 )
+            index = shoal.create_index(
+                IndexSpec(name, "1", name, "1", algorithm="hnsw", metric="cosine", params=HNSW_PARAMS,
+                          id_attributes=["id"])
             )
-        raise
-    finally:
-        for fn in reversed(cleanup):
-            try:
-                fn()
-            except Exception as exc:  # noqa: BLE001 - keep cleaning up
-                console.print(f"cleanup: {exc!r}")
-        from shoal.servers.embedded import stop_embedded
+            for shard in index.shards:
+                ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+            console.print(f"preload: {n:,} points ingested and materialized in {time.perf_counter() - t0:.1f}s")
 
-        stop_embedded(tmp)
-        if args.keep:
-            console.print(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+            worker_log = tmp / "worker.log"
+            argv = worker_argv(beat=True, schedule=tmp / "beat-schedule", pool="solo", loglevel="info", quick=True)
+            worker = start_worker_process(argv, worker_log, settings.child_env())
+
+            def stop_worker() -> None:
+                stop_worker_process(worker, 20)
+                try:
+                    os.killpg(worker.pid, signal.SIGKILL)  # its own session: the embedded beat goes with it
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+            life.cleanup("the worker processes", stop_worker)
+            with life.starting(tmp, "the API server"):
+                server = Server(settings, database_url, storage_uri, tmp / "api.log", False, 1, extra_env)
+                life.cleanup("the API server", server.stop)
+                server.wait_ready()
+
+            def check() -> None:
+                if worker.poll() is not None:
+                    raise RuntimeError(f"the worker exited with {worker.returncode}; log: {worker_log}")
+                if server.proc.poll() is not None:
+                    raise RuntimeError(f"the API exited with {server.proc.returncode}:\n{server.tail()}")
+
+            probe = LightClient(server.url)
+            life.cleanup("HTTP clients", probe.close)
+            warm_body = json.dumps(
+                {"k": K, "queryVectors": [{"isSparse": False, "coordinates": data.queries[0].tolist()}]}
+            )
+            search_ids(probe, name, warm_body.encode())  # the API's searcher loads the index and reports it served
+            waited = wait_until(lambda: index_status(probe, name).caught_up, 180, "the preload to be served", check)
+            console.print(
+                f"worker pid {worker.pid}, API pid {server.pid} on {server.url} (`{server.command}`); the index is "
+                f"served at the head after {waited:.1f}s; API RSS {rss_bytes(server.pid) / MB:,.0f} MB"
+            )
+            head0 = shoal.get_data_source(name, "1").head_seq
+
+            # 2. the soak.
+            console.print(f"[bold]soak[/]: {args.minutes:g} min, sampling every {args.sample_s:g}s")
+            writes = Writes(data, n, args.update_share, args.delete_share)
+            res = run_soak(args, data, server, writes, name, shoal, check)
+
+            # 3. catch up, then a fresh API on the same settings.
+            caught = wait_until(
+                lambda: index_status(probe, name).caught_up, args.catchup_timeout, "the catch-up", check
+            )
+            final = index_status(probe, name)
+            grown = shoal.get_data_source(name, "1").head_seq - head0
+            old_rss_end = rss_bytes(server.pid)
+            old_metrics = parse_metrics(
+                probe.request("GET", "/metrics").body.decode(), (CACHE_BYTES, CACHE_BUDGET)
+            )
+            fresh = Server(settings, database_url, storage_uri, tmp / "api-fresh.log", False, 1, extra_env)
+            life.cleanup("the API server", fresh.stop)
+            fresh.wait_ready()
+            fresh_client = LightClient(fresh.url)
+            life.cleanup("HTTP clients", fresh_client.close)
+            checks = [
+                json.dumps({"k": K, "queryVectors": [{"isSparse": False, "coordinates": q}]}).encode()
+                for q in data.queries[:5].tolist()
+            ]
+            expected = [search_ids(probe, name, b) for b in checks]
+            same = wait_until(
+                lambda: [search_ids(fresh_client, name, b) for b in checks] == expected,
+                120,
+                "the fresh API's answers to equal the old one's",
+                check,
+            )
+            for q in range(args.fresh_queries):
+                coordinates = data.queries[q % len(data.queries)].tolist()
+                b = json.dumps({"k": K, "queryVectors": [{"isSparse": False, "coordinates": coordinates}]})
+                search_ids(fresh_client, name, b.encode())
+            fresh_rss = rss_bytes(fresh.pid)
+            old_rss = rss_bytes(server.pid)
+            fresh_metrics = parse_metrics(
+                fresh_client.request("GET", "/metrics").body.decode(), (CACHE_BYTES, CACHE_BUDGET)
+            )
+            print_report(
+                args,
+                res,
+                final,
+                grown,
+                caught,
+                same,
+                old_rss_end,
+                old_rss,
+                fresh_rss,
+                old_metrics,
+                fresh_metrics,
+                len(writes.live),
+                server,
+                fresh,
+            )
+        except KeyboardInterrupt:
+            raise  # Lifecycle reports it, after the cleanup
+        except BaseException:
+            if worker_log is not None and worker_log.is_file():  # read before the cleanup removes the temp dir
+                console.print(
+                    escape(
+                        "worker log, last lines:\n"
+                        + "\n".join(worker_log.read_text(errors="replace").splitlines()[-15:])
+                    )
+                )
+            raise
     console.print(f"total bench time {time.perf_counter() - t_start:.0f}s, load average after {_load()}")
     return 0
 
