@@ -276,7 +276,13 @@ def _rebased(
         return None
     if len(list_segments(engine, source_id, head, actual)) > REBASE_SEGMENTS:
         return None
-    since = [b.column(KEY) for b in read_log(engine, storage, source_id, head, actual, columns=[KEY]) if b.num_rows]
+    try:
+        since = [b.column(KEY) for b in read_log(engine, storage, source_id, head, actual, columns=[KEY])
+                 if b.num_rows]
+    except OSError as exc:  # the storage away (StorageUnavailableError is one): no retry of this under the lock
+        log.info("retention of data source %s: the entries since seq %d could not be read under the lock (%s); "
+                 "deciding again", source_id, head, exc)
+        return None
     if not since:
         return tables
     touched = pa.chunked_array(since).unique()

