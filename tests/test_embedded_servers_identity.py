@@ -348,3 +348,15 @@ def test_a_postgres_that_never_answers_is_reported_within_the_wait(data_dirs: Ca
         attempt.result()
     assert ensure_postgres(data_dir) == url  # resumed, it is found again: the same server
     assert int(pidfile.read_text().split()[0]) == pid
+
+
+def test_a_postgres_that_refuses_the_connection_is_reported_as_a_refusal(pg_url: str, tmp_path: Path) -> None:
+    """Every connection error was waited on for the whole bound, then called a stall ("running but not
+    answering"): a refused login or a database that does not exist is the server's answer, said as it is."""
+    from sqlalchemy.engine import make_url
+
+    from shoal.servers.embedded import _connect_postgres
+
+    missing = make_url(pg_url).set(drivername="postgresql", database="shoal_no_such_db")
+    with pytest.raises(ConfigurationError, match=r"refused the connection \(.*shoal_no_such_db.*does not exist"):
+        _connect_postgres(missing.render_as_string(hide_password=False), tmp_path, None, 30.0)

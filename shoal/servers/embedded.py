@@ -162,6 +162,22 @@ def _remove_stale_postmaster(pgdata: Path) -> None:
     pidfile.unlink(missing_ok=True)
 
 
+# What a Postgres that will take the connection later answers: starting up, shutting down or in recovery
+# (57P03), too many clients (53300).
+_PG_NOT_YET = frozenset({"57P03", "53300"})
+_PG_NOT_YET_TEXT = ("starting up", "shutting down", "in recovery", "too many clients")
+
+
+def _refused(exc: psycopg.OperationalError) -> bool:
+    """Whether the server answered the connection with a lasting no (a refused login, no such database), rather
+    than not yet (starting, too many clients) or not at all (refused, timed out: nothing answered). libpq's
+    connection errors carry no SQLSTATE, so the server's FATAL message tells, in the embedded server's English."""
+    if exc.sqlstate is not None:
+        return exc.sqlstate not in _PG_NOT_YET
+    text = str(exc)
+    return "FATAL:" in text and not any(words in text for words in _PG_NOT_YET_TEXT)
+
+
 def _connect_postgres(uri: str, data_dir: Path, pid: int | None, timeout: float) -> psycopg.Connection[Any]:
     """An autocommit connection to the embedded Postgres of `data_dir` (postmaster `pid`), waited for up to
     `timeout` seconds; ConfigurationError when it does not answer by then. A paused or stalled postmaster takes
@@ -175,8 +191,15 @@ def _connect_postgres(uri: str, data_dir: Path, pid: int | None, timeout: float)
             # paused, while a refused one (starting up, too many clients) is tried again.
             return psycopg.connect(uri, autocommit=True, connect_timeout=max(2, int(remaining) + 1))
         except psycopg.OperationalError as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if _refused(exc):
+                # The server answered, and no: a refused login, a database that does not exist. Waiting would
+                # only hold the lock `shoal server stop` needs, then blame a stall.
+                raise ConfigurationError(
+                    f"the embedded Postgres (pid {pid}) of {data_dir} refused the connection ({reason}): stop it "
+                    "(shoal server stop) and run again"
+                ) from None
             if time.monotonic() >= deadline:
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ConfigurationError(
                     f"the embedded Postgres (pid {pid}) of {data_dir} is running but not answering after "
                     f"{timeout:g}s ({reason}): run again once it answers, or stop it (shoal server stop)"
