@@ -338,25 +338,10 @@ def _valkey_alive(port: int, password: str, home: Path) -> bool:
     return _valkey_folder(port, password) == home.resolve()
 
 
-def _refuses_password(port: int) -> bool:
-    """True when something on `port` speaks Redis but refuses both our password and none (a stale password file)."""
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5, socket_timeout=0.5,
-                             retry=None)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except redis.AuthenticationError:
-        return True
-    except redis.RedisError:
-        return False
-    return False
-
-
-def _refuses_ours(port: int, password: str) -> bool:
-    """True when the server on `port` answers and refuses `password`. (A paused server that resumes answers a
-    probe without a password NOAUTH, as `_refuses_password` asks: only a refusal of ours tells.)"""
+def _refuses(port: int, password: str | None = None) -> bool:
+    """True when something on `port` speaks Redis and refuses `password` (with None: refuses both any password and
+    none, a stale password file). A paused server that resumes answers a probe without a password NOAUTH: only a
+    refusal of ours tells that ours is wrong."""
     try:
         client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=0.5,
                              socket_timeout=0.5, retry=None)
@@ -446,7 +431,7 @@ def _await_valkey(data_dir: Path, pid: int, port: int, password: str, timeout: f
     while True:
         if _valkey_alive(port, password, home):
             return valkey_url(data_dir, port)
-        if _refuses_ours(port, password):
+        if _refuses(port, password):
             raise ConfigurationError(f"the embedded Valkey on port {port} refuses the password in "
                                      f"{home / 'password'}: stop it (shoal server stop) and run again")
         remaining = deadline - time.monotonic()
@@ -472,7 +457,7 @@ def _start_valkey(data_dir: Path, port: int | None, password: str) -> str:
             # Another data directory's Valkey, taking our password: this one is a copy of it (the password
             # and port files came along). The copy starts its own, on a port of its own.
             port = None
-        elif _refuses_password(port):
+        elif _refuses(port):
             raise ConfigurationError(
                 f"the embedded Valkey on port {port} refuses the password in {home / 'password'}: stop it "
                 "(shoal server stop) and run again"
