@@ -110,7 +110,7 @@ def test_four_shards_on_two_searchers_answer_as_one_process(
             api_process(settings, SHOAL_PLACEMENT_FILE=str(replicated), **slow) as (_, replicas):  # serves no shard
 
         def search(url: str, name: str, body: dict[str, object], **headers: str) -> httpx.Response:
-            return httpx.post(f"{url}/api/v1/search/{name}/1", json=body, headers=auth | headers, timeout=60)
+            return httpx.post(f"{url}/api/v1/search/{name}/1", json=body, headers=auth | headers, timeout=150)
 
         # Every query, through either node, answers exactly as the one process holding all 4 shards does.
         exact = base @ queries.T  # dot product: the flat index's exact ranking

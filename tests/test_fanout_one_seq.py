@@ -61,7 +61,7 @@ def test_nodes_built_to_different_seqs_answer_at_one_seq(
     make_settings: Callable[..., Settings], tmp_path: Path
 ) -> None:
     # No young tier kept ahead of the builds: each node's answer then starts from its own shards' watermarks.
-    settings = make_settings("local", anonymous_tenant="", young_tier_max_seqs=0)
+    settings = make_settings("local", anonymous_tenant="", young_tier_max_seqs=0, fanout_timeout_s=120)
     with Shoal(settings, notify=False) as shoal:
         _source_and_index(shoal)
         first = _rewrite(shoal, 0.0)  # seqs 1..20
@@ -128,7 +128,7 @@ def test_a_part_pinned_to_a_seq_answers_at_exactly_it(make_settings: Callable[..
 def test_a_tag_taken_before_a_reindex_that_changed_the_metric_merges_by_the_old_metric(
     make_settings: Callable[..., Settings], tmp_path: Path
 ) -> None:
-    settings = make_settings("local", anonymous_tenant="")
+    settings = make_settings("local", anonymous_tenant="", fanout_timeout_s=120)
     with Shoal(settings, notify=False) as shoal:
         shoal.create_data_source(DataSourceSpec("S", "1", 2, {"id": "int64"}, ["id"]))
         shoal.create_index(IndexSpec("R", "1", "S", "1", algorithm="flat", metric="dot_product", shard_count=2))
@@ -167,7 +167,7 @@ def test_a_router_whose_placement_names_a_shard_past_the_index_answers_from_the_
     """Midway through a placement change the files disagree: a router's copy names shard 2 of a 2-shard index
     on node b. It asked b for it, b refused that as the caller's mistake, and the caller's sound query got 400
     "invalid query". Shards past the index's own are asked of no node."""
-    settings = make_settings("local", anonymous_tenant="")
+    settings = make_settings("local", anonymous_tenant="", fanout_timeout_s=120)
     with Shoal(settings, notify=False) as shoal:
         _source_and_index(shoal)
         _rewrite(shoal, 3.0)

@@ -48,7 +48,7 @@ def _get(url: str) -> Any:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2.0).status_code == 200
+        return httpx.get(url, timeout=30.0).status_code == 200  # a health check may take seconds on a busy machine
     except httpx.HTTPError:
         return False
 

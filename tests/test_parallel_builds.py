@@ -51,6 +51,11 @@ def test_two_workers_build_the_shards_of_one_index_in_parallel(
                                      shard_count=4, params={"M": 16, "ef_construction": 200, "ef_search": 64}))
         workers = [start_worker(settings), start_worker(settings, beat=True)]
         try:
+            # Both ready before the first upload: a worker that started late would find every shard built.
+            for w in workers:
+                wait_for(lambda w=w: " ready." in w.log_path.read_text() or w.poll() is not None,  # type: ignore[attr-defined,misc]
+                         120, "the worker to start")
+                assert w.poll() is None, w.log_path.read_text()  # type: ignore[attr-defined]
             ids = np.arange(60_000)
             vectors = np.random.default_rng(3).standard_normal((len(ids), DIM)).astype(np.float32)
             head = 0

@@ -74,21 +74,22 @@ def test_a_heartbeat_keeps_a_live_builds_lease_and_a_takeover_stops_its_publish(
     local_shoal.create_data_source(spec)
     shard_id = local_shoal.create_index(IndexSpec(f"{spec.name}-ix", "1", spec.name, "1")).shards[0].id
     shards = ShardCatalog(local_shoal.engine)
-    assert shards.acquire_lease(shard_id, "a", 1.0)
+    # A 2 s lease renewed every 0.2 s: a renewal may come a second late on a busy machine and the lease holds.
+    assert shards.acquire_lease(shard_id, "a", 2.0)
     first_expiry = _shard_row(local_shoal, shard_id).lease_expires_at
     assert first_expiry is not None
-    beat = LeaseHeartbeat(shards, shard_id, "a", 1.0, 0.2).start()
+    beat = LeaseHeartbeat(shards, shard_id, "a", 2.0, 0.2).start()
     try:
         # Renewed until it runs two periods past its first expiry: nobody else got it meanwhile.
-        wait_for(lambda: (_shard_row(local_shoal, shard_id).lease_expires_at - first_expiry).total_seconds() >= 2,
-                 10, "the heartbeat to renew the lease two periods on")
-        assert not shards.acquire_lease(shard_id, "b", 1.0)
+        wait_for(lambda: (_shard_row(local_shoal, shard_id).lease_expires_at - first_expiry).total_seconds() >= 4,
+                 20, "the heartbeat to renew the lease two periods on")
+        assert not shards.acquire_lease(shard_id, "b", 2.0)
         owner, left = shards.lease_holder(shard_id)
-        assert owner == "a" and left is not None and 0.5 < left <= 1.0
+        assert owner == "a" and left is not None and 1.0 < left <= 2.0
     finally:
         beat.stop()
     # No heartbeat: the lease ends within its period and another owner takes it.
-    wait_for(lambda: shards.acquire_lease(shard_id, "b", 30.0), 3, "the unrenewed lease to end")
+    wait_for(lambda: shards.acquire_lease(shard_id, "b", 30.0), 15, "the unrenewed lease to end")
     late = LeaseHeartbeat(shards, shard_id, "a", 1.0, 0.05).start()
     try:
         wait_for(late.lost.is_set, 5, "the old owner's heartbeat to notice the takeover")
@@ -451,10 +452,12 @@ def test_a_catalog_outage_answers_503_while_loaded_indexes_keep_serving(
         # Eventual searches of the loaded index go on answering, right, across many refresh polls.
         began = time.monotonic()
         answered = 0
-        while time.monotonic() - began < 3.0:  # 15 polls of SHOAL_SEARCHER_POLL_S=0.2 fail meanwhile
+        # At least 3 s (15 polls of SHOAL_SEARCHER_POLL_S=0.2 fail meanwhile) and at least 11 searches, however
+        # slowly a busy machine answers them.
+        while time.monotonic() - began < 3.0 or answered <= 10:
             assert _vektonn_ids(http.post("/search/Docs.Flat/1", json=_vektonn_query(query))) == exact
             answered += 1
-        assert answered > 10
+            assert time.monotonic() - began < 120, f"only {answered} searches answered in 120 s"
         # Writes and strong searches need the catalog: 503, Retry-After, nothing internal, in both shapes.
         _unavailable(http.post("/upload/Docs/1", json=[_vektonn_point(1000, [0.0, 0.0, 0.0, 1.0])]),
                      socket_dir, "vektonn")

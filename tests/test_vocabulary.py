@@ -225,7 +225,8 @@ def test_of_two_concurrent_builders_the_loser_gets_a_conflict_and_publishes_noth
     shoal.producer(SPEC.name, SPEC.version).upload(points(range(6)))
     (shard,) = shoal.get_index("Docs.Index", "1").shards
     slow_storage = PausingStorage(shoal.storage)
-    slow = ShardBuilder(shoal.engine, slow_storage, owner="slow", lease_seconds=2.0)
+    # Its lease (no heartbeat here) outlasts however long a busy machine takes between its pause and the attempt.
+    slow = ShardBuilder(shoal.engine, slow_storage, owner="slow", lease_seconds=10.0)
     fast = ShardBuilder(shoal.engine, shoal.storage, owner="fast")
     outcome: dict[str, BaseException | object] = {}
 
