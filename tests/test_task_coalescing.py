@@ -11,7 +11,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,16 +34,27 @@ SPEC = DataSourceSpec("docs", "1", DIM, {"id": "int64"}, ["id"])
 
 
 @pytest.fixture
-def wsettings(make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str) -> Callable[..., Settings]:
+def wsettings(
+    make_settings: Callable[..., Settings], redis_url: str, worker_catalog: str
+) -> Iterator[Callable[..., Settings]]:
     """Settings on a catalog of the test's own (beat sweeps all of it) with the real broker and a sweep every
-    second; keyword arguments override."""
+    second; keyword arguments override. The broker is a database of the session's server that is emptied before
+    and after: these tests count the tasks their worker receives, and a task another test left queued on the
+    shared database would be counted too."""
+    url = redis_url.rsplit("/", 1)[0] + "/12"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
 
     def make(**overrides: object) -> Settings:
-        values: dict[str, object] = {"database_url": worker_catalog, "redis_url": redis_url, "sweep_interval_s": 1.0,
+        values: dict[str, object] = {"database_url": worker_catalog, "redis_url": url, "sweep_interval_s": 1.0,
                                      "merge_interval_s": 0.0, **overrides}
         return make_settings("local", **values)
 
-    return make
+    try:
+        yield make
+    finally:
+        client.flushdb()
+        client.close()
 
 
 def _index(shoal: Shoal) -> int:
