@@ -7,6 +7,9 @@ import datetime as dt
 import logging
 from typing import Any
 
+from sqlalchemy.orm import Session
+
+from shoal.catalog.models import DataSource
 from shoal.datasets import rules
 from shoal.datasets.catalog import DatasetRecord, LogTotals, TrashedDataset
 from shoal.datasets.errors import DatasetError, ErrorCode, not_found
@@ -141,7 +144,7 @@ class Deletions(DatasetScope):
             result = self._trash().purge(self.shoal.storage, [source_id],
                                          redis_client=self.shoal.runtime.redis_if_any())
         except Exception as exc:
-            if self._in_trash(name, source_id):
+            if self._row_left(source_id):
                 raise  # nothing committed (e.g. the trash folder could not be listed): the error is the answer
             # The rows went (this purge's commit, or a concurrent purge's); deleting the files failed after it.
             # They stay queued and the next purge run deletes them: the purge happened, so it answers success.
@@ -154,8 +157,8 @@ class Deletions(DatasetScope):
                                {"dataset_id": name, "trash_id": source_id})
         return Purge(name, source_id, result.files)
 
-    def _in_trash(self, name: str, source_id: int) -> bool:
-        """Whether the data source `source_id` of dataset `name` is still in the trash. A purge ends its
-        retention first, and a source past its retention cannot be restored: once a purge was asked for, a
-        source no longer in the trash has been purged."""
-        return any(t.record.source_id == source_id for t in self.catalog.trashed(name))
+    def _row_left(self, source_id: int) -> bool:
+        """Whether the data source `source_id` still has its row: in the trash, or restored meanwhile (a failed
+        purge gives the retention back, so a restore may follow it at once). A purged source has none."""
+        with Session(self.shoal.engine) as s:
+            return s.get(DataSource, source_id) is not None

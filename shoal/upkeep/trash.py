@@ -28,6 +28,11 @@ for the whole retention, so no searcher still reads their files. A crash before 
 nothing; after it, no row references any of the files and they wait in the queue, where the next purge (or
 GC run) deletes them. Deleting an already deleted file is not an error, so two purges at once, or one run
 twice, are harmless.
+
+A purge asked for now (`Trash.purge`: `DELETE /api/v1/trash/{id}`, `shoal trash purge --now`) ends the
+retention first, in a commit of its own, so that from then on no restore can race it. If it then fails before
+deleting a source's rows (step 1 lists the trash folder: a storage outage fails it), it puts that retention back:
+the caller was told to retry, and the source stays in the trash, restorable, as if the purge was never asked for.
 """
 
 from __future__ import annotations
@@ -238,29 +243,84 @@ class Trash:
     def expire(self, source_ids: Sequence[int] | None = None) -> list[int]:
         """End the retention now of the given sources in the trash (all of the tenant's when None), so the
         next purge deletes them; the ids of those in the trash."""
+        return self._expire(source_ids)[0]
+
+    def _expire(
+        self, source_ids: Sequence[int] | None
+    ) -> tuple[list[int], dict[int, tuple[dt.datetime, dt.datetime]]]:
+        """`expire`, telling also what it changed: {id: (the retention it ended, the one it set)}."""
         with Session(self.engine) as s, s.begin():
             scope = [DataSource.tenant_id == self.tenant_id, DataSource.deleted_at.is_not(None)]
             if source_ids is not None:
                 scope.append(DataSource.id.in_(list(source_ids)))
-            expired = list(s.scalars(
-                update(DataSource)
+            # Read under the row locks the UPDATE then takes anyway (in id order: two purges cannot deadlock),
+            # so the retentions read are the ones it ends.
+            before = {row.id: row.purge_after for row in s.execute(
+                select(DataSource.id, DataSource.purge_after)
                 .where(*scope, DataSource.purge_after > func.now())
+                .order_by(DataSource.id)
+                .with_for_update()
+            )}
+            ended = s.execute(
+                update(DataSource)
+                .where(DataSource.id.in_(list(before)))
                 .values(purge_after=func.now())
-                .returning(DataSource.id)
-            ))
+                .returning(DataSource.id, DataSource.purge_after)
+            ).all() if before else []
             ids = sorted(s.scalars(select(DataSource.id).where(*scope)))
-        if expired:
+        changed = {i: (before[i], now) for i, now in ended if before[i] is not None and now is not None}
+        if changed:
             log.info("trash: retention of data sources %s of tenant %s ended now (purge asked for)",
-                     sorted(expired), self.tenant)
-        return ids
+                     sorted(changed), self.tenant)
+        return ids, changed
+
+    def _put_back(self, changed: dict[int, tuple[dt.datetime, dt.datetime]]) -> list[int]:
+        """Give back their retention to the sources of `changed` (`_expire`'s) still in the trash with the
+        retention `_expire` set (not purged, nor restored or expired again meanwhile); their ids."""
+        back: list[int] = []
+        with Session(self.engine) as s, s.begin():
+            for source_id, (retention, ended_at) in sorted(changed.items()):
+                back += s.scalars(
+                    update(DataSource)
+                    .where(DataSource.id == source_id, DataSource.deleted_at.is_not(None),
+                           DataSource.purge_after == ended_at)
+                    .values(purge_after=retention)
+                    .returning(DataSource.id)
+                )
+        return back
 
     def purge(
         self, storage: Storage, source_ids: Sequence[int] | None = None, *, redis_client: redis.Redis | None = None
     ) -> PurgeResult:
         """Purge now the given sources in the trash (all of the tenant's when None), retention or not; with
-        `redis_client`, their Redis keys go too (`purge_due`)."""
-        ids = self.expire(source_ids)
-        return purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client)
+        `redis_client`, their Redis keys go too (`purge_due`).
+
+        A purge that raises (the storage is unavailable, say) leaves each source it did not purge in the trash
+        with its retention as it was: restorable, and purged by beat's run once that retention ends."""
+        ids, changed = self._expire(source_ids)
+        try:
+            return purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client)
+        except Exception as exc:
+            # The retention was ended only so that this purge finds the sources due (and no restore races it);
+            # left ended, a failed purge would leave them unrestorable, the caller told to retry later.
+            self._give_back(changed, exc)
+            raise
+
+    def _give_back(self, changed: dict[int, tuple[dt.datetime, dt.datetime]], failure: Exception) -> None:
+        """`_put_back` after a failed purge, logged; if that fails too, the sources stay due (beat purges
+        them)."""
+        if not changed:  # the purge ended no retention (each had ended already): nothing to put back
+            return
+        try:
+            back = self._put_back(changed)
+        except Exception as exc:  # noqa: BLE001 - the purge's own error is the one to raise
+            log.warning("trash: a purge of data sources %s of tenant %s failed (%s), and their retention could "
+                        "not be put back (%s): beat's next purge run purges them", sorted(changed), self.tenant,
+                        failure, exc)
+            return
+        if back:
+            log.info("trash: a purge of data sources %s of tenant %s failed (%s); they stay in the trash, "
+                     "restorable until their retention ends", back, self.tenant, failure)
 
 
 # -- the purge ----------------------------------------------------------------------------------------------
