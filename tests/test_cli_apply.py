@@ -7,16 +7,22 @@ catalog, a fresh tenant per test.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Connection, text
 from typer.testing import CliRunner, Result
 
 from shoal import Shoal
+from shoal.catalog.db import make_engine
 from shoal.cli import app
 from shoal.config.settings import Settings
-from shoal.log.records import IndexSpec
+from shoal.log.records import DataSourceSpec, IndexSpec
 
 runner = CliRunner()
 
@@ -260,3 +266,153 @@ def test_an_index_is_sharded_by_its_own_shard_attributes(settings: Settings, tmp
     assert "index S.idx/1: unchanged" in shoal_apply(alone).stdout
     bad = write(tmp_path / "bad", {"indices/S.bad/1.yaml": UNSHARDED_INDEX + "shardsById:\n  ShardA: [x]\n"})
     assert "shardsById.ShardA must be a mapping, got a list" in shoal_apply(bad, code=1).stderr
+
+
+ORDERED_INDEX = "dataSourceId: {name: O.src, version: '1'}\nindexAlgorithm: {type: FaissIndex.L2}\nidAttributes: [id]\n"
+
+
+def ordered_source(*attributes: str) -> str:
+    """A data source file listing its attributes (id an int64, the others strings) in the order given."""
+    types = ", ".join(f"{a}: {'int64' if a == 'id' else 'string'}" for a in attributes)
+    return f"vectorDimension: 2\npermanentAttributes: [id]\nattributeValueTypes: {{{types}}}\n"
+
+
+def test_attribute_order_does_not_break_a_reapply(settings: Settings, tmp_path: Path) -> None:
+    """An index was checked against the folder's copy of its data source, the catalog against the stored one:
+    with the attributes in another order there (equal definitions for a data source), the index's default
+    payload attributes came out in another order, and the second apply of the same folder failed ("exists
+    with another definition: payload_attributes"). Same when only the folder's order changed between applies."""
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec(name="O.src", version="1", vector_dimension=2,
+                                                attribute_types={"payload": "string", "lang": "string",
+                                                                 "id": "int64"},
+                                                permanent_attributes=["id"]))
+    folder = write(tmp_path / "cfg", {"data-sources/O.src/1.yaml": ordered_source("id", "lang", "payload"),
+                                      "indices/O.idx/1.yaml": ORDERED_INDEX})
+    first = shoal_apply(folder)
+    assert "data source O.src/1: unchanged" in first.stdout and "index O.idx/1: created" in first.stdout
+    assert shoal_apply(folder).stdout.count("unchanged") == 2
+    assert index_spec(settings, "O.idx").payload_attributes == ("payload", "lang", "id")  # the stored order
+
+    # A new data source and index from one folder, then the same with the attributes reordered.
+    write(tmp_path / "v1", {"data-sources/P.src/1.yaml": ordered_source("id", "lang", "payload"),
+                            "indices/P.idx/1.yaml": ORDERED_INDEX.replace("O.src", "P.src")})
+    write(tmp_path / "v2", {"data-sources/P.src/1.yaml": ordered_source("payload", "id", "lang"),
+                            "indices/P.idx/1.yaml": ORDERED_INDEX.replace("O.src", "P.src")})
+    assert shoal_apply(tmp_path / "v1").stdout.count("created") == 2
+    assert shoal_apply(tmp_path / "v2").stdout.count("unchanged") == 2
+
+
+def test_a_shoal_type_in_yaml_is_refused(settings: Settings, tmp_path: Path) -> None:
+    """`indexAlgorithm.type` took Shoal's own algorithm names (flat, hnsw, ivf), with metric cosine and params
+    read as text, so `type: hnsw` with `M: 16` failed as "must be an integer". Vektonn refuses any type but its
+    own: so does apply, naming the field and the Vektonn types."""
+    folder = write(tmp_path / "cfg", {
+        "data-sources/A.src/1.yaml": SOURCE,
+        "indices/A.idx/1.yaml": INDEX.replace("{type: FaissIndex.L2}",
+                                              "{type: hnsw, params: {M: 16, EfConstruction: 200, EfSearch: 64}}"),
+    })
+    result = shoal_apply(folder, code=1)
+    assert str(folder / "indices/A.idx/1.yaml") in result.stderr
+    assert ("indexAlgorithm.type 'hnsw' is not a Vektonn index type; known: FaissIndex.L2, FaissIndex.IP, "
+            "SparnnIndex.Cosine") in result.stderr
+    assert stored(settings) == ([], [])
+
+
+def test_hidden_files_are_skipped_and_yml_warned(settings: Settings, tmp_path: Path) -> None:
+    """An Emacs lock link (`.#1.yaml`, dangling) or macOS' `._1.yaml` beside a definition aborted the apply
+    ("is not a regular file", "is not UTF-8 text"): files and folders named `.*` are skipped now. A `*.yml`
+    file was ignored without a word: it is still not read, and a warning names it."""
+    folder = write(tmp_path / "cfg", {
+        "data-sources/A.src/1.yaml": SOURCE,
+        "data-sources/A.src/._1.yaml": b"\x00\x05\x16\x07\x00\x02\x00\x00\xff\xfe",
+        "data-sources/.trash/1.yaml": "not: [a, definition\n",
+        "indices/A.idx/1.yaml": INDEX,
+        "indices/Y.idx/1.yml": INDEX,
+    })
+    (folder / "data-sources/A.src/.#1.yaml").symlink_to("user@host.12345:1700000000")
+    result = runner.invoke(app, ["apply", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("created") == 2
+    assert result.stderr.strip() == (f"warning: {folder / 'indices/Y.idx/1.yml'} is not read: only .yaml files "
+                                     "are (rename it to .yaml to apply it)")
+    assert stored(settings) == (["A.src/1"], ["A.idx/1"])
+
+    only_yml = write(tmp_path / "yml", {"data-sources/A.src/1.yml": SOURCE})
+    result = shoal_apply(only_yml, code=1)
+    assert "holds no Vektonn configuration" in result.stderr.splitlines()[-1]
+    assert f"it has .yml files, which are not read: {only_yml / 'data-sources/A.src/1.yml'}" in result.stderr
+
+
+APPLY_LOCK = "hashtextextended('shoal apply ' || :tenant, 0)"  # the advisory lock key of `shoal apply`
+
+
+def _waiting_applies(conn: Connection, tenant: str) -> int:
+    """How many sessions wait for the advisory lock `shoal apply` takes on `tenant`."""
+    return int(conn.scalar(text(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+        f"AND ((classid::bigint << 32) | objid::bigint) = {APPLY_LOCK}"), {"tenant": tenant}))
+
+
+def _conflicting_folders(root: Path) -> dict[str, Path]:
+    """Folders a and b: 20 data sources of their own (A.., B..) and 20 they share by name (S..), of dimension 3
+    in a and 4 in b."""
+    source = "vectorDimension: {dim}\nattributeValueTypes: {{id: Int64}}\npermanentAttributes: [id]\n"
+    folders = {}
+    for own, dim in (("A", 3), ("B", 4)):
+        files = {f"data-sources/{own}{i:02}/1.yaml": source.format(dim=dim) for i in range(20)}
+        files |= {f"data-sources/S{i:02}/1.yaml": source.format(dim=dim) for i in range(20)}
+        folders[own] = write(root / own.lower(), files)
+    return folders
+
+
+def test_two_applies_at_once(settings: Settings, tmp_path: Path) -> None:
+    """Two applies of conflicting folders at once on one tenant: each checked against a catalog the other was
+    changing, and the loser failed on a conflict after writing its own data sources (half applied), naming no
+    file. Applies on a tenant now run one after the other: exactly one succeeds, the other writes nothing and
+    names the file at fault. Both are held at the start (the test holds their lock) so that they truly race."""
+    folders = _conflicting_folders(tmp_path)
+    assert settings.database_url is not None
+    engine = make_engine(settings.database_url)
+    env = {**os.environ, "COLUMNS": "400"}  # the fixture's SHOAL_*; every message on one line
+    tenant = {"tenant": settings.tenant}
+    try:
+        with engine.connect() as holder, engine.connect() as probe:
+            holder.execute(text(f"SELECT pg_advisory_lock({APPLY_LOCK})"), tenant)
+            holder.commit()
+            procs = {own: subprocess.Popen([sys.executable, "-m", "shoal.cli", "apply", str(folder)], env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for own, folder in folders.items()}
+            deadline = time.monotonic() + 60  # without the lock, both finish (or fail) long before
+            while (_waiting_applies(probe, settings.tenant) < 2 and time.monotonic() < deadline
+                   and any(p.poll() is None for p in procs.values())):
+                probe.rollback()
+                time.sleep(0.05)
+            both_waited = _waiting_applies(probe, settings.tenant) == 2
+            holder.execute(text(f"SELECT pg_advisory_unlock({APPLY_LOCK})"), tenant)
+            holder.commit()
+            outputs = {own: p.communicate(timeout=120) for own, p in procs.items()}
+            results = {own: (procs[own].returncode, *outputs[own]) for own in procs}
+    finally:
+        engine.dispose()
+    assert sorted(code for code, _, _ in results.values()) == [0, 1], results
+    [winner] = [own for own, (code, _, _) in results.items() if code == 0]
+    [loser] = [own for own in results if own != winner]
+    _, loser_out, loser_err = results[loser]
+    assert "created" not in loser_out, loser_out
+    error = loser_err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and str(folders[loser] / "data-sources/S00/1.yaml") in error, loser_err
+    assert "vectorDimension" in error, error
+    sources, _ = stored(settings)
+    assert sorted(sources) == sorted([f"{winner}{i:02}/1" for i in range(20)] + [f"S{i:02}/1" for i in range(20)])
+    assert both_waited, "the applies did not wait for each other"
+    assert all("waiting for another `shoal apply`" in err for _, _, err in results.values())
+
+
+def test_apply_with_a_catalog_pool_of_one(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The apply lock's connection is not taken from the catalog pool: with a pool of one it would leave none
+    for the apply itself, which would wait out the pool's timeout (30 s) and fail."""
+    monkeypatch.setenv("SHOAL_DB_POOL_SIZE", "1")
+    monkeypatch.setenv("SHOAL_DB_MAX_OVERFLOW", "0")
+    folder = write(tmp_path / "cfg", {"data-sources/A.src/1.yaml": SOURCE})
+    assert "data source A.src/1: created" in shoal_apply(folder).stdout

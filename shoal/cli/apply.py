@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.pool import NullPool
 
+from shoal.catalog.db import application_name
 from shoal.catalog.repo import tenant_exists
-from shoal.cli.common import Tenant, load_settings, out
+from shoal.cli.common import Tenant, err, load_settings, out
 from shoal.client import Shoal
 from shoal.errors import AlreadyExistsError, InvalidNameError, NotFoundError
 from shoal.index.spec import resolve_index
@@ -67,6 +72,7 @@ def check(shoal: Shoal | None, folder: Path, declared: Declared, *, tenant: str)
     every definition is new). The first error names its file; only a Plan that passed every check is ever
     applied, so no file is half applied."""
     plan = Plan()
+    in_folder: dict[tuple[str, str], DataSourceSpec] = {}
     for spec in declared.sources:
         with naming_file(declared.source_files[(spec.name, spec.version)]):
             existing = _source_spec(shoal, spec.name, spec.version)
@@ -78,7 +84,11 @@ def check(shoal: Shoal | None, folder: Path, declared: Declared, *, tenant: str)
                 )
             spec.check_storable()
         plan.sources.append((spec, existing is not None))
-    in_folder = {(s.name, s.version): s for s in declared.sources}
+        # An index is resolved against what the catalog will hold: the stored spec when there is one. Equal by
+        # same_definition, the two may still list attributes in another order, and resolve_index's default
+        # payload follows that order: resolved against the folder's copy, an index created now would differ
+        # from itself at the next apply (create_index resolves against the stored copy).
+        in_folder[(spec.name, spec.version)] = existing or spec
     for index in declared.indexes:
         with naming_file(declared.index_files[(index.name, index.version)]):
             if GENERATION_MARK in index.version:  # as Shoal.create_index refuses it
@@ -104,6 +114,29 @@ def check(shoal: Shoal | None, folder: Path, declared: Declared, *, tenant: str)
     return plan
 
 
+@contextlib.contextmanager
+def applying_alone(engine: Engine, tenant: str) -> Iterator[None]:
+    """Hold, for the block, a Postgres session advisory lock that every `shoal apply` on `tenant` takes: two
+    applies at once would each check against a catalog the other is changing, and the loser fail half applied.
+    Waits for as long as the other apply runs, saying so on stderr. Released when the block ends, on error too
+    (and by Postgres if the process dies)."""
+    # A connection of its own, outside `engine`'s pool: taken from a pool of one (SHOAL_DB_POOL_SIZE=1, no
+    # overflow) it left none for the block, which timed out. Closing it ends the session, releasing the lock.
+    own = create_engine(engine.url, poolclass=NullPool, connect_args={"application_name": application_name()})
+    try:
+        with own.connect() as conn:
+            key = {"k": "shoal apply " + tenant}
+            # SET LOCAL: no lock_timeout the server may set cuts the wait short.
+            conn.execute(text("SET LOCAL lock_timeout = 0"))
+            if not conn.scalar(text("SELECT pg_try_advisory_lock(hashtextextended(:k, 0))"), key):
+                err.print(f"waiting for another `shoal apply` on tenant {tenant!r} to finish", soft_wrap=True)
+                conn.execute(text("SELECT pg_advisory_lock(hashtextextended(:k, 0))"), key)
+            conn.commit()  # a session lock outlives the transaction: none is left open while the block runs
+            yield
+    finally:
+        own.dispose()
+
+
 def apply(
     folder: Annotated[Path, typer.Argument(exists=True, file_okay=False, help="Holds data-sources/ and indices/.")],
     tenant: Tenant = None,
@@ -111,21 +144,29 @@ def apply(
     """Read `data-sources/{name}/{version}.yaml` and `indices/{name}/{version}.yaml`; create what is missing and
     check that what exists has the same definition. Every file is checked before anything is written (its fields,
     each index against its data source, each definition against the one the tenant holds already); an error
-    names the file and, for a definition the tenant holds with other values, the fields that differ."""
+    names the file and, for a definition the tenant holds with other values, the fields that differ. Two applies
+    on one tenant run one after the other. Files and folders named `.*` are skipped; `*.yml` files are not read
+    (a warning says so)."""
     declared = read_folder(folder)  # before the runtime: a malformed folder starts no server
+    for path in declared.ignored:
+        err.print(f"warning: {path} is not read: only .yaml files are (rename it to .yaml to apply it)",
+                  soft_wrap=True)
     settings = load_settings()
     name = check_tenant_name(tenant or settings.tenant)
-    with Runtime(settings) as runtime:
+    with Runtime(settings) as runtime, applying_alone(runtime.engine, name):
         # A Shoal makes its tenant on first use: checked with one only when the catalog holds the tenant already,
         # so a refused folder (or one applied to a mistyped --tenant) leaves no tenant behind. A Shoal on a runtime
         # it was given releases nothing when closed.
         held = Shoal(runtime=runtime, tenant=name) if tenant_exists(runtime.engine, name) else None
         plan = check(held, folder, declared, tenant=name)
-        # Every file checked out: the tenant is made now if it is new, and the definitions are written.
+        # Every file checked out: the tenant is made now if it is new, and the definitions are written. Another
+        # apply waits for the lock; another writer (the HTTP API) may still get in first, hence the file named.
         shoal = held or Shoal(runtime=runtime, tenant=name)
         for spec, existed in plan.sources:
-            shoal.create_data_source(spec, exist_ok=True)
+            with naming_file(declared.source_files[(spec.name, spec.version)]):
+                shoal.create_data_source(spec, exist_ok=True)
             out.print(f"data source {spec.name}/{spec.version}: {'unchanged' if existed else 'created'}")
         for index, existed in plan.indexes:
-            shoal.create_index(index, exist_ok=True)
+            with naming_file(declared.index_files[(index.name, index.version)]):
+                shoal.create_index(index, exist_ok=True)
             out.print(f"index {index.name}/{index.version}: {'unchanged' if existed else 'created'}")

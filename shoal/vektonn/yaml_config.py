@@ -21,6 +21,7 @@ import yaml
 
 from shoal.errors import AlreadyExistsError, NotFoundError, Problem, ValidationError
 from shoal.log.records import DataSourceSpec, IndexSpec
+from shoal.vektonn.algorithms import VEKTONN_TYPES
 
 # Vektonn's attribute value type names (any case) -> ours.
 VALUE_TYPES = {"string": "string", "guid": "guid", "bool": "bool", "int64": "int64", "float64": "float64",
@@ -212,6 +213,11 @@ def _index(path: Path, data: dict[str, Any]) -> IndexSpec:
     if not algorithm:
         raise ValidationError(Problem("indexAlgorithm is required: a mapping {type, params}"))
     algorithm_type = _text("indexAlgorithm.type", algorithm.get("type"))
+    if algorithm_type not in VEKTONN_TYPES:
+        # Vektonn refuses any other type; Shoal's own names (flat, hnsw, ...) would have made a cosine index and
+        # read its params as text, so `type: hnsw` with `M: 16` failed as "must be an integer".
+        raise ValidationError(Problem(f"indexAlgorithm.type {algorithm_type!r} is not a Vektonn index type; "
+                                      f"known: {', '.join(VEKTONN_TYPES)}"))
     params = _mapping("indexAlgorithm.params", algorithm.get("params"))
     for key, value in params.items():
         if not isinstance(value, str):
@@ -240,19 +246,38 @@ class Declared:
     sharders: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     source_files: dict[tuple[str, str], Path] = field(default_factory=dict)
     index_files: dict[tuple[str, str], Path] = field(default_factory=dict)
+    # `*.yml` files where a definition file would be: not read (only `.yaml` is), worth a warning.
+    ignored: list[Path] = field(default_factory=list)
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    """Whether a part of `path` below `root` starts with '.': an editor's lock or backup (Emacs' `.#1.0.yaml`),
+    macOS' `._1.0.yaml` resource fork, a `.git` folder; never a definition."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _definition_files(root: Path, suffix: str) -> list[Path]:
+    """The `{name}/{version}{suffix}` files under `root`, hidden ones (see `_hidden`) left out, sorted."""
+    return sorted(path for path in root.glob(f"*/*{suffix}") if not _hidden(path, root))
 
 
 def read_folder(folder: Path) -> Declared:
     """Parse every data source and index file under `folder`; ValidationError names the file and field. A
-    folder without any such file is refused: it is most likely the wrong folder (or one level too deep)."""
-    source_paths = sorted((folder / SOURCES_DIR).glob("*/*.yaml"))
-    index_paths = sorted((folder / INDICES_DIR).glob("*/*.yaml"))
+    folder without any such file is refused: it is most likely the wrong folder (or one level too deep). Files
+    and folders whose name starts with '.' are skipped; `*.yml` files are not read, and listed in `ignored`."""
+    source_paths = _definition_files(folder / SOURCES_DIR, ".yaml")
+    index_paths = _definition_files(folder / INDICES_DIR, ".yaml")
+    ignored = [*_definition_files(folder / SOURCES_DIR, ".yml"), *_definition_files(folder / INDICES_DIR, ".yml")]
     if not source_paths and not index_paths:
+        # Only .yml files: most likely the right folder with the wrong extension, so say so.
+        more = f" and {len(ignored) - 3} more" if len(ignored) > 3 else ""
+        shown = ", ".join(map(str, ignored[:3]))
+        found = f" (it has .yml files, which are not read: {shown}{more})" if ignored else ""
         raise ValidationError(
             Problem(f"{folder} holds no Vektonn configuration: expected {SOURCES_DIR}/{{name}}/{{version}}.yaml "
-                    f"or {INDICES_DIR}/{{name}}/{{version}}.yaml files in it")
+                    f"or {INDICES_DIR}/{{name}}/{{version}}.yaml files in it{found}")
         )
-    declared = Declared()
+    declared = Declared(ignored=ignored)
     for path in source_paths:
         with naming_file(path):
             spec, sharders = _source(path, _load(path))
