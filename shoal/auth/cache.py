@@ -1,16 +1,22 @@
-"""An in-process cache of verified keys, so a request pays the KDF only once per key and TTL, and of rejected
-ones, so a key that failed is answered 401 again without hashing it for a short while.
+"""An in-process cache of verified keys, so a request pays the catalog once per key and TTL (and the KDF once per
+key), and of rejected ones, so a key that failed is answered 401 again without hashing it for a short while.
 
 Revocation is therefore seen by other processes within the TTL (30 s by default); the process that revokes
 a key evicts it at once. Entries are keyed by a SHA-256 digest of the presented key, never the key itself.
 When each key was last verified is kept past its verdict (`verified_within`), so a key that worked is not
 refused by the failure limiter (shoal.auth.limits) when its verdict expires and it is verified again.
+When a verdict expires the key is checked against the catalog again (revocation, role and tenant are re-read),
+but a secret this process already verified with the KDF is recognised by a proof (`knows_secret`: an HMAC under a
+random per-process key over the key id, the secret and the stored hash), so only the first check of a key pays
+the KDF. A wrong secret or a changed stored hash has no proof, and pays it as before.
 Every table is bounded (a flood of distinct keys evicts the oldest entries, never grows memory).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import threading
 import time
 import weakref
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
+from shoal.auth.hashing import secret_proof
 from shoal.auth.principal import Principal
 
 CACHE_TTL_S = 30.0
@@ -63,6 +70,10 @@ class VerifiedKeys:
         self._failures: dict[str, tuple[str, float]] = {}  # digest -> (the 401's message, expires at)
         self._anonymous: dict[str, tuple[int, float]] = {}
         self._verified: dict[str, float] = {}  # digest -> when last verified, oldest first (outlives the verdict)
+        # key id -> proof of the secret last verified for it (least recently used first). The proof key is made
+        # here and never leaves memory: a proof is useless without it.
+        self._proofs: dict[str, bytes] = {}
+        self._proof_key = os.urandom(32)
         self._lock = threading.Lock()
 
     def get(self, key_digest: str) -> CachedKey | None:
@@ -97,6 +108,27 @@ class VerifiedKeys:
         with self._lock:
             at = self._verified.get(key_digest)
             return at is not None and self.clock() - at < seconds
+
+    def remember_secret(self, key_id: str, secret: str, stored: str) -> None:
+        """Remember that `secret` matched the stored hash `stored` of key `key_id` (call only after the KDF said
+        so), as a proof rather than the secret; bounded, the least recently used key is forgotten first."""
+        proof = secret_proof(self._proof_key, key_id, secret, stored)
+        with self._lock:
+            self._proofs.pop(key_id, None)  # re-inserted last: the dict stays ordered by use
+            while len(self._proofs) >= self.max_entries:
+                del self._proofs[next(iter(self._proofs))]
+            self._proofs[key_id] = proof
+
+    def knows_secret(self, key_id: str, secret: str, stored: str) -> bool:
+        """True only when `remember_secret` was told this very secret for `key_id` with this stored hash (constant
+        time compare): the KDF would accept it. False for any other secret, hash or key (then run the KDF)."""
+        proof = secret_proof(self._proof_key, key_id, secret, stored)
+        with self._lock:
+            known = self._proofs.get(key_id)
+            if known is None or not hmac.compare_digest(known, proof):
+                return False
+            self._proofs[key_id] = self._proofs.pop(key_id)  # most recently used: evicted last
+            return True
 
     def failure(self, key_digest: str) -> str | None:
         """The message a key was recently rejected with, or None when it was not (or the verdict expired)."""
@@ -145,10 +177,11 @@ class VerifiedKeys:
             self._anonymous[tenant] = (tenant_id, self.clock() + self.ttl_s)
 
     def evict_key(self, key_id: str) -> None:
-        """Forget every cached verdict for `key_id` (after it is revoked)."""
+        """Forget every cached verdict for `key_id`, and its proof (after it is revoked)."""
         with self._lock:
             for k in [k for k, e in self._keys.items() if e.principal.key_id == key_id]:
                 del self._keys[k]
+            self._proofs.pop(key_id, None)
 
     def clear(self) -> None:
         """Forget everything."""
@@ -157,6 +190,7 @@ class VerifiedKeys:
             self._failures.clear()
             self._anonymous.clear()
             self._verified.clear()
+            self._proofs.clear()
 
     def _prune(self, now: float) -> None:
         for k in [k for k, e in self._keys.items() if e.expires_at <= now]:

@@ -18,8 +18,10 @@ KEY_ID_HEX_DIGITS = 12
 # The secret part is bounded so a hostile header cannot make the KDF hash megabytes.
 KEY_RE = re.compile(rf"^{KEY_PREFIX}_([0-9a-f]{{{KEY_ID_HEX_DIGITS}}})_([A-Za-z0-9_-]{{16,128}})$")
 
-# scrypt at n=2**14, r=8 costs 16 MiB and ~50 ms: negligible per key thanks to the verified-key cache,
-# expensive for anyone who steals the table. The parameters are stored with each hash, so they can change.
+# scrypt at n=2**14, r=8 costs 16 MiB and ~50 ms: expensive for anyone who steals the table. A process pays it
+# once per key, not once per verdict: after it, `secret_proof` (an HMAC, microseconds) re-checks the same secret
+# when the cached verdict expires (shoal.auth.cache), else a key used less often than the cache's TTL would cost
+# the KDF on every request. The parameters are stored with each hash, so they can change.
 SCRYPT_N = 2**14
 SCRYPT_R = 8
 SCRYPT_P = 1
@@ -79,6 +81,15 @@ def verify_secret(secret: str, stored: str) -> bool:
     except ValueError:
         return False
     return hmac.compare_digest(actual, expected)
+
+
+def secret_proof(proof_key: bytes, key_id: str, secret: str, stored: str) -> bytes:
+    """An HMAC-SHA256 under `proof_key` of a key id, a secret and the key's stored hash: equal proofs mean the
+    same secret for the same key and the same stored hash. Only as secret as `proof_key`, which must be random
+    and never leave the process: with it, a proof can be brute-forced far faster than the KDF."""
+    # NUL never occurs in a key id, a secret (KEY_RE) or a stored hash: the fields cannot run into each other.
+    message = "\0".join((key_id, secret, stored)).encode()
+    return hmac.new(proof_key, message, hashlib.sha256).digest()
 
 
 @functools.cache

@@ -2,7 +2,8 @@
 
 Secrets are returned once, by `create_key`, and never stored or shown again: the catalog keeps a salted
 scrypt hash. Verified keys are cached in process for `cache.CACHE_TTL_S` (30 s), so a revoked key may
-still work for up to that long in processes other than the one that revoked it.
+still work for up to that long in processes other than the one that revoked it. After that the key's row is read
+again; the KDF is not rerun for a secret the process already verified against the same stored hash.
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ def _check_key(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: 
         verify_secret(parsed.secret, dummy_hash())  # same cost as a wrong secret: timing tells nothing
         raise AuthenticationError("invalid API key")
     row, tenant_name = found
-    if not verify_secret(parsed.secret, row.secret_hash):
+    if not _secret_matches(cache, row.key_id, parsed.secret, row.secret_hash):
         raise AuthenticationError("invalid API key")
     # Told only to a caller holding the right secret, so it leaks nothing and helps the key's owner.
     if row.revoked_at is not None:
@@ -357,6 +358,18 @@ def _check_key(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: 
         _touch(engine, row.id)
     cache.put(key_digest, principal, row.id, touched=True)
     return principal
+
+
+def _secret_matches(cache: VerifiedKeys, key_id: str, secret: str, stored: str) -> bool:
+    """True when `secret` is the one `stored` hashes: by the cache's proof when this process verified this secret
+    against this very hash before (an HMAC: microseconds), else by the KDF (~50 ms), whose success is remembered.
+    Without this, every key used less often than the verdicts' TTL pays the KDF on every request."""
+    if cache.knows_secret(key_id, secret, stored):
+        return True
+    if not verify_secret(secret, stored):
+        return False
+    cache.remember_secret(key_id, secret, stored)
+    return True
 
 
 def cached_principal(
