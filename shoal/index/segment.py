@@ -51,11 +51,12 @@ def _write(storage: Storage, path: str, data: bytes | pa.Buffer) -> str:
 def _read(storage: Storage, path: str, checksum: str) -> pa.Buffer:
     """The bytes of the artifact a manifest records at `path`, checked against its checksum: CorruptArtifactError
     when the file is missing or its bytes are wrong. A storage that cannot be reached is no corrupt artifact:
-    StorageUnavailableError (transient, retried), as `Storage.read` raises it; any other OSError (a local
+    StorageUnavailableError (transient, retried), as `Storage.read` raises it; nor is an S3 bucket that is gone
+    or credentials S3 refuses: StorageRefusedError (a ConfigurationError); any other OSError (a local
     permission or disk error) is raised as it is."""
     try:
         buf = storage.read(path)
-    except FileNotFoundError as exc:
+    except FileNotFoundError as exc:  # only a missing object: `Storage.read` tells a missing bucket apart
         raise CorruptArtifactError(f"index artifact {path} referenced by its manifest is missing") from exc
     if _digest(buf) != checksum:
         raise CorruptArtifactError(f"index artifact {path} does not match its recorded checksum")

@@ -30,7 +30,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from shoal.catalog.locks import lock_source
 from shoal.catalog.models import DataSource, LogSegment, ProducerBatch
-from shoal.errors import BatchIdReusedError, CommitError, ConflictError, StateUnknownError
+from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, ConflictError, StateUnknownError
 from shoal.log.segment_file import WrittenSegment
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,11 @@ def commit_group(
     written only if the head is still `expect_head` under the row lock; otherwise `rebase(head found)`, when
     given, replaces them (the outcomes returned are then those of its batches), and when it is not given or
     declines, nothing is written and ConflictError is raised with `actual` set to the head found. Transient
-    failures (and a lost head compare-and-swap) are retried up to `retries` times, then CommitError;
-    StateUnknownError when the catalog cannot say whether the last attempt landed; NotFoundError when the
-    source is gone or in the trash.
+    failures (and a lost head compare-and-swap) are retried up to `retries` times, then CommitError (its
+    message names no object key or host: the log has them); StateUnknownError when the catalog cannot say
+    whether the last attempt landed; NotFoundError when the source is gone or in the trash. A ConfigurationError
+    (the storage's bucket gone or its credentials refused: shoal.storage.StorageRefusedError) is raised as it is,
+    at once: no retry can help.
     """
     last_error: Exception | None = None
     for attempt in range(1, retries + 1):
@@ -144,15 +146,27 @@ def commit_group(
         except (OperationalError, OSError) as exc:
             # Transient database or storage trouble, and the segment did not land: its file is garbage,
             # so remove it now rather than leave it to GC, then try again.
-            last_error = exc
-            log.warning("commit attempt %d/%d failed: %s", attempt, retries, exc)
             for m in made:
                 discard(m.path)
+            if isinstance(exc, ConfigurationError):  # a missing bucket, refused credentials: no retry can help
+                raise
+            last_error = exc
+            log.warning("commit attempt %d/%d failed: %s", attempt, retries, exc)
         except BaseException:
             for m in made:
                 discard(m.path)
             raise
-    raise CommitError(f"commit failed after {retries} attempts: {last_error}") from last_error
+    raise CommitError(f"commit failed after {retries} attempts: {_public_reason(last_error)}") from last_error
+
+
+def _public_reason(exc: Exception | None) -> str:
+    """What a CommitError says of the error the commit gave up on. A storage or catalog error's own text names
+    object keys, buckets, hosts or paths: it is logged by each attempt, and only its kind is said here."""
+    if isinstance(exc, OSError):
+        return f"the storage failed ({type(exc).__name__}; the log has the details)"
+    if isinstance(exc, DBAPIError):
+        return f"the catalog failed ({type(exc).__name__}; the log has the details)"
+    return str(exc)
 
 
 def _committed(on_commit: Callable[[int], None] | None, outcomes: list[Outcome]) -> None:

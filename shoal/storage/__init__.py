@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import logging
 import os
 import re
 import uuid
@@ -25,16 +26,23 @@ from shoal.config.settings import Settings, check_s3_endpoint_url, mask_url, sto
 from shoal.errors import ConfigurationError, StorageUnavailableError, StorageUnreachableError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # pyarrow raises a plain OSError for every S3 failure; its message names the AWS SDK's error ("AWS Error
 # NETWORK_CONNECTION during HeadObject operation: ...", "AWS Error UNKNOWN (HTTP status 503) during ...").
 _AWS_ERROR = re.compile(r"AWS Error (\w+)(?: \(HTTP status (\d+)\))?")
-# The errors that mean S3 was not reached or said "try again": an outage, retried. Any other (ACCESS_DENIED,
-# INVALID_ACCESS_KEY_ID, SIGNATURE_DOES_NOT_MATCH, NO_SUCH_BUCKET, ...) is a setting or permission an operator
-# must fix, and stays the OSError it is.
+# The errors that mean S3 was not reached or said "try again": an outage, retried. A missing bucket or refused
+# credentials (below) are a setting or permission an operator must fix: StorageRefusedError. Any other error
+# stays the OSError it is.
 _AWS_OUTAGES = frozenset({
     "NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE", "SLOW_DOWN", "THROTTLING", "INTERNAL_FAILURE",
 })
+# The AWS SDK's names (as pyarrow prints them) for credentials S3 refuses: denied, unknown, wrongly signed.
+_AWS_CREDENTIALS = frozenset({
+    "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_SIGNATURE",
+    "INCOMPLETE_SIGNATURE", "INVALID_CLIENT_TOKEN_ID", "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT",
+})
+_AWS_NO_BUCKET = "NO_SUCH_BUCKET"
 # What a network filesystem (NFS, SMB, a FUSE-mounted bucket) answers while its server is away, beyond what
 # Python already makes a ConnectionError or TimeoutError. A local disk that is full (ENOSPC), read-only or
 # forbids access (EACCES), or a file where a directory should be, is no outage: waiting does not fix it.
@@ -73,6 +81,43 @@ def is_outage(exc: BaseException, *, local: bool) -> bool:
     return name in _AWS_OUTAGES or (status is not None and (status in ("0", "429") or status.startswith("5")))
 
 
+class StorageRefusedError(ConfigurationError, OSError):
+    """The storage answers, but refuses every request until an operator acts: its bucket does not exist (deleted
+    while Shoal runs) or it refuses the credentials. What `Storage.from_settings` refuses at start-up, met by a
+    running process: a ConfigurationError, so the HTTP API answers 503 with this message, which names the problem
+    and the settings to check but no bucket or object key (the log has those, and so has `detail`), and no commit
+    or task retries it. An OSError, as pyarrow's error was, so every `except OSError` still catches it."""
+
+    NO_BUCKET = (
+        "the storage bucket does not exist (it was deleted, or SHOAL_STORAGE_URI names another): nothing was "
+        "written; an operator must create the bucket or fix SHOAL_STORAGE_URI"
+    )
+    CREDENTIALS = (
+        "the storage refused the credentials (access denied, an unknown key or a wrong signature): nothing was "
+        "written; an operator must fix SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY (or the AWS credential chain) "
+        "or the bucket's policy"
+    )
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def refusal(exc: BaseException) -> str | None:
+    """StorageRefusedError's message for an error of pyarrow's S3 filesystem that means its bucket does not exist
+    or S3 refuses the credentials; None for any other error."""
+    found = _AWS_ERROR.search(str(exc)) if isinstance(exc, OSError) else None
+    if found is None:
+        return None
+    name, status = found.groups()
+    if name == _AWS_NO_BUCKET:
+        return StorageRefusedError.NO_BUCKET
+    # An error the SDK has no name for is told by its HTTP status: 403 is S3 refusing who asks.
+    if name in _AWS_CREDENTIALS or status == "403":
+        return StorageRefusedError.CREDENTIALS
+    return None
+
+
 @dataclass(frozen=True)
 class StoredFile:
     """A file in the storage: its layout-relative path, its size in bytes and when it was last written (None
@@ -86,7 +131,8 @@ class StoredFile:
 class Storage:
     """A pyarrow filesystem plus the root under which Shoal's layout lives. Everything outside this package goes
     through its methods, never `fs` itself: they raise StorageUnavailableError when the storage cannot be
-    reached (pyarrow raises a plain OSError)."""
+    reached, and StorageRefusedError when its S3 bucket is gone or S3 refuses the credentials (pyarrow raises a
+    plain OSError)."""
 
     def __init__(self, fs: pafs.FileSystem, root: str, *, local: bool) -> None:
         self.fs = fs
@@ -159,18 +205,54 @@ class Storage:
         return f"{self.root}/{relative}"
 
     @contextmanager
-    def _reaching(self, action: str) -> Iterator[None]:
+    def _reaching(self, action: str, *, refusals: bool = True) -> Iterator[None]:
         """Raise an OSError of the block that means the storage is unreachable (`is_outage`) as
-        StorageUnavailableError naming `action` and the reason; every other error as it is."""
+        StorageUnavailableError naming `action` and the reason; with `refusals`, one that means the S3 bucket is
+        gone or S3 refuses the credentials as StorageRefusedError (the reason logged); every other error as it
+        is."""
         try:
             yield
-        except StorageUnavailableError:
+        except (StorageUnavailableError, StorageRefusedError):
             raise
         except OSError as exc:
-            if not is_outage(exc, local=self.local):
+            failure = self._failure(exc, action, refusals=refusals)
+            if failure is None:
                 raise
+            raise failure from exc
+
+    def _failure(self, exc: OSError, action: str, *, refusals: bool) -> OSError | None:
+        """The error to raise for `exc`, met while trying to `action`: StorageUnavailableError, or (with
+        `refusals`) StorageRefusedError; None to raise `exc` as it is."""
+        if is_outage(exc, local=self.local):
             reason = " ".join(str(exc).split()) or type(exc).__name__
-            raise StorageUnavailableError(f"storage unavailable: cannot {action}: {reason}") from exc
+            return StorageUnavailableError(f"storage unavailable: cannot {action}: {reason}")
+        if self.local or not refusals:
+            return None
+        if isinstance(exc, FileNotFoundError):
+            return self._missing_bucket(action)
+        message = refusal(exc)
+        return None if message is None else self._refused(message, action, " ".join(str(exc).split()))
+
+    def _missing_bucket(self, action: str) -> OSError | None:
+        """StorageRefusedError when the S3 bucket is gone, StorageUnavailableError when S3 cannot say; None
+        when the bucket is there (a missing object is only that)."""
+        # S3 answers a HEAD of an object in a bucket that is gone with a bare 404, as for a missing object (a HEAD
+        # has no body to name the error): only the bucket itself tells the two apart. One more request, made only
+        # when an object was missing.
+        bucket = self.root.split("/", 1)[0]
+        try:
+            gone = self.fs.get_file_info(bucket).type == pafs.FileType.NotFound
+        except OSError as exc:  # an outage now is one; any other answer says nothing of the bucket
+            return self._failure(exc, f"{action} (looking up its bucket)", refusals=False)
+        if not gone:
+            return None
+        return self._refused(StorageRefusedError.NO_BUCKET, action, f"S3 bucket {bucket!r} does not exist")
+
+    def _refused(self, message: str, action: str, reason: str) -> StorageRefusedError:
+        detail = f"cannot {action}: {reason}"
+        # The public message names no bucket or key: the operator finds them here.
+        log.error("storage refused: %s", detail)
+        return StorageRefusedError(message, detail=detail)
 
     def write_atomic(self, relative: str, data: pa.Buffer) -> None:
         """Publish `data` at `relative` all at once and durably; a crash leaves nothing or a stray temp file.
@@ -243,7 +325,8 @@ class Storage:
 
     def read(self, relative: str) -> pa.Buffer:
         """The whole object at `relative`: FileNotFoundError when there is none, StorageUnavailableError when the
-        storage cannot be reached, any other OSError (a permission, a disk error) as it is."""
+        storage cannot be reached, StorageRefusedError when its S3 bucket is gone (never FileNotFoundError then)
+        or S3 refuses the credentials, any other OSError (a local permission, a disk error) as it is."""
         with self._reaching(f"read {relative}"), self.fs.open_input_file(self.path(relative)) as f:
             return f.read_buffer()
 
@@ -264,7 +347,8 @@ class Storage:
                 break
             candidate = str(folder / name)
             try:
-                with self._reaching(f"look up {candidate}"):
+                # A folder above the root may be refused where the root is not: no StorageRefusedError.
+                with self._reaching(f"look up {candidate}", refusals=False):
                     if self.fs.get_file_info(candidate).type == pafs.FileType.File:
                         found.append(candidate)
             except StorageUnavailableError:
