@@ -20,8 +20,10 @@ BUCKET = "single-put"
 
 
 @pytest.fixture
-def recorded_s3() -> Iterator[str]:
-    """A moto server of this test's own (its request recorder is global to the server), with the bucket made."""
+def recorded_s3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A moto server of this test's own (its request recorder is global to the server), with the bucket made;
+    the recording goes to the test's temp dir (moto's default is a file in the working directory)."""
+    monkeypatch.setenv("MOTO_RECORDER_FILEPATH", str(tmp_path / "moto_recording"))
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
