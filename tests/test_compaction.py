@@ -634,7 +634,7 @@ def new_index_machine(client: Shoal, paths: dict[str, int], *, lagging_searchers
       either searcher;
     - `strong`: exactly at the head, on either searcher;
     - `as_of`: exactly at that seq, or refused with NotFoundError naming the compaction (only once one dropped
-      entries); a tag: exactly at the versions it pinned.
+      entries); a tag: exactly at the seq it stands for (the highest watermark it pinned).
 
     `paths` counts what ran (searches before the first build, served below a compaction, ...);
     `lagging_searchers`: see LAGGING_SEARCHERS.
@@ -791,10 +791,10 @@ def new_index_machine(client: Shoal, paths: dict[str, int], *, lagging_searchers
         @rule(tag=st.sampled_from(["t1", "t2"]))
         def tag_new(self, tag: str) -> None:
             assert self.new_name is not None
-            marks = {}
-            for shard in self._record().shards:
-                version = self.shoal.shards.active_version(shard.id)
-                marks[shard.shard_no] = version.watermark if version is not None else 0
+            # A tag stands for one seq, the highest watermark it pinned (migration 0012): every shard answers there.
+            pinned = [self.shoal.shards.active_version(s.id) for s in self._record().shards]
+            top = max((v.watermark for v in pinned if v is not None), default=0)
+            marks = {s.shard_no: top for s in self._record().shards}
             self.shoal.tag_index(self.new_name, "1", tag)
             self.new_tags[tag] = (marks, self.new_metric)
             count("tagged")
