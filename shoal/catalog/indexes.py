@@ -8,8 +8,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import BigInteger, Connection, Engine, String, and_, bindparam, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.orm import Session
 
 from shoal.catalog.models import DataSource, Index, IndexAlias, IndexFile, IndexShard, IndexVersion, Tenant
@@ -137,6 +137,49 @@ def _with_source() -> Any:
     """Index rows joined with their data source's row: one statement sees both or neither (READ COMMITTED gives
     each statement its own snapshot, so a source dropped between two reads would leave an index without one)."""
     return select(Index, DataSource).join(DataSource, DataSource.id == Index.data_source_id)
+
+
+ServingKey = tuple[int, str, str]  # (tenant id, index name, index version): how a searcher names a served index
+
+# What `IndexCatalog.serving` reads of a shard's row (a ShardRecord): its lease columns are left out, a worker
+# renews those every few seconds and a searcher serves nothing of them.
+_SHARD_COLUMNS = (IndexShard.id, IndexShard.shard_no, IndexShard.active_version_id, IndexShard.built_watermark,
+                  IndexShard.served_watermark, IndexShard.served_at)
+
+
+def serving_fingerprints(engine: Engine, keys: Collection[ServingKey]) -> dict[ServingKey, tuple[Any, ...]]:
+    """Per key of a live index (any tenant's), a value that changes whenever what `IndexCatalog.serving` would
+    read for it changes: the whole index row the name holds (a reindex swap or rollback, or the index made
+    again, puts another row there), its data source's whole row (head, trash, definition) and its shards'
+    rows but for their leases. Keys absent from the answer have no live index (dropped, or in the trash).
+    One statement for any number of keys (they go as three arrays), so it also reads one snapshot."""
+    if not keys:
+        return {}
+    ordered = list(keys)
+    wanted = (
+        func.unnest(
+            bindparam("tenant_ids", [k[0] for k in ordered], type_=ARRAY(BigInteger)),
+            bindparam("names", [k[1] for k in ordered], type_=ARRAY(String)),
+            bindparam("versions", [k[2] for k in ordered], type_=ARRAY(String)),
+        )
+        .table_valued("tenant_id", "name", "version")
+        .render_derived(name="wanted")
+    )
+    query = (
+        select(wanted.c.tenant_id, wanted.c.name, wanted.c.version, *Index.__table__.c, *DataSource.__table__.c,
+               *_SHARD_COLUMNS)
+        .select_from(wanted)
+        .join(Index, and_(Index.tenant_id == wanted.c.tenant_id, Index.name == wanted.c.name,
+                          Index.version == wanted.c.version, Index.deleted_at.is_(None)))
+        .join(DataSource, DataSource.id == Index.data_source_id)
+        .outerjoin(IndexShard, IndexShard.index_id == Index.id)
+        .order_by(Index.id, IndexShard.shard_no)
+    )
+    rows: dict[ServingKey, list[tuple[Any, ...]]] = {}
+    with engine.connect() as conn:
+        for row in conn.execute(query):
+            rows.setdefault((int(row[0]), row[1], row[2]), []).append(tuple(row[3:]))
+    return {key: tuple(found) for key, found in rows.items()}
 
 
 class IndexCatalog:

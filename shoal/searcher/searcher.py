@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from shoal.catalog.indexes import IndexRecord
+from shoal.catalog.indexes import IndexRecord, ServingKey, serving_fingerprints
 from shoal.catalog.repo import head_of
 from shoal.config.settings import MAX_DURATION_S
 from shoal.errors import (
@@ -244,6 +244,10 @@ class SearchService:
         self._checked: dict[int, tuple[int, Any]] = {}  # index id -> (subscription, token read before the check)
         self._young_wake = threading.Event()
         self._stale: set[tuple[int, str, str]] = set()  # views whose last refresh failed (an outage, logged once)
+        # Per view the poll loaded: the catalog's fingerprint of what it was loaded from (serving_fingerprints).
+        # A poll reloads only the views whose fingerprint changed, not every view (two statements each).
+        self._fingerprints: dict[ServingKey, tuple[Any, ...]] = {}
+        self._poll_failed = False  # the last poll's fingerprint read failed (an outage, logged once)
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
@@ -754,31 +758,68 @@ class SearchService:
     def refresh(self) -> None:
         """Load, now, any newer active version of the indexes served; stop serving the ones that are gone.
 
-        Only NotFoundError (the catalog answered: the index or its data source is no more) unloads an index.
-        Any other failure, a catalog or storage outage above all, keeps the view served as it is: eventual
-        searches go on answering from it, and the next poll tries again (logged once per outage, not per poll)."""
+        One catalog statement tells which served indexes changed (their index, shard or data source rows); only
+        those, the ones whose last refresh failed and the ones not polled yet are loaded again. Only NotFoundError
+        (the catalog answered: the index or its data source is no more) unloads an index. Any other failure, a
+        catalog or storage outage above all, keeps the view served as it is: eventual searches go on answering
+        from it, and the next poll tries again (logged once per outage, not per poll)."""
         with self._lock:
             keys = list(self._views)
+            for gone in self._fingerprints.keys() - set(keys):  # unloaded since (the budget, a drop): forgotten
+                self._fingerprints.pop(gone, None)
+        current = self._current_fingerprints(keys)
+        if current is None:
+            return
         for key in keys:
             tenant_id, name, version = key
             scope = self._scopes.get(tenant_id)
             if scope is None or key not in self._views:  # unloaded since (the budget): loaded again when searched
                 continue
-            try:
-                self._load(scope, name, version)
-            except NotFoundError:
-                log.info("index %s/%s of tenant %s is gone: no longer served", name, version, scope.tenant)
-                self._unload(key)
+            known = self._fingerprints.get(key)
+            if key not in self._stale and known is not None and known == current.get(key):
+                continue  # nothing it was loaded from changed
+            self._refresh_one(scope, key, current.get(key))
+
+    def _current_fingerprints(self, keys: list[ServingKey]) -> dict[ServingKey, tuple[Any, ...]] | None:
+        """The catalog's fingerprints of the served `keys` (`serving_fingerprints`), or None when the catalog
+        does not answer: the views are kept as they are, and the failure logged once per outage."""
+        try:
+            current = serving_fingerprints(self.engine, keys)
+        except Exception as exc:  # noqa: BLE001 - unreachable is not deleted: keep serving, retry next poll
+            if not self._poll_failed:
+                self._poll_failed = True
+                log.warning("could not poll the catalog for new index versions (%s: %s); serving the versions "
+                            "held until it answers again", type(exc).__name__, exc)
+            return None
+        if self._poll_failed:
+            self._poll_failed = False
+            log.info("the catalog answers the searcher's poll again")
+        return current
+
+    def _refresh_one(self, scope: Scope, key: ServingKey, fingerprint: tuple[Any, ...] | None) -> None:
+        """Load the view of `key` again (`fingerprint`: the catalog's, read before the load, or None when the
+        index is gone), unloading it when the catalog no longer has it."""
+        _, name, version = key
+        # Forgotten first: a failed or concurrent load must not leave a fingerprint the view does not reflect.
+        self._fingerprints.pop(key, None)
+        try:
+            self._load(scope, name, version)
+        except NotFoundError:
+            log.info("index %s/%s of tenant %s is gone: no longer served", name, version, scope.tenant)
+            self._unload(key)
+            self._stale.discard(key)
+        except Exception as exc:  # noqa: BLE001 - unreachable is not deleted: keep serving, retry next poll
+            if key not in self._stale:
+                self._stale.add(key)
+                log.warning("could not refresh index %s/%s (%s: %s); serving the version it holds until the "
+                            "catalog and storage answer again", name, version, type(exc).__name__, exc)
+        else:
+            # Read before the load: the view reflects it or a later state (then the next poll loads once more).
+            if fingerprint is not None and key in self._views:
+                self._fingerprints[key] = fingerprint
+            if key in self._stale:
                 self._stale.discard(key)
-            except Exception as exc:  # noqa: BLE001 - unreachable is not deleted: keep serving, retry next poll
-                if key not in self._stale:
-                    self._stale.add(key)
-                    log.warning("could not refresh index %s/%s (%s: %s); serving the version it holds until the "
-                                "catalog and storage answer again", name, version, type(exc).__name__, exc)
-            else:
-                if key in self._stale:
-                    self._stale.discard(key)
-                    log.info("index %s/%s refreshed again", name, version)
+                log.info("index %s/%s refreshed again", name, version)
 
     @property
     def loaded_bytes(self) -> int:
@@ -877,6 +918,7 @@ class SearchService:
         with self._lock:
             view = self._views.pop(key, None)
             self._used.pop(key, None)
+            self._fingerprints.pop(key, None)
             if view is not None:
                 self._tails.pop(view.index.id, None)
                 self._checked.pop(view.index.id, None)
@@ -990,8 +1032,8 @@ class SearchService:
         if self.young_max_seqs <= 0:
             return
         with self._lock:
-            views = list(self._views.values())
-        for view in views:
+            views = list(self._views.items())
+        for key, view in views:
             if not view.shards:  # a placed index none of whose shards is here: nothing to keep
                 continue
             head = self._heads.get(view.source.id, 0)
@@ -1007,6 +1049,7 @@ class SearchService:
             try:
                 self._extend_within(view, target, bound)
             except _Stale:  # eventual serves the young tier it has (a state the log had) until the reload
+                self._fingerprints.pop(key, None)  # reloaded by the poll woken now, changed in the catalog or not
                 self._wake.set()
             except Exception as exc:  # noqa: BLE001 - an outage or a dropped index: eventual serves what it has
                 log.debug("young tier of index %s not extended: %s", view.index.spec.name, exc)
