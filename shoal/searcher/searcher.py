@@ -35,7 +35,7 @@ from shoal.errors import (
     ShoalError,
     ValidationError,
 )
-from shoal.index.segment_cache import SegmentCache
+from shoal.index.segment_cache import SegmentCache, release_free_memory
 from shoal.log.compaction_swap import dropped_through
 from shoal.log.heads import HEADS_CHANNEL, parse_announcement
 from shoal.log.reader import read_log
@@ -823,8 +823,30 @@ class SearchService:
 
     @property
     def loaded_bytes(self) -> int:
-        """Bytes of the segments the process's searchers hold (the runtime's cache, shared)."""
-        return self.cache.bytes
+        """Bytes the process's searchers hold against SHOAL_SEARCHER_CACHE_BYTES: the segments of the runtime's
+        cache (shared) and the young tiers of every searcher sharing it (estimated: `TailCache.nbytes`)."""
+        return self.cache.bytes + self.young_bytes
+
+    @property
+    def young_bytes(self) -> int:
+        """Estimated bytes of the young tiers held by the searchers sharing this one's segment cache (the
+        process's budget): the log entries their served versions do not reflect yet, decoded."""
+        return sum(service._own_young_bytes() for service in self._sharing())
+
+    def _own_young_bytes(self) -> int:
+        with self._lock:
+            tiers = list(self._tails.values())
+        return sum(t.nbytes for t in tiers)
+
+    def _sharing(self) -> list[SearchService]:
+        """The services sharing this one's segment cache, and so its budget (this one among them)."""
+        with _SHARING_LOCK:
+            return list(_SHARING.get(self.cache, ()))
+
+    def _over_budget(self) -> bool:
+        """True while the segments and the young tiers held pass the budget: a young tier is memory a search
+        needs as much as a segment (900 indexes no worker had built held 1.7 GB past a 100 MB budget)."""
+        return self.loaded_bytes > self.cache.budget
 
     def _load(self, scope: Scope, name: str, version: str) -> IndexView:
         key = (scope.tenant_id, name, version)
@@ -914,15 +936,18 @@ class SearchService:
             segments = [seg.segment for v in self._views.values() for sh in v.shards for seg in sh.segments]
         self.cache.retain(id(self), segments)
 
-    def _unload(self, key: tuple[int, str, str]) -> None:
+    def _unload(self, key: tuple[int, str, str]) -> bool:
+        """Stop serving the view of `key`, releasing its segments and young tier; True when it had one."""
+        young = None
         with self._lock:
             view = self._views.pop(key, None)
             self._used.pop(key, None)
             self._fingerprints.pop(key, None)
             if view is not None:
-                self._tails.pop(view.index.id, None)
+                young = self._tails.pop(view.index.id, None)
                 self._checked.pop(view.index.id, None)
         self._retain()
+        return young is not None
 
     def _lru(self, loaded: tuple[int, str, str]) -> list[tuple[float, tuple[int, str, str]]]:
         """(last searched, key) of the indexes this service serves, `loaded` left out."""
@@ -930,34 +955,47 @@ class SearchService:
             return [(t, k) for k, t in self._used.items() if k != loaded and k in self._views]
 
     def _fit_budget(self, loaded: tuple[int, str, str]) -> None:
-        """Release superseded segments, then unload the least recently searched other indexes while the cache
-        is over its budget, whichever service of the cache serves them (the budget is the process's, and
-        `Shoal.searcher()` makes a service per searcher); an index that alone passes the budget is not served
-        (CapacityError)."""
+        """Release superseded segments, then unload the least recently searched other indexes while the
+        segments and young tiers held pass the budget (`_over_budget`), whichever service of the cache serves
+        them (the budget is the process's, and `Shoal.searcher()` makes a service per searcher); an index that
+        alone passes the budget is not served (CapacityError)."""
         self._retain()
-        while self.cache.over_budget():
-            with _SHARING_LOCK:
-                sharing = list(_SHARING.get(self.cache, ()))
-            others = [(t, k, service) for service in sharing
-                      for t, k in service._lru(loaded if service is self else (0, "", ""))]
-            if not others:
-                with self._lock:
-                    view = self._views.get(loaded)
-                need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
-                if need <= self.cache.budget:
-                    # Alone the index fits: what passes the budget are segments another searcher of this
-                    # process loaded and serves no view of yet (its own check makes room as it finishes, by
-                    # unloading this one if need be), or this index was unloaded by it meanwhile. Not refused.
+        freed_young = False
+        try:
+            while self._over_budget():
+                others = [(t, k, service) for service in self._sharing()
+                          for t, k in service._lru(loaded if service is self else (0, "", ""))]
+                if not others:
+                    self._refuse_if_too_large(loaded)
                     return
-                self._unload(loaded)
-                raise CapacityError(
-                    f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
-                    f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
-                    "shards from more processes"
-                )
-            _, key, service = min(others, key=lambda o: o[0])
-            log.info("unloading index %s/%s to stay within the searcher memory budget", *key[1:])
-            service._unload(key)
+                _, key, service = min(others, key=lambda o: o[0])
+                log.info("unloading index %s/%s to stay within the searcher memory budget", *key[1:])
+                freed_young = service._unload(key) or freed_young
+        finally:
+            if freed_young:
+                # Segments dropped hand their memory back in the cache; a young tier's arrays (Arrow's pool,
+                # NumPy's heap pages) are handed back here, or the process keeps them though nothing uses them.
+                release_free_memory()
+
+    def _refuse_if_too_large(self, loaded: tuple[int, str, str]) -> None:
+        """With no other index left to unload: CapacityError (the index unloaded) when the index just loaded
+        alone needs more than the budget, its segments and young tier counted; else nothing."""
+        with self._lock:
+            view = self._views.get(loaded)
+            young = self._tails.get(view.index.id) if view is not None else None
+        need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
+        need += young.nbytes if young is not None else 0
+        if need <= self.cache.budget:
+            # Alone the index fits: what passes the budget are segments another searcher of this process loaded
+            # and serves no view of yet (its own check makes room as it finishes, by unloading this one if need
+            # be), or this index was unloaded by it meanwhile. Not refused.
+            return
+        self._unload(loaded)
+        raise CapacityError(
+            f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
+            f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
+            "shards from more processes"
+        )
 
     # -- following -----------------------------------------------------------------------------------
 

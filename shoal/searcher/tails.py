@@ -33,6 +33,26 @@ _GROUP_IDS = itertools.count()  # never reused within a process, unlike id()
 # The key -> row index of a segment, kept in its py_columns cache under a name no attribute can have.
 _KEY_ROWS = " key rows"
 
+# What a young row costs beside its Arrow buffers, as `load_segment` estimates a segment's: its key as a Python
+# object (about 40 bytes) and a reference to it, and per stored attribute a value converted for picking hits.
+_ROW_OVERHEAD = 8 + 40
+_ATTRIBUTE_OVERHEAD = 64
+
+
+def array_bytes(*objects: Any) -> int:
+    """Bytes of the arrays and tables among `objects` and their attributes, one level deep (an engine's
+    vectors and norms, a row source's table): an estimate of what they hold in memory, not an exact count."""
+    total = 0
+    for obj in objects:
+        size = getattr(obj, "nbytes", None)
+        if isinstance(size, int):
+            total += size
+            continue
+        members = [getattr(obj, name, None) for name in getattr(obj, "__slots__", ())]
+        members += list(getattr(obj, "__dict__", {}).values())
+        total += sum(m.nbytes for m in members if isinstance(getattr(m, "nbytes", None), int))
+    return total
+
 
 @dataclass(frozen=True)
 class TailGroup:
@@ -46,6 +66,12 @@ class TailGroup:
     filter_columns: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # Names the group in the searcher's caches of filter masks and subsets, as a segment id does a segment.
     cache_id: str = field(default_factory=lambda: f"young-{next(_GROUP_IDS)}", compare=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Estimated bytes the group holds beside its chunk's upserts: the split's rows, its engine's arrays and
+        what filters derived from them."""
+        return array_bytes(self.source, self.engine, *self.filter_columns.values())
 
 
 @dataclass(frozen=True)
@@ -69,6 +95,13 @@ class TailChunk:
                                               RowSource(part, spec.stored_attributes()),
                                               engine_cls.build(vectors, spec.metric, None)))
         return self._groups
+
+    def nbytes(self, stored_attributes: int) -> int:
+        """Estimated bytes the chunk holds: its upserts (with what a search converts of each row, counted up
+        front for `stored_attributes` attributes as a segment's are) and the groups built over them."""
+        rows = self.upserts.num_rows
+        per_row = _ROW_OVERHEAD + _ATTRIBUTE_OVERHEAD * stored_attributes
+        return self.upserts.nbytes + rows * per_row + sum(g.nbytes for g in self._groups)
 
 
 @dataclass(frozen=True)
@@ -110,6 +143,13 @@ class Tail:
                 mask = _rows_of(seg, sorted(self.touched))
             self._derived[key] = mask
         return self._derived[key]
+
+    def nbytes(self, stored_attributes: int) -> int:
+        """Estimated bytes the tail holds: its chunks (`TailChunk.nbytes`), the keys it touches and the masks of
+        segment rows it hides."""
+        masks = sum(m.nbytes for m in self._masks().values() if m is not None)
+        keys = sum(_ROW_OVERHEAD + len(k) for k in self.touched)
+        return sum(c.nbytes(stored_attributes) for c in self.chunks) + masks + keys
 
     def groups(self, spec: IndexSpec, source: DataSourceSpec) -> list[TailGroup]:
         """The live upserts per split and chunk, each with an exact engine."""

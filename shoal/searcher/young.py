@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,6 +40,15 @@ class TailCache:
     # The served view the tails were derived for: with them, a consistent answer even after a newer version
     # was swapped in and before its own tails are derived.
     view: IndexView = field(compare=False, repr=False)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Estimated bytes this young tier holds in memory: the entries read and the shards' tails (their
+        upserts, exact engines and masks). Taken once, when first asked: `extend` derives what the tails need
+        before it makes the cache, and the cache is replaced whole, never grown."""
+        stored = len(self.view.index.spec.stored_attributes())
+        entries = self.entries.nbytes if self.entries is not None else 0
+        return entries + sum(t.nbytes(stored) for t in self.tails.values())
 
     def size(self, shard_no: int) -> int:
         """Keys the shard's young tier touches (upserts and deletions not yet built)."""
