@@ -105,8 +105,8 @@ class _CacheCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("shoal_searcher_cache_bytes", "Bytes of index segments loaded by this process's "
                                 "searchers (estimated at load)", value=self.cache.bytes)
-        yield GaugeMetricFamily("shoal_searcher_cache_budget_bytes", "The budget loaded segments are kept under "
-                                "(SHOAL_SEARCHER_CACHE_BYTES)", value=self.cache.budget)
+        yield GaugeMetricFamily("shoal_searcher_cache_budget_bytes", "The budget loaded segments and young tiers "
+                                "are kept under together (SHOAL_SEARCHER_CACHE_BYTES)", value=self.cache.budget)
         yield GaugeMetricFamily("shoal_searcher_cache_segments", "Index segments loaded by this process's searchers",
                                 value=len(self.cache))
 

@@ -155,8 +155,9 @@ class Settings(BaseSettings):
     searcher_cache_bytes: Count = Field(
         default_factory=lambda: _half_of_memory(),
         ge=1 << 20,
-        description="Memory budget of a process's loaded index segments; least recently searched indexes are "
-        "unloaded to stay under it (default: half the machine's memory).",
+        description="Memory budget of a process's loaded index segments and young tiers (writes not built yet, "
+        "searched exactly); least recently searched indexes are unloaded to stay under it (default: half the "
+        "machine's memory).",
     )
     placement_file: Path | None = Field(
         default=None,

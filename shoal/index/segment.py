@@ -34,6 +34,11 @@ from shoal.log.validation import KEY, SEQ, SPARSE_INDICES, SPARSE_VALUES, VECTOR
 from shoal.storage import Storage, layout
 
 SPLIT = "__split"
+# What a loaded row costs in memory beside its Arrow buffers: its key as a Python bytes object (about 40 bytes of
+# header) and a reference to it; and per stored attribute, a value the searcher converts for picking hits (counted
+# at a list entry's cost). The searcher's young tier estimates its rows the same way.
+ROW_OVERHEAD_BYTES = 8 + 40
+ATTRIBUTE_OVERHEAD_BYTES = 64
 
 EntryLike = SegmentEntry | Mapping[str, Any]  # a manifest entry, typed or as stored
 
@@ -323,8 +328,8 @@ def load_segment(storage: Storage, entry: EntryLike, index: IndexSpec) -> Loaded
     n = rows.num_rows
     # Keys are Python bytes objects (about 40 bytes of header each); the searcher later converts each stored
     # attribute once into a numpy array or a list of Python values: counted up front at a list's cost.
-    estimate = rows.nbytes + engine_bytes + seqs.nbytes + n * (8 + 40) + rows[KEY].nbytes
-    estimate += n * 64 * len(index.stored_attributes())
+    estimate = rows.nbytes + engine_bytes + seqs.nbytes + n * ROW_OVERHEAD_BYTES + rows[KEY].nbytes
+    estimate += n * ATTRIBUTE_OVERHEAD_BYTES * len(index.stored_attributes())
     return LoadedSegment(entry.id, rows, keys, seqs, tuple(splits), nbytes=int(estimate))
 
 

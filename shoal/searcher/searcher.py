@@ -808,6 +808,9 @@ class SearchService:
             log.info("index %s/%s of tenant %s is gone: no longer served", name, version, scope.tenant)
             self._unload(key)
             self._stale.discard(key)
+        except CapacityError as exc:  # `_fit_budget` unloaded it: loaded again by its next search, not by a poll
+            log.warning("index %s/%s of tenant %s unloaded at a refresh: %s", name, version, scope.tenant, exc)
+            self._stale.discard(key)
         except Exception as exc:  # noqa: BLE001 - unreachable is not deleted: keep serving, retry next poll
             if key not in self._stale:
                 self._stale.add(key)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.engines import Engine, get_engine
-from shoal.index.segment import LoadedSegment, json_value, vectors_of
+from shoal.index.segment import ATTRIBUTE_OVERHEAD_BYTES, ROW_OVERHEAD_BYTES, LoadedSegment, json_value, vectors_of
 from shoal.index.sharding import shard_numbers, split_keys
 from shoal.log.reader import fold
 from shoal.log.records import DataSourceSpec, IndexSpec
@@ -33,10 +33,6 @@ _GROUP_IDS = itertools.count()  # never reused within a process, unlike id()
 # The key -> row index of a segment, kept in its py_columns cache under a name no attribute can have.
 _KEY_ROWS = " key rows"
 
-# What a young row costs beside its Arrow buffers, as `load_segment` estimates a segment's: its key as a Python
-# object (about 40 bytes) and a reference to it, and per stored attribute a value converted for picking hits.
-_ROW_OVERHEAD = 8 + 40
-_ATTRIBUTE_OVERHEAD = 64
 
 
 def array_bytes(*objects: Any) -> int:
@@ -67,11 +63,12 @@ class TailGroup:
     # Names the group in the searcher's caches of filter masks and subsets, as a segment id does a segment.
     cache_id: str = field(default_factory=lambda: f"young-{next(_GROUP_IDS)}", compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        """Estimated bytes the group holds beside its chunk's upserts: the split's rows, its engine's arrays and
-        what filters derived from them."""
-        return array_bytes(self.source, self.engine, *self.filter_columns.values())
+    def nbytes(self, upserts: pa.Table) -> int:
+        """Estimated bytes the group holds beside its chunk's `upserts`: the split's rows (none of their own when
+        the index has no split attributes: the group's rows are then the upserts themselves), its engine's arrays
+        and what filters derived from them."""
+        own_rows = 0 if self.source.table is upserts else array_bytes(self.source)
+        return own_rows + array_bytes(self.engine, *self.filter_columns.values())
 
 
 @dataclass(frozen=True)
@@ -100,8 +97,8 @@ class TailChunk:
         """Estimated bytes the chunk holds: its upserts (with what a search converts of each row, counted up
         front for `stored_attributes` attributes as a segment's are) and the groups built over them."""
         rows = self.upserts.num_rows
-        per_row = _ROW_OVERHEAD + _ATTRIBUTE_OVERHEAD * stored_attributes
-        return self.upserts.nbytes + rows * per_row + sum(g.nbytes for g in self._groups)
+        per_row = ROW_OVERHEAD_BYTES + ATTRIBUTE_OVERHEAD_BYTES * stored_attributes
+        return self.upserts.nbytes + rows * per_row + sum(g.nbytes(self.upserts) for g in self._groups)
 
 
 @dataclass(frozen=True)
@@ -148,7 +145,7 @@ class Tail:
         """Estimated bytes the tail holds: its chunks (`TailChunk.nbytes`), the keys it touches and the masks of
         segment rows it hides."""
         masks = sum(m.nbytes for m in self._masks().values() if m is not None)
-        keys = sum(_ROW_OVERHEAD + len(k) for k in self.touched)
+        keys = sum(ROW_OVERHEAD_BYTES + len(k) for k in self.touched)
         return sum(c.nbytes(stored_attributes) for c in self.chunks) + masks + keys
 
     def groups(self, spec: IndexSpec, source: DataSourceSpec) -> list[TailGroup]:
@@ -159,7 +156,8 @@ class Tail:
 
     def _masks(self) -> dict[str, np.ndarray | None]:
         """The hidden-row masks derived so far, by segment id: a tail made from this one starts from them."""
-        return {k[1]: v for k, v in self._derived.items() if type(k) is tuple and k[0] == "hidden"}
+        # A copy first: searches add masks meanwhile, and iterating the dict itself would fail as it grows.
+        return {k[1]: v for k, v in list(self._derived.items()) if type(k) is tuple and k[0] == "hidden"}
 
     def extended(self, entries: pa.Table) -> Tail:
         """This tail followed by newer entries of the same shard (all above every seq this tail holds)."""

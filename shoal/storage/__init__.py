@@ -465,7 +465,7 @@ def _s3_problem(settings: Settings, uri: str, exc: BaseException) -> str:
     # and pyarrow's own messages name the bucket and operation only.
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
     where = mask_url(settings.s3_endpoint_url) if settings.s3_endpoint_url else "AWS"
-    if "ACCESS_DENIED" in reason or "INVALID_ACCESS_KEY" in reason or "SIGNATURE" in reason:
+    if refusal(exc) == StorageRefusedError.CREDENTIALS:  # as a running process tells refused credentials
         check = "check SHOAL_S3_ACCESS_KEY and SHOAL_S3_SECRET_KEY (or the AWS credential chain)"
     else:
         check = "check SHOAL_S3_ENDPOINT_URL and SHOAL_S3_REGION"
