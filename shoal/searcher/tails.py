@@ -36,8 +36,8 @@ _KEY_ROWS = " key rows"
 
 
 def array_bytes(*objects: Any) -> int:
-    """Bytes of the arrays and tables among `objects` and their attributes, one level deep (an engine's
-    vectors and norms, a row source's table): an estimate of what they hold in memory, not an exact count."""
+    """Bytes of the arrays among `objects` and their attributes, one level deep (an engine's vectors and norms,
+    a filter's derived columns): an estimate of what they hold in memory, not an exact count."""
     total = 0
     for obj in objects:
         size = getattr(obj, "nbytes", None)
@@ -67,7 +67,7 @@ class TailGroup:
         """Estimated bytes the group holds beside its chunk's `upserts`: the split's rows (none of their own when
         the index has no split attributes: the group's rows are then the upserts themselves), its engine's arrays
         and what filters derived from them."""
-        own_rows = 0 if self.source.table is upserts else array_bytes(self.source)
+        own_rows = 0 if self.source.table is upserts else self.source.table.nbytes
         return own_rows + array_bytes(self.engine, *self.filter_columns.values())
 
 
