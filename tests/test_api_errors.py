@@ -29,6 +29,7 @@ from shoal.errors import (
     NotFoundError,
     PermissionDeniedError,
     ReindexConflictError,
+    ShardsUnavailableError,
     ShoalError,
     ValidationError,
 )
@@ -62,13 +63,17 @@ CASES: list[tuple[ShoalError, tuple[int, list[str], dict[str, str]], tuple[Any, 
      (*INTERNAL, {})),
     (BackpressureError("indexes lag", 7),
      (429, ["indexes lag"], {"retry-after": "7"}),
-     (*INTERNAL, {})),
+     (429, "TOO_MANY_REQUESTS", "indexes lag", {}, {"retry-after": "7"})),
     (ConfigurationError("Postgres is down"),
      (503, ["Postgres is down"], {}),
      (503, "SERVICE_UNAVAILABLE", "Postgres is down", {}, {})),
     (CapacityError("over budget"),
      (503, ["over budget"], {}),
-     (*INTERNAL, {})),
+     (503, "SERVICE_UNAVAILABLE", "over budget", {}, {})),
+    (ShardsUnavailableError("shards 2, 3 answered from no node", [3, 2]),
+     (503, ["shards 2, 3 answered from no node"], {"x-shoal-missing-shards": "2,3", "retry-after": "5"}),
+     (503, "SERVICE_UNAVAILABLE", "shards 2, 3 answered from no node", {},
+      {"x-shoal-missing-shards": "2,3", "retry-after": "5"})),
     (CommitError("gave up"),
      (500, ["gave up"], {}),
      (*INTERNAL, {})),
@@ -116,12 +121,14 @@ def test_each_core_error_in_both_shapes(
         got = r.json()
         # Every dataset error's details also name the caller's tenant and what to do (issue 15).
         assert got["details"].pop("tenant_id") == settings.tenant
-        assert isinstance(got["details"].pop("action"), str)
+        action = got["details"].pop("action")
+        # A 503 an operator must mend says so, rather than "retry after Retry-After" with no such header.
+        assert ("retrying will not help" in action) == isinstance(error, (ConfigurationError, CapacityError))
         assert (r.status_code, got) == (status, body)
         assert r.headers["content-type"] == "application/json"
         for name, value in headers.items():
             assert r.headers[name] == value
-        assert "retry-after" not in r.headers
+        assert "retry-after" in headers or "retry-after" not in r.headers
         assert "www-authenticate" in headers or "www-authenticate" not in r.headers
 
 

@@ -71,14 +71,15 @@ CORE: dict[type[ShoalError], Answer] = {
     AlreadyExistsError: Answer(409, ErrorCode.DATASET_ALREADY_EXISTS),
     ReindexConflictError: Answer(409, None),  # the dataset service raises REINDEX_CONFLICT itself
     ConflictError: Answer(409, None),  # lost a race (a lease, a swap): reload and retry
-    BackpressureError: Answer(429, None),
+    # A dataset upload checks the lag as a Vektonn one does: the dataset API's 429 code, not an internal error.
+    BackpressureError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
     RateLimitedError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
     ConfigurationError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     CatalogUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     StorageUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     # The catalog went away during a commit: it may have landed; the message says to retry with the batch id.
     StateUnknownError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
-    CapacityError: Answer(503, None),
+    CapacityError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     ShardsUnavailableError: Answer(503, ErrorCode.SERVICE_UNAVAILABLE),
     ShoalError: Answer(500, None),
 }
@@ -187,7 +188,9 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
     if isinstance(exc, StateUnknownError):
         return {"Retry-After": str(CatalogUnavailableError().retry_after)}
     if isinstance(exc, ShardsUnavailableError):
-        return {"X-Shoal-Missing-Shards": ",".join(map(str, exc.shards))}
+        # A node restarting or a placement moving: worth a retry, as the dataset API's hint for the code says.
+        return {"X-Shoal-Missing-Shards": ",".join(map(str, exc.shards)),
+                "Retry-After": str(CatalogUnavailableError().retry_after)}
     return {}
 
 
@@ -364,11 +367,22 @@ def _dataset_request_error(exc: RequestValidationError, tenant_id: str | None) -
                          {"errors": errors[:100]}, tenant_id=tenant_id)
 
 
+# The 503s no retry mends: SERVICE_UNAVAILABLE's own hint (retry after Retry-After) would send clients into a loop.
+OPERATOR_ACTIONS: dict[type[ShoalError], str] = {
+    CapacityError: "an operator must raise SHOAL_SEARCHER_CACHE_BYTES or serve the index's shards from more "
+    "processes; retrying will not help until then",
+    ConfigurationError: "an operator must correct the setting the message names; retrying will not help until then",
+}
+
+
 def _details(exc: ShoalError) -> dict[str, Any]:
     if isinstance(exc, DatasetError):
         return dict(exc.details)
     if isinstance(exc, ValidationError):
         return {"problems": [str(p) for p in exc.problems]}
+    for cls, action in OPERATOR_ACTIONS.items():
+        if isinstance(exc, cls):
+            return {"action": action}
     return {}
 
 
