@@ -96,8 +96,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def metrics(view: Annotated[MetricsView, Depends(metrics_view)]) -> PlainTextResponse:
         """Prometheus metrics: upload rate, search latency, lag and young tier per shard. Per-tenant series only for the
         metrics token (every tenant) or an admin key (its own tenant); totals without names otherwise."""
+        search = app.state.tenants.search
         body = app.state.metrics.exposition(app.state.runtime.engine, view, app.state.runtime.segment_cache,
-                                            app.state.tenants.search.young_tier())
+                                            search.young_tier(), search.young_bytes)
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

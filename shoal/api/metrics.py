@@ -99,12 +99,16 @@ def _catalog_outage(exc: DBAPIError) -> bool:
 class _CacheCollector(Collector):
     """The process's loaded index segments: bytes, budget and count (process-wide, no tenant in it)."""
 
-    def __init__(self, cache: SegmentCache) -> None:
+    def __init__(self, cache: SegmentCache, young_bytes: int) -> None:
         self.cache = cache
+        self.young_bytes = young_bytes
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("shoal_searcher_cache_bytes", "Bytes of index segments loaded by this process's "
                                 "searchers (estimated at load)", value=self.cache.bytes)
+        # The young tiers' share of the budget: with the segments' bytes, what the budget is held against.
+        yield GaugeMetricFamily("shoal_searcher_young_tier_bytes", "Bytes of the young tiers this process's "
+                                "searchers hold (estimated)", value=self.young_bytes)
         yield GaugeMetricFamily("shoal_searcher_cache_budget_bytes", "The budget loaded segments and young tiers "
                                 "are kept under together (SHOAL_SEARCHER_CACHE_BYTES)", value=self.cache.budget)
         yield GaugeMetricFamily("shoal_searcher_cache_segments", "Index segments loaded by this process's searchers",
@@ -206,14 +210,15 @@ class Metrics:
 
     def exposition(
         self, engine: Engine, view: MetricsView, cache: SegmentCache,
-        young: list[tuple[str, str, str, int, int, float]] | None = None,
+        young: list[tuple[str, str, str, int, int, float]] | None = None, young_bytes: int = 0,
     ) -> bytes:
         """The metrics in Prometheus's text format as `view` allows, with the lag of shards read from the catalog,
-        the process's segment cache and its searcher's young tier (`young`: SearchService.young_tier rows)."""
+        the process's segment cache and its searcher's young tier (`young`: SearchService.young_tier rows;
+        `young_bytes`: SearchService.young_bytes)."""
         now = CollectorRegistry()
         now.register(_Viewed(self._counted(), view))
         now.register(_LagCollector(engine, view))
-        now.register(_CacheCollector(cache))
+        now.register(_CacheCollector(cache, young_bytes))
         now.register(_YoungCollector(young or [], view))
         return generate_latest(now)
 
