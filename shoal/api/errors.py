@@ -70,7 +70,7 @@ CORE: dict[type[ShoalError], Answer] = {
     NotFoundError: Answer(404, ErrorCode.DATASET_NOT_FOUND),
     AlreadyExistsError: Answer(409, ErrorCode.DATASET_ALREADY_EXISTS),
     ReindexConflictError: Answer(409, None),  # the dataset service raises REINDEX_CONFLICT itself
-    ConflictError: Answer(409, None),  # lost a race (a lease, a swap): reload and retry
+    ConflictError: Answer(409, None),  # lost a race (a lease, a swap): reload and retry (dataset routes: 503)
     # A dataset upload checks the lag as a Vektonn one does: the dataset API's 429 code, not an internal error.
     BackpressureError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
     RateLimitedError: Answer(429, ErrorCode.TOO_MANY_REQUESTS),
@@ -403,6 +403,11 @@ def dataset_response(request: Request, exc: Exception) -> JSONResponse | None:
         code = HTTP_CODES.get(exc.status_code, "HTTP_ERROR")
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return dataset_error(exc.status_code, code, detail, {}, dict(exc.headers or {}), tenant_id=tenant_id)
+    if isinstance(exc, ConflictError):
+        # A race lost after the retries inside (a search overtaken by compactions or swaps, a commit whose head
+        # kept moving): nothing was written and a retry succeeds. The dataset API has no 409 of its own for it.
+        return dataset_error(503, ErrorCode.SERVICE_UNAVAILABLE.value, str(exc), {}, {"Retry-After": "1"},
+                             tenant_id=tenant_id)
     if isinstance(exc, ShoalError):
         known = answer(exc)
         if known.code is not None:
