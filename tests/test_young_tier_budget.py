@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from conftest import wait_for
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -63,5 +64,48 @@ def test_young_tiers_are_kept_within_the_budget(make_settings: Callable[..., Set
             held = shoal.runtime.segment_cache.bytes + sum(t.nbytes for t in service._tails.values())
             assert held <= budget
             assert service.loaded_bytes == service.young_bytes == held  # what the searcher reports, it holds
+        finally:
+            searcher.close()
+
+
+def _tier_end(service: object, name: str) -> int:
+    """How far the young tier of index `name` reaches (0: none held)."""
+    for view in list(service._views.values()):  # type: ignore[attr-defined]
+        if view.index.spec.name == f"{name}.Index":
+            tier = service._tails.get(view.index.id)  # type: ignore[attr-defined]
+            return tier.end if tier is not None else 0
+    return 0
+
+
+def test_a_young_tier_grown_by_the_follower_unloads_others(make_settings: Callable[..., Settings],
+                                                          redis_url: str) -> None:
+    """A young tier that grows after its index loaded (the follower extends it as commits are announced) counts at
+    once: the least recently searched other indexes are unloaded to fit, never the one that grew (even when it is
+    the least recently searched). It counted only at the next load, so a process ran past its budget with no load
+    happening."""
+    settings = make_settings("local", redis_url=redis_url)
+    with Shoal(settings, notify=False) as probe:
+        vectors = {name: _unbuilt_index(probe, name, seed) for seed, name in enumerate(["G0", "G1"])}
+        searcher = probe.searcher(follow=True, poll_interval=30.0)
+        try:
+            assert _nearest(searcher, "G0", vectors["G0"][3]) == 3
+            one = sum(t.nbytes for t in searcher.service._tails.values())
+        finally:
+            searcher.close()
+    budget = int(one * 2.5)  # both indexes fit as loaded; G1 grown to twice its points does not fit beside G0
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": budget}), notify=False) as shoal:
+        searcher = shoal.searcher(follow=True, poll_interval=30.0)  # no poll: no load happens after the searches
+        service = searcher.service
+        try:
+            assert _nearest(searcher, "G1", vectors["G1"][4]) == 4
+            assert _nearest(searcher, "G0", vectors["G0"][5]) == 5  # G1 is now the least recently searched
+            assert searcher.loaded("G0.Index", "1") and searcher.loaded("G1.Index", "1")
+            assert service.loaded_bytes <= budget
+            grown = shoal.producer("G1", "1").upload_columns(vectors["G1"] + 5.0, {"id": np.arange(200, 400)})
+            wait_for(lambda: _tier_end(service, "G1") >= grown.seq, 20, "the follower to extend G1's young tier")
+            wait_for(lambda: not searcher.loaded("G0.Index", "1"), 10, "G0 to be unloaded")
+            assert searcher.loaded("G1.Index", "1")  # the tier that grew stays, least recently searched or not
+            assert service.loaded_bytes <= budget
+            assert _nearest(searcher, "G1", vectors["G1"][9] + 5.0) == 209  # answered from the grown tier
         finally:
             searcher.close()

@@ -248,6 +248,8 @@ class SearchService:
         # A poll reloads only the views whose fingerprint changed, not every view (two statements each).
         self._fingerprints: dict[ServingKey, tuple[Any, ...]] = {}
         self._poll_failed = False  # the last poll's fingerprint read failed (an outage, logged once)
+        # Views whose young tier alone passes the budget after it grew (`_fit_grown`: logged once, not per growth).
+        self._over_alone: set[tuple[int, str, str]] = set()
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._stop = threading.Event()
@@ -700,7 +702,8 @@ class SearchService:
             current = self._tails.get(view.index.id)
             # Of two racing extensions keep the one made for the view served now (a loader may have swapped in
             # a newer view, with its tails, while this one was made for the older), then the one reaching further.
-            served = next((v.versions for v in self._views.values() if v.index.id == view.index.id), None)
+            key, served = next(((k, v.versions) for k, v in self._views.items() if v.index.id == view.index.id),
+                               (None, None))
             if served is None:
                 # Unloaded meanwhile (the budget evicted it): kept, the tail would pin its segments outside the
                 # budget until the index is searched again. This search answers from it alone.
@@ -713,6 +716,10 @@ class SearchService:
                 keep = current.versions != made.versions or current.end <= made.end
             if keep:
                 self._tails[view.index.id] = made
+        if keep and key is not None:
+            # Held now, it counts toward the budget: a tier grown with no load (commits the follower reads) would
+            # otherwise take the process past the budget until some index is loaded. Called with no lock held.
+            self._fit_grown(key)
         return made
 
     def _past_compaction(self, view: IndexView, cached: TailCache | None, required: int, at_head: bool) -> int:
@@ -946,6 +953,7 @@ class SearchService:
             view = self._views.pop(key, None)
             self._used.pop(key, None)
             self._fingerprints.pop(key, None)
+            self._over_alone.discard(key)
             if view is not None:
                 young = self._tails.pop(view.index.id, None)
                 self._checked.pop(view.index.id, None)
@@ -963,22 +971,47 @@ class SearchService:
         them (the budget is the process's, and `Shoal.searcher()` makes a service per searcher); an index that
         alone passes the budget is not served (CapacityError)."""
         self._retain()
+        if not self._unload_others(loaded):
+            self._refuse_if_too_large(loaded)
+
+    def _unload_others(self, keep: tuple[int, str, str]) -> bool:
+        """Unload the least recently searched indexes of the services sharing the budget, `keep` (this service's)
+        left out, while the segments and young tiers held pass it; True once they fit, False when nothing but
+        `keep` is left to unload and they still do not."""
         freed_young = False
         try:
             while self._over_budget():
                 others = [(t, k, service) for service in self._sharing()
-                          for t, k in service._lru(loaded if service is self else (0, "", ""))]
+                          for t, k in service._lru(keep if service is self else (0, "", ""))]
                 if not others:
-                    self._refuse_if_too_large(loaded)
-                    return
+                    return False
                 _, key, service = min(others, key=lambda o: o[0])
                 log.info("unloading index %s/%s to stay within the searcher memory budget", *key[1:])
                 freed_young = service._unload(key) or freed_young
+            return True
         finally:
             if freed_young:
                 # Segments dropped hand their memory back in the cache; a young tier's arrays (Arrow's pool,
                 # NumPy's heap pages) are handed back here, or the process keeps them though nothing uses them.
                 release_free_memory()
+
+    def _fit_grown(self, grown: tuple[int, str, str]) -> None:
+        """After the young tier of `grown` (an index this service serves) grew with no load: unload the least
+        recently searched other indexes while the process passes its budget; `grown` itself stays (it is being
+        searched or followed; its tier is bounded by SHOAL_YOUNG_TIER_MAX_SEQS). Never raises: the follower
+        thread and the search that grew it must go on, so a failure is logged."""
+        try:
+            if not self._over_budget():  # the common case: a sum of the tiers' estimates, each taken once
+                self._over_alone.discard(grown)
+            elif self._unload_others(grown):
+                self._over_alone.discard(grown)
+            elif grown not in self._over_alone:  # logged once, not at every extension while it stays so
+                self._over_alone.add(grown)
+                log.warning("index %s/%s alone passes the searcher memory budget SHOAL_SEARCHER_CACHE_BYTES = "
+                            "%s with its young tier (writes not built yet): kept until its next build or load",
+                            grown[1], grown[2], f"{self.cache.budget:,}")
+        except Exception:  # noqa: BLE001 - see above: unloading is best effort here, the next growth tries again
+            log.exception("could not unload indexes to fit the searcher memory budget after a young tier grew")
 
     def _refuse_if_too_large(self, loaded: tuple[int, str, str]) -> None:
         """With no other index left to unload: CapacityError (the index unloaded) when the index just loaded

@@ -20,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shoal.engines import Engine, get_engine
-from shoal.index.segment import ATTRIBUTE_OVERHEAD_BYTES, ROW_OVERHEAD_BYTES, LoadedSegment, json_value, vectors_of
+from shoal.index.segment import (
+    ATTRIBUTE_OVERHEAD_BYTES,
+    ROW_OVERHEAD_BYTES,
+    LoadedSegment,
+    engine_overhead,
+    json_value,
+    vectors_of,
+)
 from shoal.index.sharding import shard_numbers, split_keys
 from shoal.log.reader import fold
 from shoal.log.records import DataSourceSpec, IndexSpec
@@ -33,6 +40,14 @@ _GROUP_IDS = itertools.count()  # never reused within a process, unlike id()
 # The key -> row index of a segment, kept in its py_columns cache under a name no attribute can have.
 _KEY_ROWS = " key rows"
 
+# What a young tier costs however few its rows, beside the per-row counts (as a loaded segment's, see
+# shoal.index.segment): per shard's tail, its Python objects (the Tail, its touched set and derived dicts) and
+# its share of the young tier's (the TailCache, its entries table's schema and columns, the view); per chunk, its
+# upserts table's. Measured as the RSS delta of loading 400 unbuilt indexes of 10 rows (16-d, two stored
+# attributes; one tail, chunk and group each) in one following searcher, divided: about 30 KB each where the
+# per-row counts said 5 KB. Each group counts its exact engine's own (`engine_overhead`).
+TAIL_OVERHEAD_BYTES = 16 << 10
+CHUNK_OVERHEAD_BYTES = 4 << 10
 
 
 def array_bytes(*objects: Any) -> int:
@@ -68,7 +83,8 @@ class TailGroup:
         the index has no split attributes: the group's rows are then the upserts themselves), its engine's arrays
         and what filters derived from them."""
         own_rows = 0 if self.source.table is upserts else self.source.table.nbytes
-        return own_rows + array_bytes(self.engine, *self.filter_columns.values())
+        fixed = engine_overhead(self.engine.algorithm)
+        return fixed + own_rows + array_bytes(self.engine, *self.filter_columns.values())
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,8 @@ class TailChunk:
         front for `stored_attributes` attributes as a segment's are) and the groups built over them."""
         rows = self.upserts.num_rows
         per_row = ROW_OVERHEAD_BYTES + ATTRIBUTE_OVERHEAD_BYTES * stored_attributes
-        return self.upserts.nbytes + rows * per_row + sum(g.nbytes(self.upserts) for g in self._groups)
+        groups = sum(g.nbytes(self.upserts) for g in self._groups)
+        return CHUNK_OVERHEAD_BYTES + self.upserts.nbytes + rows * per_row + groups
 
 
 @dataclass(frozen=True)
@@ -115,11 +132,16 @@ class Tail:
     _derived: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # An older tail's masks (segment id -> mask or None) and the keys touched since: hidden_rows starts there.
     _since: tuple[dict[str, np.ndarray | None], list[str]] | None = field(default=None, compare=False, repr=False)
+    # Estimated bytes of `touched` (`_keys_bytes`), carried over as the tail is extended: the searcher checks its
+    # budget after every extension, and summing 20,000 keys again took a third of the extension's time.
+    key_bytes: int = field(default=-1, compare=False, repr=False)
 
     @classmethod
     def of(cls, entries: pa.Table) -> Tail:
         """The tail of some log entries of one shard."""
-        return cls(frozenset(pc.unique(entries[KEY]).to_pylist()), _chunks([TailChunk(fold(entries.to_batches()))]))
+        keys = pc.unique(entries[KEY])
+        return cls(frozenset(keys.to_pylist()), _chunks([TailChunk(fold(entries.to_batches()))]),
+                   key_bytes=_keys_bytes(keys))
 
     @property
     def upserts(self) -> pa.Table:
@@ -142,11 +164,11 @@ class Tail:
         return self._derived[key]
 
     def nbytes(self, stored_attributes: int) -> int:
-        """Estimated bytes the tail holds: its chunks (`TailChunk.nbytes`), the keys it touches and the masks of
-        segment rows it hides."""
+        """Estimated bytes the tail holds: its own objects (TAIL_OVERHEAD_BYTES), its chunks (`TailChunk.nbytes`),
+        the keys it touches and the masks of segment rows it hides."""
         masks = sum(m.nbytes for m in self._masks().values() if m is not None)
-        keys = sum(ROW_OVERHEAD_BYTES + len(k) for k in self.touched)
-        return sum(c.nbytes(stored_attributes) for c in self.chunks) + masks + keys
+        keys = self.key_bytes if self.key_bytes >= 0 else _keys_bytes(self.touched)
+        return TAIL_OVERHEAD_BYTES + sum(c.nbytes(stored_attributes) for c in self.chunks) + masks + keys
 
     def groups(self, spec: IndexSpec, source: DataSourceSpec) -> list[TailGroup]:
         """The live upserts per split and chunk, each with an exact engine."""
@@ -170,7 +192,9 @@ class Tail:
             chunks.append(chunk)
         chunks.append(TailChunk(fold(entries.to_batches())))
         keys = new_keys.to_pylist()
-        return Tail(self.touched.union(keys), _chunks(chunks), {}, (self._masks(), keys))
+        key_bytes = self.key_bytes if self.key_bytes >= 0 else _keys_bytes(self.touched)
+        key_bytes += _keys_bytes([k for k in keys if k not in self.touched])
+        return Tail(self.touched.union(keys), _chunks(chunks), {}, (self._masks(), keys), key_bytes)
 
     def cut(self, watermark: int, entries: pa.Table) -> Tail:
         """This tail without what a newly served version of its shard reflects, the entries up to `watermark`:
@@ -182,7 +206,18 @@ class Tail:
                 if pc.min(c.upserts[SEQ]).as_py() <= watermark else c
                 for c in self.chunks if c.upserts.num_rows]
         chunks = _chunks(keep) if keep else (TailChunk(self.chunks[-1].upserts.slice(0, 0)),)
-        return Tail(frozenset(pc.unique(entries[KEY]).to_pylist()), chunks, {}, (self._masks(), []))
+        keys = pc.unique(entries[KEY])
+        return Tail(frozenset(keys.to_pylist()), chunks, {}, (self._masks(), []), _keys_bytes(keys))
+
+
+def _keys_bytes(keys: pa.Array | Collection[str]) -> int:
+    """Estimated bytes of these keys held as Python strings in a tail's touched set (ROW_OVERHEAD_BYTES each
+    beside its characters; its UTF-8 bytes for an Arrow array)."""
+    if isinstance(keys, pa.Array):
+        length = pc.sum(pc.binary_length(keys)).as_py() or 0
+    else:
+        length = sum(map(len, keys))
+    return len(keys) * ROW_OVERHEAD_BYTES + length
 
 
 def _chunks(chunks: list[TailChunk]) -> tuple[TailChunk, ...]:
