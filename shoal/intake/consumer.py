@@ -176,7 +176,8 @@ class IntakeConsumer:
         # The same id on every connection: after a broker outage this consumer leads again at once (its lease
         # names it) and hands back first what its list still holds from before.
         self._delivery = delivery = ReliableQueue(
-            client, channel, self.queue.name, self.settings.intake_visibility_timeout_s, self.consumer_id
+            client, channel, self.queue.name, self.settings.intake_visibility_timeout_s, self.consumer_id,
+            max_body_bytes=self.settings.body_limit_bytes,
         )
         if self._replaces is not None:
             # The consumer this one was started in place of ended (`shoal up` saw it exit): the group need not
@@ -246,6 +247,10 @@ class IntakeConsumer:
         if message.shoal_problem:  # no kombu envelope at all: kept as it was, with the reason
             self._dead_letter(message, message.shoal_problem)
             return
+        too_long = self._body_too_long(message)
+        if too_long:
+            self._dead_letter(message, too_long)
+            return
         headers = message.headers or {}
         # A message published without an id (by a plain kombu client) is known by its delivery tag: kombu stamps
         # each envelope with a new one when it is published, and the envelope moves unchanged between the queue
@@ -282,6 +287,17 @@ class IntakeConsumer:
             self._first_held_at = time.monotonic()
         self._held.append(_Held(message, target, message_id, table, producer.source.id))
         self._held_points += table.num_rows
+
+    def _body_too_long(self, message: Message) -> str | None:
+        """Why the message's body is refused unparsed (None: it is not): longer than SHOAL_MAX_BODY_BYTES, as
+        the HTTP routes refuse one (413). Parsing it held several copies, and a MemoryError crashed every consumer
+        that took it."""
+        limit = self.settings.body_limit_bytes
+        size = len(message.body or b"")
+        if size <= limit:
+            return None
+        return (f"the message body is {size} bytes, past the limit of {limit} bytes (SHOAL_MAX_BODY_BYTES): "
+                "send fewer points per message, or raise the limit")
 
     def _decode(self, target: Target, message: Message) -> tuple[LogProducer, pa.Table]:
         """The message's batch, validated against the data source's definition, and the producer of that source.
@@ -425,7 +441,11 @@ class IntakeConsumer:
         except BatchIdReusedError as exc:
             # A message id that committed other content before (a publisher reusing ids): dead-letter the
             # message under it; the rest of the group committed, or commits now as repeats of what landed.
-            kept = self._fingerprint(producer, exc.batch_id)
+            try:
+                kept = self._fingerprint(producer, exc.batch_id)
+            except TRANSIENT as blip:  # the catalog away while asked: nothing dead-lettered yet, all go back
+                self._requeue_failed(items, blip)
+                return
             rest = []
             for h, bid in zip(items, ids, strict=True):
                 if bid == exc.batch_id and batch_fingerprint(h.table) != kept:
@@ -436,9 +456,7 @@ class IntakeConsumer:
                 self._commit(target, rest, again=again, known=before)
             return
         except TRANSIENT as exc:
-            log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
-            self._requeue([h.message for h in items])
-            self._backoff = 1.0
+            self._requeue_failed(items, exc)
             return
         self.stats.commits += 1
         self._written_sources.add((target.tenant, producer.source.id))
@@ -452,6 +470,12 @@ class IntakeConsumer:
                     seen.add(bid)
                 self.stats.messages += 1
                 self.stats.points += h.table.num_rows
+
+    def _requeue_failed(self, items: list[_Held], exc: BaseException) -> None:
+        """Put back the messages of a commit that failed for a transient reason, taken again after a pause."""
+        log.warning("commit of %d messages failed, requeued: %s", len(items), exc)
+        self._requeue([h.message for h in items])
+        self._backoff = 1.0
 
     def _judged(self, producer: LogProducer, items: list[_Held]) -> list[_Held]:
         """The messages `producer`'s data source takes: one validated against another source's definition (one

@@ -111,6 +111,17 @@ return moved
 _CONSUMER_ID = re.compile(r"[A-Za-z0-9_-]+:[0-9]+:[0-9a-f]{8}")
 _GLOB_SPECIAL = re.compile(r"([\\*?\[\]])")
 
+# What kombu's envelope adds to a body: headers, properties and JSON punctuation (a body itself grows by a third,
+# base64-encoded by kombu's Redis transport).
+ENVELOPE_ALLOWANCE = 64 * 1024
+# How much of an entry too large to read is kept as its dead letter's body: enough to tell what it was.
+OVERSIZE_KEPT = 64 * 1024
+
+
+def max_entry_bytes(max_body_bytes: int) -> int:
+    """The longest queue entry holding a body of at most `max_body_bytes`: its base64 form in kombu's envelope."""
+    return (max_body_bytes + 2) // 3 * 4 + ENVELOPE_ALLOWANCE
+
 
 def _glob_escape(text: str) -> str:
     """`text` matched literally by Redis's glob-style MATCH patterns."""
@@ -173,8 +184,11 @@ class ReliableQueue:
     """One consumer's view of a kombu queue on Redis: get, ack, requeue, and recovery of dead consumers."""
 
     def __init__(self, client: redis.Redis, channel: Any, queue: str, lease_s: float,
-                 consumer_id: str | None = None) -> None:
+                 consumer_id: str | None = None, max_body_bytes: int | None = None) -> None:
+        """`max_body_bytes`: the largest message body taken (SHOAL_MAX_BODY_BYTES); an entry too long to hold
+        one is returned unread, for the caller to dead-letter (None: no limit)."""
         self.client = client
+        self.max_body_bytes = max_body_bytes
         self.channel = channel  # a kombu Redis channel: decodes kombu's envelopes into Messages
         self.queue = queue
         self.lease_s = max(1.0, lease_s)
@@ -213,7 +227,9 @@ class ReliableQueue:
     def get(self, timeout: float) -> Message | None:
         """The next message, now held in this consumer's processing list; None after `timeout` seconds. An entry
         that is no kombu envelope comes back as a message whose `shoal_problem` says why (its body: the entry as
-        it was), for the caller to dead-letter; it is never left to fail every consumer that takes it."""
+        it was), for the caller to dead-letter; it is never left to fail every consumer that takes it. So does an
+        entry longer than a message within `max_body_bytes` takes, unparsed (its first OVERSIZE_KEPT bytes as its
+        body): parsing it held several copies, and a MemoryError crashed every consumer that took it."""
         raw = self._take_led()
         if raw is None:
             # Nothing there: wait for a message without taking it (a BLMOVE of the list's head onto itself leaves
@@ -230,6 +246,8 @@ class ReliableQueue:
             raw = self._take_led()
             if raw is None:
                 return None
+        if self.max_body_bytes is not None and len(raw) > max_entry_bytes(self.max_body_bytes):
+            return self._oversize(raw)
         try:
             envelope = json.loads(raw)
             problem = envelope_problem(envelope)
@@ -249,6 +267,18 @@ class ReliableQueue:
         if raw == -1:
             raise NotLeading(f"consumer {self.consumer_id} does not lead {self.queue}")
         return raw  # type: ignore[no-any-return]
+
+    def _oversize(self, raw: bytes) -> Message:
+        """The entry `raw`, too long to be a message within the body limit, as a message to dead-letter unread."""
+        assert self.max_body_bytes is not None
+        limit, kept = max_entry_bytes(self.max_body_bytes), min(len(raw), OVERSIZE_KEPT)
+        problem = (f"the queue entry is {len(raw)} bytes, past the {limit} bytes of a message within the body "
+                   f"limit of {self.max_body_bytes} bytes (SHOAL_MAX_BODY_BYTES): refused unread, its first "
+                   f"{kept} bytes kept as this dead letter's body; send fewer points per message")
+        message = self._unreadable(raw[:OVERSIZE_KEPT], problem)
+        message.shoal_raw = raw  # what ack and requeue remove from the processing list: the whole entry
+        message.shoal_problem = problem
+        return message
 
     def _unreadable(self, raw: bytes, problem: str) -> Message:
         """A kombu message whose body is the unreadable entry `raw` as it was, to be dead-lettered with `problem`."""

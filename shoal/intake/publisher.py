@@ -79,9 +79,14 @@ class Publisher:
     def publish_raw(
         self, source: str, version: str, body: bytes, content_type: str, *, message_id: str | None = None
     ) -> str:
-        """Publish an already encoded body (`codec.JSON` or `codec.ARROW`); returns the message id."""
+        """Publish an already encoded body (`codec.JSON` or `codec.ARROW`); returns the message id. A body longer
+        than SHOAL_MAX_BODY_BYTES is refused (ValidationError) before it is sent, as consumers would refuse it."""
         if content_type not in codec.CONTENT_TYPES:
             raise ValidationError(f"unsupported content type {content_type!r}: use {' or '.join(codec.CONTENT_TYPES)}")
+        limit = self.settings.body_limit_bytes
+        if len(body) > limit:  # a consumer dead-letters it unread: refused here, before it is sent
+            raise ValidationError(f"the message body is {len(body)} bytes, past the limit of {limit} bytes "
+                                  "(SHOAL_MAX_BODY_BYTES) consumers take: send fewer points per message")
         target = topology.target(self.tenant, source, version)
         # Only a message id left out is made up: an empty one (or 0) is the caller's, refused, or each retry of
         # it would get a new id and could be written twice.

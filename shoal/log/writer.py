@@ -7,11 +7,16 @@ for the next leader, so the batch size grows with the load and no timer adds lat
 A batch with a batch id carries its fingerprint (`batch_fingerprint`, computed by its own caller's thread
 before it queues): the commit answers a repeat of the batch with its first token and refuses another batch
 under the id, that batch alone.
+
+A caller's batches keep their order in the log: when a commit fails, the batches of the same `submit_many` call
+still queued behind it are withdrawn and fail with the same error, never committed (a caller that retries
+would otherwise find its later batches landed before its earlier ones).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 from collections import deque
@@ -86,6 +91,7 @@ class _Request:
     table: pa.Table
     batch_id: str | None
     fingerprint: str | None = None
+    call: int = 0  # which submit_many call queued it (its later batches go when it fails)
     done: bool = False
     token: int | None = None
     error: BaseException | None = None
@@ -113,6 +119,7 @@ class LogWriter:
         self._cv = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._busy = False
+        self._calls = itertools.count(1)
         self.commits = 0  # how many transactions this writer made (observable group-commit effect)
         # Called after each commit that wrote something (never before: DESIGN.md's flow, step 4).
         self.after_commit: Callable[[int], None] | None = None
@@ -129,8 +136,9 @@ class LogWriter:
         (as many as fit `group_max_points` per segment); block until every one is committed; their tokens.
 
         A batch whose id committed before returns its first token and writes nothing; another batch under a
-        known id fails alone with BatchIdReusedError. Raises the first failure; the other batches may have
-        landed (their ids make a retry safe).
+        known id fails alone with BatchIdReusedError. Raises the first failure. When a commit fails as a whole,
+        the batches after the failed ones never land (they fail with the same error, uncommitted): those before
+        it may have landed, so a retry of them all (their ids make it safe) lands them in their order.
         """
         # Fingerprints only for batches with an id (nothing to compare the others with), here in the caller's
         # thread rather than by the group's leader, which holds the data source's lock.
@@ -139,6 +147,9 @@ class LogWriter:
             for table, batch_id in batches
         ]
         with self._cv:
+            call = next(self._calls)
+            for req in reqs:
+                req.call = call
             self._queue.extend(reqs)
         for req in reqs:
             self._wait(req)
@@ -176,6 +187,19 @@ class LogWriter:
             group.append(req)
         return group
 
+    def _withdraw_calls_of(self, failed: list[_Request], exc: BaseException) -> None:
+        """Fail with `exc`, uncommitted, every queued request of a submit_many call that had one in the failed
+        group. Called under the condition lock by the thread that committed, before it ends its commit: no other
+        thread can take them first, and commit a caller's later batches before the earlier ones it retries."""
+        calls = {r.call for r in failed}
+        kept: deque[_Request] = deque()
+        for r in self._queue:
+            if r.call in calls:
+                r.error, r.done = exc, True
+            else:
+                kept.append(r)
+        self._queue = kept
+
     def _commit(self, group: list[_Request]) -> None:
         src = self.source
 
@@ -195,8 +219,10 @@ class LogWriter:
                 on_commit=self._on_commit,
             )
         except BaseException as exc:  # every caller in the group learns the same failure
-            for r in group:
-                r.error, r.done = exc, True
+            with self._cv:
+                for r in group:
+                    r.error, r.done = exc, True
+                self._withdraw_calls_of(group, exc)
             return
         self.commits += 1
         for r, outcome in zip(group, tokens, strict=True):
