@@ -12,6 +12,7 @@ from conftest import wait_for
 
 from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
+from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
 
 DIM = 16
@@ -107,5 +108,45 @@ def test_a_young_tier_grown_by_the_follower_unloads_others(make_settings: Callab
             assert searcher.loaded("G1.Index", "1")  # the tier that grew stays, least recently searched or not
             assert service.loaded_bytes <= budget
             assert _nearest(searcher, "G1", vectors["G1"][9] + 5.0) == 209  # answered from the grown tier
+        finally:
+            searcher.close()
+
+
+def test_an_index_whose_young_tier_passes_the_budget_is_still_served(
+    make_settings: Callable[..., Settings], redis_url: str,
+) -> None:
+    """A built index whose segments fit the budget, with updates no worker built yet that take its young tier
+    past it, answers every search (eventual from the young tier, strong too) rather than 503: a lagging build
+    costs memory past the budget until builds catch up, never the index's availability. It answered
+    CapacityError at every consistency until a worker built the updates."""
+    settings = make_settings("local", redis_url=redis_url)
+    rng = np.random.default_rng(11)
+    with Shoal(settings, notify=False) as shoal:
+        shoal.create_data_source(DataSourceSpec("U", "1", DIM, {"id": "int64"}, ["id"]))
+        shoal.create_index(IndexSpec("U.Index", "1", "U", "1", algorithm="flat", metric="euclidean",
+                                     id_attributes=["id"]))
+        ids = np.arange(300)
+        shoal.producer("U", "1").upload_columns(rng.normal(size=(300, DIM)).astype(np.float32), {"id": ids})
+        for shard in shoal.get_index("U.Index", "1").shards:
+            ShardBuilder(shoal.engine, shoal.storage).materialize(shard.id)
+        latest = np.empty((300, DIM), dtype=np.float32)
+        for _ in range(8):  # updates of the same 300 points, never built
+            latest = rng.normal(size=(300, DIM)).astype(np.float32)
+            shoal.producer("U", "1").upload_columns(latest, {"id": ids})
+        searcher = shoal.searcher(follow=True, poll_interval=30.0)
+        try:
+            assert _nearest(searcher, "U", latest[3]) == 3
+            segments, young = shoal.runtime.segment_cache.bytes, searcher.service.young_bytes
+        finally:
+            searcher.close()
+    assert 0 < segments < young, (segments, young)  # the unbuilt updates outweigh the built index
+    budget = (segments + young) // 2  # the segments fit, not with the young tier
+    with Shoal(settings.model_copy(update={"searcher_cache_bytes": budget}), notify=False) as shoal:
+        searcher = shoal.searcher(follow=True, poll_interval=30.0)
+        try:
+            assert _nearest(searcher, "U", latest[5]) == 5  # eventual: the young tier shows the updates
+            hits = searcher.search("U.Index", "1", latest[7][None], 1, consistency="strong")
+            assert int(hits[0].column("id")[0]) == 7
+            assert searcher.loaded("U.Index", "1")
         finally:
             searcher.close()

@@ -1014,24 +1014,31 @@ class SearchService:
             log.exception("could not unload indexes to fit the searcher memory budget after a young tier grew")
 
     def _refuse_if_too_large(self, loaded: tuple[int, str, str]) -> None:
-        """With no other index left to unload: CapacityError (the index unloaded) when the index just loaded
-        alone needs more than the budget, its segments and young tier counted; else nothing."""
+        """With no other index left to unload: CapacityError (the index unloaded) when the segments of the index
+        just loaded alone need more than the budget; else nothing. A young tier that takes it past the budget is
+        kept, with a warning: it holds writes no worker has built yet and shrinks as builds catch up (bounded by
+        SHOAL_YOUNG_TIER_MAX_SEQS), so refusing the index would turn a lagging build into an outage of every
+        search of it, strong ones included (updates of 3,000 points unbuilt made a 9 MB index answer 503)."""
         with self._lock:
             view = self._views.get(loaded)
             young = self._tails.get(view.index.id) if view is not None else None
         need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
-        need += young.nbytes if young is not None else 0
-        if need <= self.cache.budget:
-            # Alone the index fits: what passes the budget are segments another searcher of this process loaded
-            # and serves no view of yet (its own check makes room as it finishes, by unloading this one if need
-            # be), or this index was unloaded by it meanwhile. Not refused.
-            return
-        self._unload(loaded)
-        raise CapacityError(
-            f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
-            f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
-            "shards from more processes"
-        )
+        if need > self.cache.budget:
+            self._unload(loaded)
+            raise CapacityError(
+                f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
+                f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
+                "shards from more processes"
+            )
+        # Alone the segments fit. What passes the budget is this index's young tier, or segments another searcher
+        # of this process loaded and serves no view of yet (its own check makes room as it finishes, by unloading
+        # this one if need be), or this index was unloaded by it meanwhile. Not refused.
+        held = need + (young.nbytes if young is not None else 0)
+        if held > self.cache.budget and loaded not in self._over_alone:
+            self._over_alone.add(loaded)  # logged once, as `_fit_grown` does, until it fits again
+            log.warning("index %s/%s passes the searcher memory budget SHOAL_SEARCHER_CACHE_BYTES = %s with its "
+                        "young tier (writes not built yet, about %s bytes): served all the same until builds "
+                        "catch up", loaded[1], loaded[2], f"{self.cache.budget:,}", f"{held - need:,}")
 
     # -- following -----------------------------------------------------------------------------------
 
