@@ -10,13 +10,20 @@ log never had). The parts below the highest are asked again pinned to it (`X-Sho
 shards keep moving past it, up to a bound. Parts are merged per query by the
 metric's direction, ties to the lower shard, as one process merges its shards. A shard that no node answers
 for makes the search a 503 naming it (X-Shoal-Missing-Shards), unless the caller sent `X-Shoal-Allow-Partial:
-true`: then the answer holds what the other shards found and the same header names the missing ones.
+true`: then the answer holds what the other shards found and the same header names the missing ones; the 503 says
+why each node asked for them did not answer (its own error message, a timeout, a refused connection).
+
+Idle connections to the nodes are kept FANOUT_KEEPALIVE_S, less than a node keeps them open (serve.py sets
+uvicorn's keep-alive to serve.NODE_KEEPALIVE_S; uvicorn's own default is 5 s): a part sent on a connection the node
+closed at that moment was reset, and its shards counted as answered by no node. A part that fails so, before
+any byte of its answer came, is sent once more on a new connection (a search writes nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +52,20 @@ PASSED = ("authorization", "x-shoal-consistency", "x-shoal-required-token", "x-s
 # Rounds of asking parts again at one seq: a new round is needed only when a shard's served version moved past the
 # seq meanwhile (a build swapped in during the search), so a few are plenty.
 SEQ_ROUNDS = 4
+# Seconds an idle connection to a node is kept for the next part: below uvicorn's default keep-alive (5 s, a node
+# of an older release, or run under plain uvicorn) and well below what `shoal api` keeps (serve.NODE_KEEPALIVE_S), so
+# the node never closes a connection this process is about to send on.
+FANOUT_KEEPALIVE_S = 4.0
+REASON_CHARS = 300  # of each error message a node answered, repeated in the search's 503
+# Failures of a part before any answer came on which it is sent once more, on a new connection: the pooled one it
+# went out on was closed by the node meanwhile (a refused connection is no such failure: the node is not there).
+RETRIED = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError, aiohttp.ClientOSError)
 
 # One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects and whether higher
 # is nearer, where it says).
 Answered = tuple[list[int], list[dict[str, Any]], int | None, bool | None]
+# The shards no node answered for, and why each node asked for some did not (node -> reason).
+Unanswered = tuple[set[int], dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -88,9 +105,16 @@ class FanOut:
 
     def __init__(self, placement: Placement, timeout_s: float) -> None:
         self.placement = placement
+        self.timeout_s = timeout_s
         self._unpinned: set[str] = set()  # nodes found not to say the seq of their parts (an older release)
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=FANOUT_KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            skip_auto_headers=("User-Agent",),
+        )
+        # For a part sent again: a new connection every time, never one of the pool the first attempt failed on.
+        self._fresh = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             skip_auto_headers=("User-Agent",),
         )
@@ -131,9 +155,9 @@ class FanOut:
             _abandon(remote_task)
             raise
         try:
-            remote, missing = await remote_task
-            part, remote, lost = await self._at_one_seq(placed, name, version, body, headers, local, mine, part,
-                                                        remote)
+            remote, (missing, failures) = await remote_task
+            part, remote, (lost, failed) = await self._at_one_seq(placed, name, version, body, headers, local,
+                                                                  mine, part, remote)
         except PeerError as exc:  # the caller's request refused by a node (its key, its token): answered as sent
             return Response(exc.content, status_code=exc.status, media_type=exc.content_type)
         missing |= lost
@@ -143,8 +167,9 @@ class FanOut:
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
             raise ShardsUnavailableError(
                 f"shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} of index "
-                f"{name}/{version} answered from no node (placement: {self._where(placed, missing)}); retry, or "
-                f"send {PARTIAL_HEADER}: true to accept the other shards' results", sorted(missing))
+                f"{name}/{version} answered from no node (placement: {self._where(placed, missing)})"
+                f"{_why(placed, missing, failures | failed)}; retry, or send {PARTIAL_HEADER}: true to accept the "
+                "other shards' results", sorted(missing))
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
         parts += [(min(shards), results) for shards, results, _, _ in remote]
         # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a
@@ -157,17 +182,19 @@ class FanOut:
     async def _at_one_seq(
         self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
         local: Any, mine: list[int], part: LocalPart, remote: list[Answered],
-    ) -> tuple[LocalPart, list[Answered], set[int]]:
+    ) -> tuple[LocalPart, list[Answered], Unanswered]:
         """The parts all at one seq: those that answered below the highest seq a part reports are asked again,
         pinned to it, until all agree (parts that report none, eventual or time travel, are consistent as they
-        are); ConflictError after SEQ_ROUNDS rounds. Also the shards no node answered for when asked again."""
+        are); ConflictError after SEQ_ROUNDS rounds. Also the shards no node answered for when asked again, and
+        why."""
         lost: set[int] = set()
+        failures: dict[str, str] = {}
         for _ in range(SEQ_ROUNDS):
             seqs = [s for _, _, s, _ in remote if s is not None]
             if mine and part.seq is not None:
                 seqs.append(part.seq)
             if not seqs or min(seqs) == max(seqs):
-                return part, remote, lost
+                return part, remote, (lost, failures)
             top = max(seqs)
             behind = {shard for shards, _, s, _ in remote if s is not None and s < top for shard in shards}
             remote = [r for r in remote if r[2] is None or r[2] >= top]
@@ -179,9 +206,10 @@ class FanOut:
             except BaseException:
                 _abandon(remote_task)
                 raise
-            again, gone = await remote_task
+            again, (gone, failed) = await remote_task
             remote += again
             lost |= gone
+            failures |= failed
         raise ConflictError(
             f"index {name}/{version}: its shards' nodes kept answering at different seqs (new versions swapped in "
             f"during the search); retry")
@@ -189,10 +217,11 @@ class FanOut:
     async def _remote(
         self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
         mine: set[int], only: set[int] | None = None, pin: int | None = None,
-    ) -> tuple[list[Answered], set[int]]:
+    ) -> tuple[list[Answered], Unanswered]:
         """The other shards' parts (`only` these, when given; at exactly `pin`, or the lowest seq past it a node
         can answer at, when given): (the shards a node answered for, its results, its seq), and the shards no
-        node answered for. A node that fails is replaced by the next one listed for its shards (replicas)."""
+        node answered for with why each node that failed did. A node that fails is replaced by the next one
+        listed for its shards (replicas)."""
         passed = {h: headers[h] for h in PASSED if h in headers}
         passed["content-type"] = "application/json"
         if pin is not None:
@@ -201,6 +230,7 @@ class FanOut:
         pending = {s for s in placed.nodes if s not in mine} if only is None else set(only) - mine
         answered: list[Answered] = []
         missing: set[int] = set()
+        failures: dict[str, str] = {}
         while pending:
             by_node: dict[str, list[int]] = {}
             for shard in sorted(pending):
@@ -213,35 +243,31 @@ class FanOut:
                 by_node.setdefault(candidates[index], []).append(shard)
             pending = set()
             calls = [self._ask(node, shards, name, version, body, passed) for node, shards in by_node.items()]
-            for shards, outcome in zip(by_node.values(), await asyncio.gather(*calls), strict=True):
-                if outcome is None:
+            for (node, shards), outcome in zip(by_node.items(), await asyncio.gather(*calls), strict=True):
+                if isinstance(outcome, str):
                     pending.update(shards)  # the next node listed for them, if any
+                    failures[node] = outcome
                 else:
                     answered.append((shards, *outcome))
-        return answered, missing
+        return answered, (missing, failures)
 
     async def _ask(
         self, node: str, shards: list[int], name: str, version: str, body: bytes, headers: dict[str, str],
-    ) -> tuple[list[dict[str, Any]], int | None, bool | None] | None:
+    ) -> tuple[list[dict[str, Any]], int | None, bool | None] | str:
         """One node's results for `shards`, the seq it says they reflect and whether it says higher is nearer;
-        None when it cannot answer for them now (unreachable, timed out, 5xx); PeerError when it refuses the
-        caller's request."""
+        why not, in a few words, when it cannot answer for them now (unreachable, timed out, 5xx: its own error
+        message); PeerError when it refuses the caller's request."""
         url = f"{self.placement.urls[node].rstrip('/')}/api/v1/search/{name}/{version}"
         try:
-            async with self.client.post(url, data=body,
-                                        headers=headers | {SHARDS_HEADER: ",".join(map(str, shards))}) as response:
-                content = await response.read()
-                status = response.status
-                kind = response.headers.get("content-type", "application/json")
-                seq_text = response.headers.get(SEQ_HEADER)
-                nearer = {"higher": True, "lower": False}.get(response.headers.get(NEARER_HEADER, ""))
+            status, content, kind, seq_text, nearer_text = await self._post(
+                url, body, headers | {SHARDS_HEADER: ",".join(map(str, shards))})
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
                         type(exc).__name__, exc)
-            return None
+            return _failure(exc, self.timeout_s)
         if status >= 500:
             log.warning("node %s answered %d for shards %s of %s/%s", node, status, shards, name, version)
-            return None
+            return _node_reason(status, content)
         if status != 200:
             raise PeerError(status, content, kind)
         try:
@@ -249,9 +275,10 @@ class FanOut:
         except orjson.JSONDecodeError:
             log.warning("node %s answered shards %s of %s/%s with a body that is not JSON", node, shards, name,
                         version)
-            return None
+            return "answered with a body that is not JSON"
         if not isinstance(results, list):
-            return None
+            return "answered with JSON that is no list of results"
+        nearer = {"higher": True, "lower": False}.get(nearer_text or "")
         seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
         if seq is None and _one_seq_asked(headers) and node not in self._unpinned:
             # A node of an older release (during a rolling upgrade) neither says its seq nor takes a pin: its part
@@ -262,12 +289,74 @@ class FanOut:
                         "every node of the placement is upgraded", node, SEQ_HEADER)
         return results, seq, nearer
 
+    async def _post(
+        self, url: str, body: bytes, headers: dict[str, str],
+    ) -> tuple[int, bytes, str, str | None, str | None]:
+        """A part's answer: its status, body, content type, X-Shoal-Seq and X-Shoal-Nearer. Sent once more, on a
+        new connection, when it failed before any answer came on one from the pool (RETRIED): the node closed that
+        idle connection as the part went out. Both attempts together take at most the fan-out timeout."""
+        started = asyncio.get_running_loop().time()
+        try:
+            response = await self.client.post(url, data=body, headers=headers)
+        except RETRIED as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # no connection made: the node is not there
+                raise
+            left = self.timeout_s - (asyncio.get_running_loop().time() - started)
+            if left <= 0:
+                raise TimeoutError from exc
+            log.info("a part sent to %s failed before any answer came (%s: %s); sending it again on a new "
+                     "connection", url, type(exc).__name__, exc)
+            response = await self._fresh.post(url, data=body, headers=headers,
+                                              timeout=aiohttp.ClientTimeout(total=left))
+        async with response:
+            content = await response.read()
+            reply = response.headers
+            return (response.status, content, reply.get("content-type", "application/json"), reply.get(SEQ_HEADER),
+                    reply.get(NEARER_HEADER))
+
     def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
         return "; ".join(f"shard {s} on {', '.join(placed.nodes.get(s, ())) or 'no node'}" for s in sorted(missing))
 
     async def close(self) -> None:
         """Close the pooled connections."""
         await self.client.close()
+        await self._fresh.close()
+
+
+def _failure(exc: BaseException, timeout_s: float) -> str:
+    """Why a node did not answer, in a few words for the caller's 503: only what the connection told (no
+    address, no URL: the placement file's, which the caller never sent)."""
+    if isinstance(exc, TimeoutError):
+        return f"timed out after {timeout_s:g} s (SHOAL_FANOUT_TIMEOUT_S)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {_os_reason(exc.os_error)}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "closed the connection before answering"
+    if isinstance(exc, OSError):
+        return f"connection failed: {_os_reason(exc)}"
+    return f"did not answer ({type(exc).__name__})"
+
+
+def _os_reason(error: OSError) -> str:
+    """The error number's own words ("Connection refused"): asyncio's strerror names the address it dialed."""
+    return os.strerror(error.errno) if error.errno else type(error).__name__
+
+
+def _node_reason(status: int, content: bytes) -> str:
+    """What a node said when it answered a part with an error of its own (5xx): its status and its Vektonn
+    errorMessages, each cut to REASON_CHARS; only the status for a body of another shape (a proxy's page)."""
+    try:
+        messages = orjson.loads(content).get("errorMessages")
+    except (orjson.JSONDecodeError, AttributeError):
+        messages = None
+    said = [m[:REASON_CHARS] for m in messages if isinstance(m, str)] if isinstance(messages, list) else []
+    return f"answered {status}: {'; '.join(said)}" if said else f"answered {status}"
+
+
+def _why(placed: IndexPlacement, missing: set[int], failures: Mapping[str, str]) -> str:
+    """Why the nodes listed for the missing shards did not answer (those asked), for the 503's message."""
+    asked = sorted(n for n in failures if any(n in placed.nodes.get(s, ()) for s in missing))
+    return "".join(f"; node {n} {failures[n]}" for n in asked)
 
 
 def _one_seq_asked(headers: Mapping[str, str]) -> bool:

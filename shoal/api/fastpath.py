@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/api/v1/search/"
 API_PREFIX = "/api/"  # every route under it authenticates its caller
 JSON_BYTES = JSON.encode()
+# A search answered here: its JSON content, and the headers it is answered with besides content type and length.
+Answered = tuple[bytes, dict[str, str]]
 WANTED = {b"authorization", b"x-shoal-consistency", b"x-shoal-required-token", b"x-shoal-tag", b"x-shoal-as-of",
           b"x-shoal-shards", b"x-shoal-allow-partial", b"content-length"}
 
@@ -76,23 +78,26 @@ class FastSearchAPI(FastAPI):
             await super().__call__(scope, _replay(body, receive), send)
             return
         name, _, version = path[len(PREFIX):].partition("/")
-        content = None
+        answered = None
         if name and version and "/" not in version:
-            content = self._answer(name, version, body, headers)
-        if content is None:
+            answered = self._answer(name, version, body, headers)
+        if answered is None:
             if name and version and "/" not in version and await self._fan_out(scope, send, name, version, body,
                                                                               headers):
                 return
             await super().__call__(scope, _replay(body, receive), send)
             return
+        content, extra = answered
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", JSON_BYTES), (b"content-length", b"%d" % len(content))]})
+                    "headers": [(b"content-type", JSON_BYTES), (b"content-length", b"%d" % len(content)), *raw]})
         await send({"type": "http.response.body", "body": content})
 
-    def answer_search(self, path: str, body: bytes, raw_headers: list[tuple[bytes, bytes]]) -> bytes | None:
-        """The JSON answer to a complete search request (its path, body and lower-case headers), or None to
-        let the routes answer it. Shoal's HTTP protocol asks this before it makes an ASGI cycle
-        (shoal.api.http_protocol)."""
+    def answer_search(self, path: str, body: bytes, raw_headers: list[tuple[bytes, bytes]]) -> Answered | None:
+        """The JSON answer to a complete search request (its path, body and lower-case headers) and the headers
+        to answer it with besides its content type and length (a part's X-Shoal-Nearer and X-Shoal-Seq; none for
+        an ordinary search), or None to let the routes answer it. Shoal's HTTP protocol asks this before it
+        makes an ASGI cycle (shoal.api.http_protocol)."""
         if len(body) > self.max_body_bytes or not path.startswith(PREFIX):
             return None  # the routes answer 413, or whatever else this is
         name, _, version = path[len(PREFIX):].partition("/")
@@ -118,8 +123,9 @@ class FastSearchAPI(FastAPI):
         except Exception:  # noqa: BLE001 - the routes answer it, errors in their proper shape
             return False
 
-    def _answer(self, name: str, version: str, body: bytes, headers: dict[str, str]) -> bytes | None:
-        """The answer, or None to let the route answer (I/O needed, or anything went wrong)."""
+    def _answer(self, name: str, version: str, body: bytes, headers: dict[str, str]) -> Answered | None:
+        """The answer and its extra headers (a part's, vektonn.part_headers: the node that asked merges by
+        them), or None to let the route answer (I/O needed, or anything went wrong)."""
         tenants = getattr(self.state, "tenants", None)
         if tenants is None or not plain_search(headers):
             return None

@@ -209,12 +209,12 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
             super().on_message_complete()
             return
         body = b"".join(chunks)
-        content = None
+        answered = None
         # Writes made here leave at the end of the iteration (CoalescingTransport): writing is never paused when
         # on_response_complete resumes reading below, as nothing is answered here while it is (_writes_held).
         if self._answer is not None and not self._writes_held():
-            content = self._answer(self.url.decode("latin-1"), body, self.headers)
-        if content is None:  # the app's routes answer it, as if it had come the usual way
+            answered = self._answer(self.url.decode("latin-1"), body, self.headers)
+        if answered is None:  # the app's routes answer it, as if it had come the usual way
             self._pass_on(body)
             super().on_message_complete()
             return
@@ -225,7 +225,10 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         head = [_OK]
         for name, value in self.server_state.default_headers:
             head += (name, b": ", value, b"\r\n")
+        content, extra = answered
         head += (JSON_HEADER, b"content-length: %d\r\n" % len(content))
+        for key, text in extra.items():  # a part's X-Shoal-Nearer and X-Shoal-Seq: the node asking merges by them
+            head += (key.encode("latin-1"), b": ", text.encode("latin-1"), b"\r\n")
         if not keep_alive:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
@@ -298,7 +301,9 @@ class NoDelayHttpProtocol(HttpToolsProtocol):  # type: ignore[misc]
         return get_client_addr({"client": client})  # type: ignore[typeddict-item]
 
 
-Answerer = Callable[[str, bytes, list[tuple[bytes, bytes]]], bytes | None]
+# The app's answer to a search: its JSON content and the headers it is answered with besides content type and
+# length (name -> value), or None to let the routes answer it.
+Answerer = Callable[[str, bytes, list[tuple[bytes, bytes]]], tuple[bytes, dict[str, str]] | None]
 Screen = Callable[[list[tuple[bytes, bytes]]], bool]
 
 

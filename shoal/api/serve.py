@@ -26,13 +26,17 @@ from shoal.api.metrics import MULTIPROC_DIR
 from shoal.errors import ConfigurationError
 
 APP_FACTORY = "shoal.api.app:create_app"
+# Seconds an idle client connection is kept open (uvicorn's timeout_keep_alive, 5 s by default): well above what a
+# node fanning searches out keeps its idle connections to the others (fanout.FANOUT_KEEPALIVE_S), so it never
+# sends a part on a connection this process is closing at that moment (reset: the part's shards missing, a 503).
+NODE_KEEPALIVE_S = 15
 log = logging.getLogger(__name__)
 
 
 def server_options() -> dict[str, Any]:
     """The uvicorn options every Shoal API process uses."""
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    return {"http": NoDelayHttpProtocol, "loop": loop, "log_level": "info"}
+    return {"http": NoDelayHttpProtocol, "loop": loop, "log_level": "info", "timeout_keep_alive": NODE_KEEPALIVE_S}
 
 
 def serve(app: Any, *, host: str, port: int, workers: int = 1, access_log: bool = True) -> None:

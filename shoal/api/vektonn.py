@@ -218,20 +218,32 @@ def plain_search(headers: Mapping[str, str]) -> bool:
 def search_content(
     ctx: TenantContext, metrics: Any, name: str, version: str, body: bytes, headers: Mapping[str, str],
     shards: list[int] | None = None,
-) -> bytes:
+) -> tuple[bytes, dict[str, str]]:
     """The JSON answer to one Vektonn search for the caller's tenant (lower-case `headers`), as the fast path
     answers it (shoal.api.fastpath), from the shards an `X-Shoal-Shards` header or `shards` names (else every
-    shard: this process must serve them all). A search that breaks a rule raises a QueryError (400), whose
-    message does not claim that nothing was written: a search writes nothing.
+    shard: this process must serve them all), and the headers it is answered with (`part_headers`: none for a
+    search that is no part). A search that breaks a rule raises a QueryError (400), whose message does not claim
+    that nothing was written: a search writes nothing.
 
     The search is observed in `shoal_search_seconds` only when it answers: the fast path declines whatever
     raises, and the route that then answers the error observes it (`_search_blocking`), so each request counts
     once. A part asked by another node is not observed (`_timed`)."""
     started = time.perf_counter()
-    content = _search_answer(ctx, name, version, body, headers, shards).content
+    answer = _search_answer(ctx, name, version, body, headers, shards)
     if shards is None and SHARDS_HEADER not in headers:
         metrics.observe_search(ctx.tenant, time.perf_counter() - started)
-    return content
+    return answer.content, part_headers(answer)
+
+
+def part_headers(answer: _Answer) -> dict[str, str]:
+    """The headers a part of a fanned-out search is answered with, whichever path answers it: the seq it reflects
+    (X-Shoal-Seq, at_least and strong) and which way its generation's metric ranks (X-Shoal-Nearer). Without the
+    latter the node fanning out merges by its own view's metric, which may be another generation's (a reindex or
+    rollback that changed the metric, swapped in there first): hits merged the wrong way round, answered 200."""
+    extra = {SEQ_HEADER: str(answer.seq)} if answer.seq is not None else {}
+    if answer.higher_is_nearer is not None:
+        extra[NEARER_HEADER] = "higher" if answer.higher_is_nearer else "lower"
+    return extra
 
 
 def _timed(metrics: Any, tenant: str, headers: Mapping[str, str]) -> AbstractContextManager[Any]:
@@ -322,10 +334,7 @@ def _search_blocking(request: Request, name: str, version: str, body: bytes,
     # Timed here, whether it answers or raises: the fast path observed nothing of a search it passed on.
     with _timed(request.app.state.metrics, ctx.tenant, request.headers):
         answer = _search_answer(ctx, name, version, body, request.headers, None)
-    extra = {SEQ_HEADER: str(answer.seq)} if answer.seq is not None else {}
-    if answer.higher_is_nearer is not None:
-        extra[NEARER_HEADER] = "higher" if answer.higher_is_nearer else "lower"
-    return Response(answer.content, media_type=JSON, headers=extra or None)
+    return Response(answer.content, media_type=JSON, headers=part_headers(answer) or None)
 
 
 async def _search(request: Request, name: str, version: str) -> Response:
