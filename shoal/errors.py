@@ -226,6 +226,8 @@ class ShardsUnavailableError(ShoalError):
     """A search needs shards that no process it can reach serves now (placement, SHOAL_PLACEMENT_FILE): answered
     503 naming them, never with a silently partial result."""
 
-    def __init__(self, message: str, shards: list[int]) -> None:
+    def __init__(self, message: str, shards: list[int], retry_after: int | None = None) -> None:
         super().__init__(message)
         self.shards = sorted(shards)
+        # Set where a retry can help (nodes that did not answer now); None where only the placement can change.
+        self.retry_after = retry_after

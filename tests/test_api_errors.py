@@ -75,10 +75,15 @@ CASES: list[tuple[ShoalError, tuple[int, list[str], dict[str, str]], tuple[Any, 
     (ConflictError("index i/1: compactions kept overtaking; retry"),
      (409, ["index i/1: compactions kept overtaking; retry"], {}),
      (503, "SERVICE_UNAVAILABLE", "index i/1: compactions kept overtaking; retry", {}, {"retry-after": "1"})),
-    (ShardsUnavailableError("shards 2, 3 answered from no node", [3, 2]),
+    # Nodes that did not answer: a retry may find them back.
+    (ShardsUnavailableError("shards 2, 3 answered from no node", [3, 2], 5),
      (503, ["shards 2, 3 answered from no node"], {"x-shoal-missing-shards": "2,3", "retry-after": "5"}),
      (503, "SERVICE_UNAVAILABLE", "shards 2, 3 answered from no node", {},
       {"x-shoal-missing-shards": "2,3", "retry-after": "5"})),
+    # Shards this process is not placed to serve: no retry mends that, so no Retry-After.
+    (ShardsUnavailableError("this process does not serve shard 1", [1]),
+     (503, ["this process does not serve shard 1"], {"x-shoal-missing-shards": "1"}),
+     (503, "SERVICE_UNAVAILABLE", "this process does not serve shard 1", {}, {"x-shoal-missing-shards": "1"})),
     (CommitError("gave up"),
      (500, ["gave up"], {}),
      (*INTERNAL, {})),
@@ -128,7 +133,9 @@ def test_each_core_error_in_both_shapes(
         assert got["details"].pop("tenant_id") == settings.tenant
         action = got["details"].pop("action")
         # A 503 an operator must mend says so, rather than "retry after Retry-After" with no such header.
-        assert ("retrying will not help" in action) == isinstance(error, (ConfigurationError, CapacityError))
+        operator = isinstance(error, (ConfigurationError, CapacityError)) or (
+            isinstance(error, ShardsUnavailableError) and error.retry_after is None)
+        assert ("retrying will not help" in action) == operator
         assert (r.status_code, got) == (status, body)
         assert r.headers["content-type"] == "application/json"
         for name, value in headers.items():

@@ -10,6 +10,7 @@ side of a connection; real sockets, a real catalog.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -175,10 +176,13 @@ def test_a_node_keeps_idle_connections_longer_than_the_fan_out_does() -> None:
     assert server_options()["timeout_keep_alive"] >= 2 * FANOUT_KEEPALIVE_S
 
 
-def test_a_part_sent_on_a_connection_the_node_closed_is_sent_again(make_settings: Callable[..., Settings]) -> None:
+def test_a_part_sent_on_a_connection_the_node_closed_is_sent_again(
+    make_settings: Callable[..., Settings], caplog: pytest.LogCaptureFixture
+) -> None:
     """The node closes an idle connection while the fan-out's pool still holds it (the client has not yet seen it
     go: its event loop was not running): the next part goes out on it and is reset. It is sent again on a new
     connection instead of its shards counting as answered by no node."""
+    caplog.set_level(logging.INFO, logger="shoal.api.fanout")
     settings = make_settings("local")
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
     with Shoal(settings, notify=False) as shoal:
@@ -210,6 +214,9 @@ def test_a_part_sent_on_a_connection_the_node_closed_is_sent_again(make_settings
             loop.run_until_complete(fanout.close())
         finally:
             loop.close()
+    # The parts after a close went out on the closed connection and were sent again (not merely sent on a new
+    # one because the pool had let the connection go first).
+    assert any("sending it again on a new connection" in r.getMessage() for r in caplog.records)
 
 
 async def _make_fanout(placement: Placement) -> FanOut:
@@ -266,11 +273,17 @@ def test_a_shard_no_node_answered_for_is_named_with_each_nodes_reason(
                 own = httpx.post(f"{a}/api/v1/search/{name}/1", json=query, headers={"X-Shoal-Shards": "0"},
                                  timeout=60)
                 assert own.status_code == 200, own.text
+            # Node b's first part (a cold process: imports, the catalog's first connection) before node a's 3 s
+            # timeout can meet it: the 503 below must be b's own answer, not a timeout of a slow start.
+            cold = httpx.post(f"{b}/api/v1/search/Big.Index/1", json=query, headers={"X-Shoal-Shards": "1"},
+                              timeout=60)
+            assert cold.status_code == 503 and "needs about" in cold.text, cold.text
 
             def refused(name: str) -> str:
                 got = httpx.post(f"{a}/api/v1/search/{name}/1", json=query, timeout=60)
                 assert got.status_code == 503, got.text
                 assert got.headers["X-Shoal-Missing-Shards"] == "1"
+                assert got.headers["Retry-After"] == "5"  # nodes that did not answer now: a retry may find them
                 message = " ".join(got.json()["errorMessages"])
                 assert "shard 1 of index" in message and "answered from no node" in message, message
                 assert "retry" in message

@@ -188,9 +188,10 @@ def extra_headers(exc: ShoalError) -> dict[str, str]:
     if isinstance(exc, StateUnknownError):
         return {"Retry-After": str(CatalogUnavailableError().retry_after)}
     if isinstance(exc, ShardsUnavailableError):
-        # A node restarting or a placement moving: worth a retry, as the dataset API's hint for the code says.
-        return {"X-Shoal-Missing-Shards": ",".join(map(str, exc.shards)),
-                "Retry-After": str(CatalogUnavailableError().retry_after)}
+        missing = {"X-Shoal-Missing-Shards": ",".join(map(str, exc.shards))}
+        # Nodes that did not answer now (one restarting): worth a retry, as the dataset API's hint for the code
+        # says; shards this process is not placed to serve stay so until the placement changes: no Retry-After.
+        return missing if exc.retry_after is None else missing | {"Retry-After": str(exc.retry_after)}
     return {}
 
 
@@ -372,6 +373,8 @@ OPERATOR_ACTIONS: dict[type[ShoalError], str] = {
     CapacityError: "an operator must raise SHOAL_SEARCHER_CACHE_BYTES or serve the index's shards from more "
     "processes; retrying will not help until then",
     ConfigurationError: "an operator must correct the setting the message names; retrying will not help until then",
+    ShardsUnavailableError: "search through a process that fans out, or have an operator place the shards "
+    "(SHOAL_PLACEMENT_FILE); retrying will not help until then",
 }
 
 
@@ -380,6 +383,8 @@ def _details(exc: ShoalError) -> dict[str, Any]:
         return dict(exc.details)
     if isinstance(exc, ValidationError):
         return {"problems": [str(p) for p in exc.problems]}
+    if isinstance(exc, ShardsUnavailableError) and exc.retry_after is not None:
+        return {}  # the code's own hint: retry after Retry-After
     for cls, action in OPERATOR_ACTIONS.items():
         if isinstance(exc, cls):
             return {"action": action}

@@ -56,6 +56,8 @@ SEQ_ROUNDS = 4
 # of an older release, or run under plain uvicorn) and well below what `shoal api` keeps (serve.NODE_KEEPALIVE_S), so
 # the node never closes a connection this process is about to send on.
 FANOUT_KEEPALIVE_S = 4.0
+# Retry-After of a 503 for shards whose nodes did not answer (one restarting); none for shards placed on no node.
+RETRY_AFTER_S = 5
 REASON_CHARS = 300  # of each error message a node answered, repeated in the search's 503
 # Failures of a part before any answer came on which it is sent once more, on a new connection: the pooled one it
 # went out on was closed by the node meanwhile (a refused connection is no such failure: the node is not there).
@@ -165,11 +167,12 @@ class FanOut:
         missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _, _ in remote for s in shards}
         missing = {s for s in missing if s < part.shard_count}
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
+            why = failures | failed
             raise ShardsUnavailableError(
                 f"shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} of index "
                 f"{name}/{version} answered from no node (placement: {self._where(placed, missing)})"
-                f"{_why(placed, missing, failures | failed)}; retry, or send {PARTIAL_HEADER}: true to accept the "
-                "other shards' results", sorted(missing))
+                f"{_why(placed, missing, why)}; retry, or send {PARTIAL_HEADER}: true to accept the other shards' "
+                "results", sorted(missing), RETRY_AFTER_S if why else None)
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
         parts += [(min(shards), results) for shards, results, _, _ in remote]
         # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a

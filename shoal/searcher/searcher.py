@@ -968,11 +968,13 @@ class SearchService:
     def _fit_budget(self, loaded: tuple[int, str, str]) -> None:
         """Release superseded segments, then unload the least recently searched other indexes while the
         segments and young tiers held pass the budget (`_over_budget`), whichever service of the cache serves
-        them (the budget is the process's, and `Shoal.searcher()` makes a service per searcher); an index that
-        alone passes the budget is not served (CapacityError)."""
+        them (the budget is the process's, and `Shoal.searcher()` makes a service per searcher). An index whose
+        segments alone pass the budget is not served (CapacityError); one that passes it only with its young
+        tier is served, and the others stay (`_alone_over_budget`)."""
         self._retain()
-        if not self._unload_others(loaded):
-            self._refuse_if_too_large(loaded)
+        if self._alone_over_budget(loaded):
+            return
+        self._unload_others(loaded)
 
     def _unload_others(self, keep: tuple[int, str, str]) -> bool:
         """Unload the least recently searched indexes of the services sharing the budget, `keep` (this service's)
@@ -997,48 +999,47 @@ class SearchService:
 
     def _fit_grown(self, grown: tuple[int, str, str]) -> None:
         """After the young tier of `grown` (an index this service serves) grew with no load: unload the least
-        recently searched other indexes while the process passes its budget; `grown` itself stays (it is being
-        searched or followed; its tier is bounded by SHOAL_YOUNG_TIER_MAX_SEQS). Never raises: the follower
-        thread and the search that grew it must go on, so a failure is logged."""
+        recently searched other indexes while the process passes its budget, unless `grown` alone passes it
+        (`_alone_over_budget`); `grown` itself stays (it is being searched or followed). Never raises: the
+        follower thread and the search that grew it must go on, so a failure is logged."""
         try:
             if not self._over_budget():  # the common case: a sum of the tiers' estimates, each taken once
                 self._over_alone.discard(grown)
-            elif self._unload_others(grown):
-                self._over_alone.discard(grown)
-            elif grown not in self._over_alone:  # logged once, not at every extension while it stays so
-                self._over_alone.add(grown)
-                log.warning("index %s/%s alone passes the searcher memory budget SHOAL_SEARCHER_CACHE_BYTES = "
-                            "%s with its young tier (writes not built yet): kept until its next build or load",
-                            grown[1], grown[2], f"{self.cache.budget:,}")
+            elif not self._alone_over_budget(grown):
+                self._unload_others(grown)
+        except CapacityError as exc:  # its segments alone pass the budget: unloaded, searched again on demand
+            log.warning("%s", exc)
         except Exception:  # noqa: BLE001 - see above: unloading is best effort here, the next growth tries again
             log.exception("could not unload indexes to fit the searcher memory budget after a young tier grew")
 
-    def _refuse_if_too_large(self, loaded: tuple[int, str, str]) -> None:
-        """With no other index left to unload: CapacityError (the index unloaded) when the segments of the index
-        just loaded alone need more than the budget; else nothing. A young tier that takes it past the budget is
-        kept, with a warning: it holds writes no worker has built yet and shrinks as builds catch up (bounded by
-        SHOAL_YOUNG_TIER_MAX_SEQS), so refusing the index would turn a lagging build into an outage of every
-        search of it, strong ones included (updates of 3,000 points unbuilt made a 9 MB index answer 503)."""
+    def _alone_over_budget(self, key: tuple[int, str, str]) -> bool:
+        """Whether the index of `key` alone passes the budget. Its segments alone: CapacityError, the index
+        unloaded. With its young tier (writes no worker has built yet, which shrinks as builds catch up): True,
+        with a warning logged once while it stays so; the index is served all the same, since refusing it would
+        turn a lagging build into an outage of every search of it, strong ones included (updates of 3,000 points
+        unbuilt made a 9 MB index answer 503). Other indexes are then left loaded: unloading them cannot make it
+        fit, and each would unload it in turn as it is searched again."""
         with self._lock:
-            view = self._views.get(loaded)
+            view = self._views.get(key)
             young = self._tails.get(view.index.id) if view is not None else None
-        need = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
-        if need > self.cache.budget:
-            self._unload(loaded)
+        segments = sum(seg.segment.nbytes for sh in view.shards for seg in sh.segments) if view else 0
+        if segments > self.cache.budget:
+            self._unload(key)
             raise CapacityError(
-                f"index {loaded[1]}/{loaded[2]} needs about {need:,} bytes in memory, more than this process's "
+                f"index {key[1]}/{key[2]} needs about {segments:,} bytes in memory, more than this process's "
                 f"budget SHOAL_SEARCHER_CACHE_BYTES = {self.cache.budget:,}: raise it, or serve the index's "
                 "shards from more processes"
             )
-        # Alone the segments fit. What passes the budget is this index's young tier, or segments another searcher
-        # of this process loaded and serves no view of yet (its own check makes room as it finishes, by unloading
-        # this one if need be), or this index was unloaded by it meanwhile. Not refused.
-        held = need + (young.nbytes if young is not None else 0)
-        if held > self.cache.budget and loaded not in self._over_alone:
-            self._over_alone.add(loaded)  # logged once, as `_fit_grown` does, until it fits again
+        tier = young.nbytes if young is not None else 0
+        if segments + tier <= self.cache.budget:
+            self._over_alone.discard(key)
+            return False
+        if key not in self._over_alone:
+            self._over_alone.add(key)  # logged once, until it fits again
             log.warning("index %s/%s passes the searcher memory budget SHOAL_SEARCHER_CACHE_BYTES = %s with its "
                         "young tier (writes not built yet, about %s bytes): served all the same until builds "
-                        "catch up", loaded[1], loaded[2], f"{self.cache.budget:,}", f"{held - need:,}")
+                        "catch up", key[1], key[2], f"{self.cache.budget:,}", f"{tier:,}")
+        return True
 
     # -- following -----------------------------------------------------------------------------------
 
