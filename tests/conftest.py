@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ import redis
 from shoal import Shoal
 from shoal.catalog.db import migrate
 from shoal.config.settings import Settings
+from shoal.intake.consumer import IntakeConsumer
 from shoal.servers.embedded import ensure_postgres, stop_embedded
 
 HERE = Path(__file__).resolve().parent
@@ -447,3 +449,22 @@ def demo_dir(tmp_path: Path) -> Iterator[Path]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         stop_embedded(data_dir)
+
+
+@pytest.fixture
+def consumer_in_thread() -> Iterator[Callable[[Settings], tuple[IntakeConsumer, threading.Thread]]]:
+    """Start message consumers (shoal.intake.consumer.IntakeConsumer) in threads of this process: the consumer and
+    its thread; each stopped (cleanly) at teardown."""
+    started: list[tuple[IntakeConsumer, threading.Thread]] = []
+
+    def start(settings: Settings) -> tuple[IntakeConsumer, threading.Thread]:
+        consumer = IntakeConsumer(settings)
+        thread = threading.Thread(target=consumer.run, daemon=True)
+        thread.start()
+        started.append((consumer, thread))
+        return consumer, thread
+
+    yield start
+    for consumer, thread in started:
+        consumer.stop.set()
+        thread.join(30)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -247,23 +247,6 @@ def test_arrow_text_that_is_not_utf8_is_refused_by_row_and_attribute(
 # -- the consumer ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def consumer_thread() -> Iterator[Callable[[Settings], tuple[IntakeConsumer, threading.Thread]]]:
-    started: list[tuple[IntakeConsumer, threading.Thread]] = []
-
-    def start(settings: Settings) -> tuple[IntakeConsumer, threading.Thread]:
-        consumer = IntakeConsumer(settings)
-        thread = threading.Thread(target=consumer.run, daemon=True)
-        thread.start()
-        started.append((consumer, thread))
-        return consumer, thread
-
-    yield start
-    for consumer, thread in started:
-        consumer.stop.set()
-        thread.join(30)
-
-
 def publish_unchecked(settings: Settings, body: bytes, content_type: str, message_id: str) -> None:
     """Publish as `Publisher.publish_raw` does but without its checks: what an upstream that is no Publisher
     (another language's AMQP or Redis client) can send."""
@@ -283,7 +266,7 @@ def point(i: int, dim: int = 4) -> DataPoint:
 
 
 def test_consumer_dead_letters_arrow_messages_past_their_limits_and_goes_on(
-    intake_settings: Callable[..., Settings], consumer_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]]
+    intake_settings: Callable[..., Settings], consumer_in_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]]
 ) -> None:
     """A repeated column raised KeyError, which kombu takes for a lost connection: the message came back for ever
     and blocked the queue. It, a compressed stream and text that is not UTF-8 go to the dead letters, named; the
@@ -300,7 +283,7 @@ def test_consumer_dead_letters_arrow_messages_past_their_limits_and_goes_on(
             for mid, body in (("repeated", repeated), ("compressed", compressed), ("bad-text", bad_text)):
                 p.publish_raw("events", "1", body, ARROW, message_id=mid)
             p.publish("events", "1", [point(7)], message_id="after")
-        consumer, thread = consumer_thread(settings)
+        consumer, thread = consumer_in_thread(settings)
         wait_for(lambda: dead_count(settings) == 3 and source_head(shoal, EVENTS) == 1, 60,
                  "three dead letters and the valid message")
         assert thread.is_alive()
@@ -317,7 +300,7 @@ def test_consumer_dead_letters_arrow_messages_past_their_limits_and_goes_on(
                          ids=["nul", "surrogate"])
 def test_a_message_id_the_catalog_cannot_store_is_dead_lettered_not_fatal(
     intake_settings: Callable[..., Settings],
-    consumer_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]],
+    consumer_in_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]],
     message_id: str,
     says: str,
 ) -> None:
@@ -335,7 +318,7 @@ def test_a_message_id_the_catalog_cannot_store_is_dead_lettered_not_fatal(
         publish_unchecked(settings, codec.encode_json([point(1)]), codec.JSON, message_id)
         with Publisher(settings) as p:
             p.publish("events", "1", [point(2)], message_id="ok-2")
-        consumer, thread = consumer_thread(settings)
+        consumer, thread = consumer_in_thread(settings)
         wait_for(lambda: dead_count(settings) == 1 and source_head(shoal, EVENTS) == 1, 60,
                  "the bad id's dead letter and the next message")
         assert thread.is_alive()
@@ -346,7 +329,7 @@ def test_a_message_id_the_catalog_cannot_store_is_dead_lettered_not_fatal(
 
 
 def test_consumer_follows_a_data_source_dropped_and_made_again(
-    intake_settings: Callable[..., Settings], consumer_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]]
+    intake_settings: Callable[..., Settings], consumer_in_thread: Callable[..., tuple[IntakeConsumer, threading.Thread]]
 ) -> None:
     """The consumer kept a source's definition for good: once the source was dropped and made again, every message
     was dead-lettered with the old definition's reason ("expected 4, got 8"), or as "dropped while the batch was
@@ -355,7 +338,7 @@ def test_consumer_follows_a_data_source_dropped_and_made_again(
     wider = DataSourceSpec("events", "1", 8, dict(EVENTS.attribute_types), ["id"])
     with Shoal(settings, notify=False) as shoal:
         shoal.create_data_source(EVENTS)
-        consumer, thread = consumer_thread(settings)
+        consumer, thread = consumer_in_thread(settings)
         with Publisher(settings) as p:
             p.publish("events", "1", [point(1)], message_id="before")
             wait_for(lambda: source_head(shoal, EVENTS) == 1, 60, "the first message")

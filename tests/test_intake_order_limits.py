@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import psycopg
 import pyarrow as pa
@@ -44,22 +44,6 @@ def log_rows(shoal: Shoal) -> list[tuple[int, bool]]:
     return [(int(i), op == "delete") for i, op in zip(table["id"].to_pylist(), table["__op"].to_pylist(), strict=True)]
 
 
-@pytest.fixture
-def consumer_thread() -> Iterator[Callable[[Settings], tuple[IntakeConsumer, threading.Thread]]]:
-    """Start consumers in threads of this process; stopped (cleanly) at teardown."""
-    started: list[tuple[IntakeConsumer, threading.Thread]] = []
-
-    def start(settings: Settings) -> tuple[IntakeConsumer, threading.Thread]:
-        consumer = IntakeConsumer(settings)
-        thread = threading.Thread(target=consumer.run, daemon=True)
-        thread.start()
-        started.append((consumer, thread))
-        return consumer, thread
-
-    yield start
-    for consumer, thread in started:
-        consumer.stop.set()
-        thread.join(30)
 
 
 def publish_unchecked(settings: Settings, body: bytes, message_id: str) -> None:
@@ -110,7 +94,7 @@ def fail_first_segment(settings: Settings, source_id: int) -> Callable[[], None]
 
 def test_batches_after_a_failed_group_never_land_before_it(
     intake_settings: Callable[..., Settings],
-    consumer_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
+    consumer_in_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
 ) -> None:
     """One flush of an upsert and its tombstone, split by SHOAL_GROUP_COMMIT_MAX_POINTS into two group commits:
     the first failed, the second (the tombstone) was committed all the same, and on redelivery the upsert landed
@@ -123,7 +107,7 @@ def test_batches_after_a_failed_group_never_land_before_it(
             with Publisher(settings) as p:
                 p.publish("events", "1", [point(1), point(2), point(3)], message_id="upsert")
                 p.publish("events", "1", [Tombstone({"id": 1})], message_id="delete")
-            consumer, thread = consumer_thread(settings)
+            consumer, thread = consumer_in_thread(settings)
             wait_for(lambda: all(shoal.message_token("events", "1", m) is not None for m in ("upsert", "delete")),
                      60, "both messages to land")
         finally:
@@ -140,7 +124,7 @@ def test_batches_after_a_failed_group_never_land_before_it(
 
 def test_messages_past_the_body_limit_are_dead_lettered_unread_and_refused_by_the_publisher(
     intake_settings: Callable[..., Settings],
-    consumer_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
+    consumer_in_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
 ) -> None:
     """The consumer parsed a body of any size (the HTTP routes answer 413 past SHOAL_MAX_BODY_BYTES): a huge one
     held several copies and a MemoryError killed it, and every consumer after it, the message at the queue's head.
@@ -159,7 +143,7 @@ def test_messages_past_the_body_limit_are_dead_lettered_unread_and_refused_by_th
             publish_unchecked(settings, over, "over")
             publish_unchecked(settings, huge, "huge")
             p.publish("events", "1", [point(7)], message_id="after")
-        consumer, thread = consumer_thread(settings)
+        consumer, thread = consumer_in_thread(settings)
         wait_for(lambda: dead_count(settings) == 2 and shoal.message_token("events", "1", "after") is not None, 60,
                  "two dead letters and the next message")
         assert thread.is_alive()
@@ -181,7 +165,7 @@ def test_messages_past_the_body_limit_are_dead_lettered_unread_and_refused_by_th
 
 def test_a_catalog_blip_while_a_reused_id_is_looked_up_requeues(
     intake_settings: Callable[..., Settings],
-    consumer_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
+    consumer_in_thread: Callable[[Settings], tuple[IntakeConsumer, threading.Thread]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A message id reused for other content: the consumer reads the fingerprint its id committed with, outside the
@@ -203,7 +187,7 @@ def test_a_catalog_blip_while_a_reused_id_is_looked_up_requeues(
         shoal.create_data_source(EVENTS)
         with Publisher(settings) as p:
             p.publish("events", "1", [point(1)], message_id="doc-1")
-        consumer, thread = consumer_thread(settings)
+        consumer, thread = consumer_in_thread(settings)
         wait_for(lambda: head(shoal) == 1, 60, "the first message")
         with Publisher(settings) as p:
             p.publish("events", "1", [point(1, tag="changed")], message_id="doc-1")  # other content, same id
