@@ -44,8 +44,6 @@ def log_rows(shoal: Shoal) -> list[tuple[int, bool]]:
     return [(int(i), op == "delete") for i, op in zip(table["id"].to_pylist(), table["__op"].to_pylist(), strict=True)]
 
 
-
-
 def publish_unchecked(settings: Settings, body: bytes, message_id: str) -> None:
     """Publish a JSON body as `Publisher.publish_raw` does but without its checks (an upstream that is no
     Publisher: a plain kombu client, another language's)."""
