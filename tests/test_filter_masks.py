@@ -16,6 +16,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shoal.errors import ValidationError
 from shoal.log.records import AttributeType
 from shoal.searcher.filters import parse_filter
 
@@ -284,3 +285,44 @@ def test_a_document_nested_past_python_s_stack_has_no_fields() -> None:
         flt = parse_filter(raw, JSON_TYPES, json_attribute="metadata")
         assert flt is not None
         assert flt.mask(table, {}).tolist() == want, raw
+
+
+def test_in_over_metadata_fields_mixes_kinds_in_one_pass_each() -> None:
+    """`$in` over a metadata field matches each row equal to one of the values, whatever their kinds (numbers,
+    strings, datetimes, bools, null), as a pass per value did (a pass per value cost the list's length times the
+    rows: 200,000 values over 5,700 rows took 6.9 s a search)."""
+    docs = [{"g": 1}, {"g": 2.5}, {"g": "a"}, {"g": "2024-01-01T00:00:00Z"}, {"g": True}, {"g": None}, {}, {"g": 7},
+            {"g": [1]}, {"g": "b"}, {"g": False}, {"g": 1000.0}]
+    table = pa.table({"metadata": pa.array([json.dumps(d) for d in docs])})
+    wanted = [1, "a", "2024-01-01T00:00:00+00:00", True, None, *range(1000, 10_000)]
+    want = [True, False, True, True, True, False, False, False, False, False, False, True]
+    for op, expected in (("$in", want), ("$nin", [not w for w in want])):
+        flt = parse_filter({"g": {op: wanted}}, JSON_TYPES, json_attribute="metadata")
+        assert flt is not None
+        assert flt.mask(table, {}).tolist() == expected, op
+    # A column holding an integer past float64's exact range is compared exactly, row by row.
+    exact = pa.table({"metadata": pa.array([json.dumps({"g": v}) for v in (2**60, 2**60 + 1, 3, "3")])})
+    flt = parse_filter({"g": {"$in": [2**60, 3]}}, JSON_TYPES, json_attribute="metadata")
+    assert flt is not None
+    assert flt.mask(exact, {}).tolist() == [True, False, True, False]
+
+
+def test_a_filter_names_a_bounded_number_of_metadata_fields_each_valid_text() -> None:
+    """Each metadata field a filter names is read from every row's JSON in a pass of its own: a filter naming 999
+    took 7.5 s a search over 5,700 vectors. At most 32 distinct fields; a field name must be valid Unicode, as a
+    value's text must; an empty one is named as given. At most 10,000 values in all the $in / $nin lists."""
+    fine = parse_filter({"$or": [{f"f{i}": 1} for i in range(32)] + [{"f0": 2}]}, JSON_TYPES,
+                        json_attribute="metadata")
+    assert fine is not None
+    for raw, attribute, says in (
+        ({"$or": [{f"f{i}": 1} for i in range(33)]}, "filter", "at most 32 distinct metadata fields"),
+        ({"\ud800": 1}, "\ud800", "lone surrogate"),
+        ({"": 1}, "", "not a metadata field name"),
+        ({"g": {"$in": list(range(6000))}, "h": {"$nin": list(range(4001))}}, "h", "at most 10,000 values"),
+    ):
+        try:
+            parse_filter(raw, JSON_TYPES, json_attribute="metadata")
+        except ValidationError as err:
+            assert err.problems[0].attribute == attribute and says in str(err), str(err)
+        else:
+            raise AssertionError(f"{raw!r} was taken")

@@ -161,12 +161,9 @@ class FieldValues:
         """The rows `row_test(op, target)` passes, as a bool array; None where numpy cannot decide it exactly
         (integers beyond float64's exact range): the caller then tests each row."""
         if op in ("$in", "$nin"):
-            hit = np.zeros(len(self.raw), dtype=bool)
-            for x in target:
-                found = self._equal(x)
-                if found is None:
-                    return None
-                hit |= found
+            hit = self._among(target)
+            if hit is None:
+                return None
             return ~hit if op == "$nin" else hit
         if op in ("$eq", "$ne"):
             found = ~self.present if target is None else self._equal(target)
@@ -174,6 +171,26 @@ class FieldValues:
                 return None
             return ~found if op == "$ne" else found
         return self._order(op, target)
+
+    def _among(self, targets: list[Any]) -> np.ndarray | None:
+        """The rows equal to one of `targets`, in one pass per kind of value: a pass per value cost the list's
+        length times the rows (200,000 values over 5,700 rows: 6.9 s a search); None as `_equal` gives it."""
+        by_kind: dict[int, list[Any]] = {}
+        for x in targets:
+            by_kind.setdefault(_kind(x), []).append(x)
+        hit = np.zeros(len(self.raw), dtype=bool)
+        if strings := by_kind.get(_STRING):
+            hit |= self.strings.among(strings)
+        if numbers := by_kind.get(_NUMBER):
+            if not all(map(self._exact, numbers)):
+                return None
+            hit |= self.is_number & np.isin(self.numbers, np.array(numbers, dtype=np.float64))
+        if dates := by_kind.get(_DATETIME):
+            instants, valid = self._datetimes()
+            hit |= valid & np.isin(instants, np.array([2 * _micros(d) for d in dates], dtype=np.int64))
+        for value in set(by_kind.get(_BOOL, ())):
+            hit |= self.is_bool & (self.bools == value)
+        return hit  # nulls are equal to no value
 
     def _equal(self, target: Any) -> np.ndarray | None:
         kind = _kind(target)
