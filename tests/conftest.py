@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -340,8 +341,14 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def serve_api(settings: Settings, log_level: str = "warning") -> Iterator[str]:
     """The HTTP API on a free loopback port, in a thread of this process (a real server, real sockets)."""
-    import threading
+    with serve_api_server(settings, log_level) as (url, _):
+        yield url
 
+
+@contextlib.contextmanager
+def serve_api_server(settings: Settings, log_level: str = "warning") -> Iterator[tuple[str, Any]]:
+    """`serve_api`, with its uvicorn.Server besides its URL: for a test that reaches the server's side of its
+    connections or shuts it down itself."""
     import uvicorn
 
     from shoal.api.app import create_app
@@ -357,7 +364,7 @@ def serve_api(settings: Settings, log_level: str = "warning") -> Iterator[str]:
     thread.start()
     wait_for(lambda: server.started, 30, "the API server to start")
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(10)

@@ -12,21 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 import yaml
-from conftest import api_process, free_port, wait_for
+from conftest import api_process, free_port, serve_api_server, wait_for
 
 from shoal import DataPoint, DataSourceSpec, Shoal
-from shoal.api.app import create_app
 from shoal.api.fanout import FANOUT_KEEPALIVE_S, FanOut
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.serve import server_options
@@ -57,24 +53,6 @@ def _distances(response: httpx.Response) -> list[float]:
     return [float(p["distance"]) for p in response.json()[0]["nearestDataPoints"]]
 
 
-@contextmanager
-def _server(settings: Settings) -> Iterator[tuple[str, uvicorn.Server]]:
-    """The API in a thread of this process with the options `shoal api` serves with (conftest.serve_api), and the
-    server itself: the test reaches the server's side of its connections."""
-    port = free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, **(server_options() |
-                                                                                   {"log_level": "warning"}))
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "the API server to start")
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 # -- every part says which way its metric ranks ---------------------------------------------------------------------
 
 
@@ -98,7 +76,7 @@ def test_an_eventual_part_says_which_way_its_metric_ranks_on_every_path(
 
     monkeypatch.setattr(FastSearchAPI, "answer_search", counting)
     part = {"X-Shoal-Shards": "0,1"}
-    with _server(settings) as (url, _):
+    with serve_api_server(settings) as (url, _):
         search = f"{url}/api/v1/search/R/1"
         first = httpx.post(search, json=QUERY, headers=part, timeout=60)  # loads the index (the route answers)
         assert first.headers.get("X-Shoal-Nearer") == "higher", first.headers
@@ -187,7 +165,7 @@ def test_a_part_sent_on_a_connection_the_node_closed_is_sent_again(
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
     with Shoal(settings, notify=False) as shoal:
         _dot_index(shoal)
-    with _server(settings) as (url, server):
+    with serve_api_server(settings) as (url, server):
         placement = Placement.parse({"nodes": {"a": url, "r": "http://127.0.0.1:1"}, "indexes": []}, "r")
         loop = asyncio.new_event_loop()
         try:

@@ -5,7 +5,6 @@ the body, a graceful shutdown answers a search still arriving, and the access lo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import socket
@@ -15,14 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from conftest import serve_api, wait_for
+from conftest import serve_api, serve_api_server, wait_for
 
 from shoal import DataSourceSpec, Shoal
-from shoal.api.app import create_app
 from shoal.api.fastpath import FastSearchAPI
 from shoal.api.http_protocol import NoDelayHttpProtocol
-from shoal.api.serve import server_options
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
@@ -276,24 +272,6 @@ def test_a_body_in_parts_from_a_known_caller_is_answered_on_the_spot(
     assert answered_on_the_spot == [True]
 
 
-@contextlib.contextmanager
-def _server(settings: Settings) -> Iterator[tuple[str, uvicorn.Server]]:
-    """The HTTP API on a free loopback port, in a thread of this process, and its server (to shut it down)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    options = server_options() | {"log_level": "warning"}
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, **options))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "the API server to start")
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def test_a_graceful_shutdown_answers_a_search_still_arriving(
     make_settings: Callable[..., Settings], monkeypatch: pytest.MonkeyPatch,
     answered_on_the_spot: list[bool], connections: list[NoDelayHttpProtocol]
@@ -310,7 +288,7 @@ def test_a_graceful_shutdown_answers_a_search_still_arriving(
         original(self)
 
     monkeypatch.setattr(NoDelayHttpProtocol, "shutdown", recording)
-    with _server(settings) as (url, server):
+    with serve_api_server(settings) as (url, server):
         _flat_index(url, settings)
         assert httpx.post(url + INDEX, content=_query(2)).status_code == 200  # loads the index
         request = _request(_query(2))

@@ -976,21 +976,19 @@ class SearchService:
             return
         self._unload_others(loaded)
 
-    def _unload_others(self, keep: tuple[int, str, str]) -> bool:
+    def _unload_others(self, keep: tuple[int, str, str]) -> None:
         """Unload the least recently searched indexes of the services sharing the budget, `keep` (this service's)
-        left out, while the segments and young tiers held pass it; True once they fit, False when nothing but
-        `keep` is left to unload and they still do not."""
+        left out, while the segments and young tiers held pass it, or until nothing but `keep` is left."""
         freed_young = False
         try:
             while self._over_budget():
                 others = [(t, k, service) for service in self._sharing()
                           for t, k in service._lru(keep if service is self else (0, "", ""))]
                 if not others:
-                    return False
+                    return
                 _, key, service = min(others, key=lambda o: o[0])
                 log.info("unloading index %s/%s to stay within the searcher memory budget", *key[1:])
                 freed_young = service._unload(key) or freed_young
-            return True
         finally:
             if freed_young:
                 # Segments dropped hand their memory back in the cache; a young tier's arrays (Arrow's pool,

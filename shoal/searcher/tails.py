@@ -134,7 +134,7 @@ class Tail:
     _since: tuple[dict[str, np.ndarray | None], list[str]] | None = field(default=None, compare=False, repr=False)
     # Estimated bytes of `touched` (`_keys_bytes`), carried over as the tail is extended: the searcher checks its
     # budget after every extension, and summing 20,000 keys again took a third of the extension's time.
-    key_bytes: int = field(default=-1, compare=False, repr=False)
+    key_bytes: int = field(default=0, compare=False, repr=False)
 
     @classmethod
     def of(cls, entries: pa.Table) -> Tail:
@@ -167,8 +167,8 @@ class Tail:
         """Estimated bytes the tail holds: its own objects (TAIL_OVERHEAD_BYTES), its chunks (`TailChunk.nbytes`),
         the keys it touches and the masks of segment rows it hides."""
         masks = sum(m.nbytes for m in self._masks().values() if m is not None)
-        keys = self.key_bytes if self.key_bytes >= 0 else _keys_bytes(self.touched)
-        return TAIL_OVERHEAD_BYTES + sum(c.nbytes(stored_attributes) for c in self.chunks) + masks + keys
+        chunks = sum(c.nbytes(stored_attributes) for c in self.chunks)
+        return TAIL_OVERHEAD_BYTES + chunks + masks + self.key_bytes
 
     def groups(self, spec: IndexSpec, source: DataSourceSpec) -> list[TailGroup]:
         """The live upserts per split and chunk, each with an exact engine."""
@@ -192,8 +192,7 @@ class Tail:
             chunks.append(chunk)
         chunks.append(TailChunk(fold(entries.to_batches())))
         keys = new_keys.to_pylist()
-        key_bytes = self.key_bytes if self.key_bytes >= 0 else _keys_bytes(self.touched)
-        key_bytes += _keys_bytes([k for k in keys if k not in self.touched])
+        key_bytes = self.key_bytes + _keys_bytes([k for k in keys if k not in self.touched])
         return Tail(self.touched.union(keys), _chunks(chunks), {}, (self._masks(), keys), key_bytes)
 
     def cut(self, watermark: int, entries: pa.Table) -> Tail:
