@@ -16,6 +16,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shoal.datasets.stats import metadata_value
 from shoal.errors import ValidationError
 from shoal.log.records import AttributeType
 from shoal.searcher.filters import parse_filter
@@ -245,7 +246,8 @@ def json_leaf(draw: st.DrawFn) -> tuple[Any, Callable[[Any], bool]]:
             tests.append(lambda v, ts=targets, inside=inside: any(
                 t is not None and _reads(v, t) is not None and _reads(v, t) == t for t in ts) == inside)
             continue
-        operand = draw(json_values().filter(lambda x: x is not None) if op not in ("$eq", "$ne") else json_values())
+        ranged = json_values().filter(lambda x: x is not None and not isinstance(x, bool))  # ranges refuse these
+        operand = draw(ranged if op not in ("$eq", "$ne") else json_values())
         spec[op] = operand
         target = (_read_datetime(operand) if isinstance(operand, str) else None) or operand
         if target is None:
@@ -285,6 +287,33 @@ def test_a_document_nested_past_python_s_stack_has_no_fields() -> None:
         flt = parse_filter(raw, JSON_TYPES, json_attribute="metadata")
         assert flt is not None
         assert flt.mask(table, {}).tolist() == want, raw
+
+
+def test_metadata_answered_as_text_has_no_fields_to_filter() -> None:
+    """Metadata text that is JSON only to Python's decoder (a number past a float's range, NaN), escapes a lone
+    surrogate, or nests past the dataset API's 32 levels is answered as the text it is: a filter finds no field in
+    it either (a field beside `1e400` matched a filter while the answer showed the metadata as a string)."""
+    deep = '{"b": 1, "c": ' + "[" * 40 + "]" * 40 + "}"
+    texts = ['{"a": 1e400, "b": 1}', '{"a": NaN, "b": 1}', '{"a": "\\ud800", "b": 1}', deep, '{"a": 10e3, "b": 1}']
+    table = pa.table({"metadata": pa.array(texts)})
+    answered = [metadata_value(t) for t in texts]
+    assert answered[:4] == texts[:4] and answered[4] == {"a": 10000.0, "b": 1}
+    for raw, want in (({"b": 1}, [False] * 4 + [True]), ({"a": {"$gt": 0}}, [False] * 4 + [True]),
+                      ({"b": {"$ne": 1}}, [True] * 4 + [False])):
+        flt = parse_filter(raw, JSON_TYPES, json_attribute="metadata")
+        assert flt is not None
+        assert flt.mask(table, {}).tolist() == want, raw
+
+
+def test_a_range_over_a_metadata_field_refuses_a_bool() -> None:
+    """Ranges compare numbers, datetimes and strings (README); `{"$gt": true}` is refused, naming the field."""
+    for op in ("$gt", "$gte", "$lt", "$lte"):
+        try:
+            parse_filter({"flag": {op: True}}, JSON_TYPES, json_attribute="metadata")
+        except ValidationError as err:
+            assert err.problems[0].attribute == "flag" and "needs a number" in str(err), str(err)
+        else:
+            raise AssertionError(f"{op}: true was taken")
 
 
 def test_in_over_metadata_fields_mixes_kinds_in_one_pass_each() -> None:

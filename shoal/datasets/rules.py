@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from shoal.datasets.errors import DatasetError, ErrorCode
+from shoal.log.json_text import MAX_JSON_DEPTH
 from shoal.log.records import DATASET_VERSION, MAX_VECTOR_DIMENSION, AttributeType, json_depth, unicode_text
 
 NAME_RE = re.compile(r"^[a-z0-9_-]{1,100}$")  # DESIGN.md invariant 7
@@ -64,10 +65,7 @@ PERMANENT = ("id",)
 
 MAX_DESCRIPTION = 10_000  # characters
 MAX_METADATA_BYTES = 64 * 1024  # of the dataset's metadata as compact JSON
-# Of a dataset's (or a vector's) metadata: deeper values broke every answer carrying them (JSON encoders stop
-# at 255 levels or at the recursion limit) and so every list holding the dataset; 32 leaves room for the two
-# levels the dataset's definition adds within its data source's custom metadata (MAX_CUSTOM_METADATA_DEPTH).
-MAX_METADATA_DEPTH = 32
+MAX_METADATA_DEPTH = MAX_JSON_DEPTH  # of a dataset's (or a vector's) metadata: see shoal.log.json_text
 MAX_VECTOR_ID = 512  # characters of a vector id
 MAX_VECTOR_METADATA_BYTES = 64 * 1024
 MAX_TOP_K = 1000

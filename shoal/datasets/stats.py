@@ -7,8 +7,6 @@ O(vectors x dimensions).
 
 from __future__ import annotations
 
-import json
-import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +20,8 @@ from shoal.datasets.errors import not_found
 from shoal.datasets.results import Dataset, DatasetStats, IndexBuild, IndexStats, MetadataStats, StorageUse
 from shoal.datasets.scope import DatasetScope
 from shoal.errors import NotFoundError
+from shoal.log.json_text import stored_json
 from shoal.log.reader import fold, read_log
-from shoal.log.records import json_depth
 from shoal.log.validation import KEY, OP
 from shoal.storage.layout import dataset_dir, indexes_dir
 
@@ -33,49 +31,10 @@ STATS_COLUMNS = (KEY, OP, "document_id", "content", "metadata")
 COUNTED_KEYS = ("language", "content_type")  # metadata keys whose values /stats counts
 
 
-def _finite_float(text: str) -> float:
-    """A JSON number as a float; ValueError when it overflows (`1e400`): no JSON value, nor answerable as JSON."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number out of range: {text}")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    """Refuse `NaN`, `Infinity` and `-Infinity`, which Python's decoder takes but JSON (RFC 8259) has not."""
-    raise ValueError(f"not JSON: {name}")
-
-
-# One decoder for every call (json.loads with options builds one per call).
-_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constant)
-
-
 def metadata_value(text: Any) -> Any:
-    """A vector's stored metadata decoded: JSON text as its value, other text as it is, anything else None.
-    Text that is JSON only to Python's decoder (`NaN`, `Infinity`, numbers beyond a float's range), JSON
-    nesting deeper than the dataset API's own limit (`rules.MAX_METADATA_DEPTH`, which its uploads enforce) and
-    JSON whose strings or keys escape lone surrogates (`"\\ud800"`: no UTF-8 encodes them) stay the text they
-    are stored as: the Vektonn routes can write any text into a dataset's source, and such a value breaks the
-    encoders every answer goes through (or the decoder itself) or would be answered as something else."""
-    if not isinstance(text, str):
-        return None
-    try:
-        value = _DECODER.decode(text)
-    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's own limit
-        return text  # written by another client (e.g. the Vektonn routes) as plain text
-    # Counting brackets is a C-speed bound on the depth (brackets inside strings count too): most metadata
-    # is never walked.
-    limit = rules.MAX_METADATA_DEPTH
-    if text.count("[") + text.count("{") > limit and json_depth(value, limit) > limit:
-        return text
-    # Stored text is valid UTF-8, so only a `\u` escape can decode to a lone surrogate: most metadata is never
-    # encoded again here. The text itself holds the escape as ASCII, so it is answerable.
-    if "\\u" in text:
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            return text
-    return value
+    """A vector's stored metadata decoded: JSON text as its value, other text as it is (`stored_json`: what
+    filters read as its fields), anything else None."""
+    return stored_json(text)
 
 
 class Stats(DatasetScope):

@@ -250,7 +250,8 @@ class _Parser:
             if sub_microsecond_datetime(operand):
                 raise _sub_microsecond(operand, name)
             target = comparable(operand)
-            if op in _RANGE and not isinstance(target, int | float | dt.datetime | str):
+            # A bool is no number here (json_fields compares kinds apart), and no range reads it.
+            if op in _RANGE and (isinstance(target, bool) or not isinstance(target, int | float | dt.datetime | str)):
                 raise _bad(f"{op} needs a number, a datetime or a string", name)
             conditions.append((op, target))
 

@@ -16,7 +16,6 @@ agree with, and as the way to compare numbers that float64 cannot hold exactly.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from shoal.log.json_text import stored_json, within_depth
 from shoal.log.validation import sub_microsecond_text
 from shoal.searcher.ranks import Ranked
 from shoal.searcher.repeat_cache import RepeatCache
@@ -214,8 +214,6 @@ class FieldValues:
         compare = _NP_ORDER[op]
         if kind == _NUMBER:
             return self.is_number & compare(self.numbers, target) if self._exact(target) else None
-        if kind == _BOOL:
-            return self.is_bool & compare(self.bools, target)
         instants, valid = self._datetimes()
         return valid & compare(instants, 2 * _micros(target))
 
@@ -276,7 +274,7 @@ def _read_field(table: pa.Table, column: str, field: str) -> FieldValues:
         value = _at(_loads(text), path)
         if type(value) is float and not -_BEYOND_INT64 < value < _BEYOND_INT64:
             # orjson reads an integer past 64 bits as a float; json reads it as the integer it is.
-            value = _at(_json_loads(text), path)
+            value = _at(stored_json(text), path)
         values.append(value)
     return FieldValues(values)
 
@@ -288,17 +286,14 @@ def _at(doc: Any, path: list[str]) -> Any:
 
 
 def _loads(text: Any) -> Any:
-    """A row's JSON text parsed; None for no text or text that is no JSON."""
+    """A row's JSON text as the dataset API answers it (`stored_json`), where a value it answers as plain text
+    has no fields; None for no text."""
     if not isinstance(text, str):
         return None
     try:
-        return orjson.loads(text)  # a third of json's time
+        value = orjson.loads(text)  # a third of json's time
     except orjson.JSONDecodeError:
-        return _json_loads(text)  # what orjson refuses and json reads: NaN, infinities, lone surrogates
-
-
-def _json_loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):  # past Python's stack (orjson refuses past 1,024 levels): no fields
-        return None
+        # What orjson refuses and Python's decoder may read: integers past a float's range (JSON), or NaN,
+        # infinities and lone surrogates (no JSON, answered as text).
+        return stored_json(text)
+    return value if within_depth(text, value) else None
