@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -273,6 +274,44 @@ def test_backpressure_pauses_the_consumer_until_the_index_catches_up(
         wait_for(lambda: builder.materialize(shard) is not None and head(shoal) >= 200, 120,
                  "intake to resume after the index caught up")
         assert sorted(shoal.fold("events", "1")["id"].to_pylist()) == list(range(200))
+
+
+def test_backpressure_weighs_only_the_sources_the_consumer_wrote_lately(
+    intake_settings: Callable[..., Settings], consumer_thread: Callable[[Settings], IntakeConsumer]
+) -> None:
+    """A source the consumer wrote to long ago does not hold intake when an index over it falls behind (one made
+    later over a large source starts at built 0): every source of the group stopped until that index was built.
+    A source written lately still pauses intake, and keeps it paused for as long as it lags."""
+    settings = intake_settings(max_index_lag_seqs=40, intake_max_points=50)
+    other = DataSourceSpec("other", "1", DIM, SPEC.attribute_types, ["id"])
+    with Shoal(settings, notify=False) as shoal:
+        for spec in (SPEC, other):
+            shoal.create_data_source(spec)
+            shoal.create_index(IndexSpec(f"{spec.name}-flat", "1", spec.name, "1", algorithm="flat",
+                                         metric="euclidean", id_attributes=["id"]))
+        consumer = consumer_thread(settings)
+        consumer.recent_writes_s = 3.0  # past the 1 s the lag reading is cached
+        with Publisher(settings) as p:
+            p.publish("events", "1", [DataPoint({"id": 0, "tag": "a"}, vector(0))])
+            wait_for(lambda: head(shoal) >= 1, 60, "the consumer to write to events")
+            written_at = time.monotonic()
+            wait_for(lambda: time.monotonic() > written_at + 2 * consumer.recent_writes_s, 10, "the write to age")
+            # Far behind its head now, written by another client (HTTP, say); not by the consumer lately.
+            shoal.producer("events", "1").upload([DataPoint({"id": i, "tag": "a"}, vector(i)) for i in range(1, 100)])
+            with pytest.raises(BackpressureError, match="lag"):
+                shoal.check_backpressure("events", "1")
+            p.publish("other", "1", [DataPoint({"id": 1, "tag": "b"}, vector(1))])
+            wait_for(lambda: shoal.fold("other", "1").num_rows == 1, 30, "the other source's message to land")
+            assert not consumer.paused
+            # Written lately and lagging: intake pauses, and stays paused past the window while the lag holds.
+            p.publish("other", "1", [DataPoint({"id": i, "tag": "b"}, vector(i)) for i in range(2, 60)])
+            wait_for(lambda: consumer.paused, 60, "the consumer to pause on the other source's lag")
+            paused_at = time.monotonic()
+            p.publish("other", "1", [DataPoint({"id": 60, "tag": "b"}, vector(60))])
+            while time.monotonic() < paused_at + 3 * consumer.recent_writes_s:  # a window that ends on its own
+                assert consumer.paused
+                time.sleep(0.1)
+        assert shoal.fold("other", "1").num_rows == 59
 
 
 def test_http_upload_answers_429_with_retry_after_past_the_lag_bound(make_settings: Callable[..., Settings]) -> None:

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 # Failures worth a retry of the same message later: the catalog or storage was briefly away.
 TRANSIENT = (OperationalError, OSError, CommitError, ConfigurationError)
 
+# Backpressure weighs the sources a consumer committed to within this many seconds: what it is writing now, with
+# room for a slow trickle, but not a source it last wrote an hour ago.
+RECENT_WRITES_S = 60.0
+
 # A consumer group name: SHOAL_INTAKE_GROUP's own rule (a group named otherwise, `shoal consume --group 'a*'`,
 # made glob patterns of the queue's name).
 _GROUP = Settings.model_fields["intake_group"]
@@ -128,7 +132,10 @@ class IntakeConsumer:
         self._others_checked = False  # whether to look (again) for them
         self._others_checked_at = 0.0
         self._backoff = 0.0
-        self._written_sources: set[tuple[str, int]] = set()  # (tenant, source id) this consumer wrote to
+        # (tenant, source id) -> when this consumer last committed to it (monotonic seconds).
+        self._written_sources: dict[tuple[str, int], float] = {}
+        self.recent_writes_s = RECENT_WRITES_S
+        self._paused_at = 0.0
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -190,7 +197,6 @@ class IntakeConsumer:
         beat_at = time.monotonic()
         log.info("consuming %s (group %s) on %s%s", self.queue.name, self.group, self.exchange_name,
                  "" if self.leading else ": standing by while another consumer of the group leads")
-        paused_at = 0.0
         try:
             while not self.stop.is_set():
                 # A consumer standing by asks for the lead often (it is free at once after a clean stop).
@@ -230,11 +236,11 @@ class IntakeConsumer:
                 lagging = self._lagging()
                 if lagging and not self.paused:
                     self._flush()
-                    self.paused, paused_at = True, time.monotonic()
+                    self.paused, self._paused_at = True, time.monotonic()
                     log.warning("pausing intake: index lag past the bound (%s)", lagging)
                 elif not lagging and self.paused:
                     self.paused = False
-                    self.stats.paused_s += time.monotonic() - paused_at
+                    self.stats.paused_s += time.monotonic() - self._paused_at
                     log.info("resuming intake")
             self._flush()
             delivery.release()
@@ -353,7 +359,7 @@ class IntakeConsumer:
         """Drop what this consumer keeps for the data source `target` named (gone, or made again)."""
         cached = self._producers.pop(target, None)
         if cached is not None:
-            self._written_sources.discard((target.tenant, cached[1].source.id))
+            self._written_sources.pop((target.tenant, cached[1].source.id), None)
             if self._runtime is not None:
                 self._runtime.forget_source(cached[1].source.id)
 
@@ -459,7 +465,7 @@ class IntakeConsumer:
             self._requeue_failed(items, exc)
             return
         self.stats.commits += 1
-        self._written_sources.add((target.tenant, producer.source.id))
+        self._written_sources[(target.tenant, producer.source.id)] = time.monotonic()
         seen = set(before)
         for h, bid in zip(items, ids, strict=True):
             self._ack(h.message)
@@ -573,11 +579,19 @@ class IntakeConsumer:
     # -- backpressure -------------------------------------------------------------------------------------
 
     def _lagging(self) -> dict[int, int]:
+        """The sources this consumer wrote to lately whose indexes lag past the bound, with their lag. Lately:
+        within `recent_writes_s` before now, or before the pause began while paused (a pause writes nothing, so
+        the sources that caused it stay counted until they catch up). A source written long ago is not this
+        consumer's load: an index made over it later, far behind its head, must not hold every other source."""
         if not self.settings.max_index_lag_seqs or not self._written_sources:
             return {}
+        since = (self._paused_at if self.paused else time.monotonic()) - self.recent_writes_s
+        if not self.paused:  # forget the others: the map stays as small as the sources written lately
+            self._written_sources = {k: at for k, at in self._written_sources.items() if at >= since}
+        recent = [k for k, at in self._written_sources.items() if at >= since]
         over: dict[int, int] = {}
-        for tenant in {t for t, _ in self._written_sources}:
-            ids = [sid for t, sid in self._written_sources if t == tenant]
+        for tenant in {t for t, _ in recent}:
+            ids = [sid for t, sid in recent if t == tenant]
             try:
                 over |= self.runtime().backpressure.over(ids)
             except TRANSIENT as exc:
