@@ -165,6 +165,14 @@ def _api_workers(pid: int) -> set[int]:
     return found
 
 
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie, left to a parent that does not reap, has)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.slow
 def test_api_workers_share_one_port_and_are_restarted(make_settings: Callable[..., Settings]) -> None:
     """`shoal api --workers 2`: two processes answer on one port; one that dies is replaced; stopping the API
@@ -200,10 +208,29 @@ def test_api_workers_share_one_port_and_are_restarted(make_settings: Callable[..
         proc.terminate()  # what `shoal up` or a service manager sends
         assert proc.wait(30) == 0
 
-        def gone(pid: int) -> bool:
-            try:
-                return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
-            except FileNotFoundError:
-                return True
+        wait_for(lambda: all(_gone(pid) for pid in everyone), 30, "every API worker to stop with the API")
 
-        wait_for(lambda: all(gone(pid) for pid in everyone), 30, "every API worker to stop with the API")
+
+@pytest.mark.slow
+def test_api_workers_end_with_a_supervisor_killed_and_the_port_is_free_again(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A `shoal api --workers 2` supervisor killed with SIGKILL (a crash, the OOM killer) takes its workers with it:
+    they went on serving the port, and a restart on it was refused ("port ... is in use") until someone killed
+    them by hand."""
+    import os
+    import signal
+
+    from conftest import free_port
+
+    settings = make_settings("local")
+    port = free_port()
+    with api_process(settings, "--workers", "2", port=port) as (proc, _):
+        wait_for(lambda: len(_api_workers(proc.pid)) == 2, 30, "two API worker processes")
+        workers = _api_workers(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+        wait_for(lambda: all(_gone(pid) for pid in workers), 30, "the workers to end with their supervisor")
+    with api_process(settings, "--workers", "2", port=port) as (proc, url):  # the port is free: it starts
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200

@@ -24,6 +24,7 @@ from prometheus_client import multiprocess
 from shoal.api.http_protocol import NoDelayHttpProtocol
 from shoal.api.metrics import MULTIPROC_DIR
 from shoal.errors import ConfigurationError
+from shoal.servers.parent_death import die_with_parent
 
 APP_FACTORY = "shoal.api.app:create_app"
 # Seconds an idle client connection is kept open (uvicorn's timeout_keep_alive, 5 s by default): well above what a
@@ -79,8 +80,11 @@ def _check_port_free(host: str, port: int) -> None:
             raise ConfigurationError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def _worker(options: dict[str, Any]) -> None:
-    """One API worker process: its own socket on the shared port, the app made by the factory."""
+def _worker(options: dict[str, Any], supervisor: int) -> None:
+    """One API worker process: its own socket on the shared port, the app made by the factory. It ends (SIGTERM:
+    a graceful stop) when the supervisor, pid `supervisor`, dies: a supervisor killed with SIGKILL left its
+    workers serving the port, and a restart was refused as the port was in use."""
+    die_with_parent(supervisor)
     sock = _listen(options["host"], options["port"])
     config = uvicorn.Config(APP_FACTORY, factory=True, **options)
     uvicorn.Server(config).run(sockets=[sock])
@@ -102,7 +106,7 @@ class _Supervisor:
         self.context = multiprocessing.get_context("spawn")  # a fresh interpreter: no state forked from here
 
     def _start(self) -> multiprocessing.process.BaseProcess:
-        process = self.context.Process(target=_worker, args=(self.options,), name="shoal-api-worker")
+        process = self.context.Process(target=_worker, args=(self.options, os.getpid()), name="shoal-api-worker")
         process.start()
         return process
 

@@ -11,7 +11,6 @@ and ends with status 1.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -43,6 +42,7 @@ from shoal.cli.worker import (
 )
 from shoal.config.settings import mask_url
 from shoal.errors import ConfigurationError
+from shoal.servers.parent_death import parent_death_signal
 
 LOG_DIR = "logs"  # under SHOAL_DATA_DIR: one file per child, appended to across runs
 TAIL_LINES = 25  # lines of a dead child's log shown
@@ -51,7 +51,6 @@ RESTART_FIRST_S = 1.0  # the first restart of a dead child waits this long; each
 RESTART_MAX_S = 30.0  # ... up to this
 RESTART_STABLE_S = 60.0  # a run this long resets the backoff: the child was healthy, its death is news
 RESTART_TAIL_LINES = 5  # lines of a dead child's log shown when it is restarted
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -86,7 +85,7 @@ def _start(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.P
     try:
         return subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_parent_death_signal(),
+            preexec_fn=parent_death_signal(),
         )
     finally:
         log.close()
@@ -103,27 +102,6 @@ def _tell(text: str) -> None:
         # What is left in stderr's buffer would fail again at exit: it goes nowhere instead.
         with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel send the child SIGTERM when `shoal up` dies (PR_SET_PDEATHSIG), so a
-    `shoal up` killed with SIGKILL leaves no child running (SIGTERM: a worker still stops its beat and pool).
-    None where prctl is not available (not Linux): there the children of a killed `shoal up` go on."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        # Runs in the forked child before exec: the prctl call, resolved above, and two system calls only.
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # `shoal up` died before the prctl: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 def _mark(log_path: Path, name: str) -> None:
@@ -289,7 +267,7 @@ def up(
                 pool=pool.value if pool else None, events=True,
             )
             children.append(_child("worker", logs, lambda: start_worker_process(argv, logs / "worker.log", env,
-                                                                                _parent_death_signal()),
+                                                                                parent_death_signal()),
                                    stop_timeout=stop_timeout))
             merges = (f"merges every {settings.merge_interval_s:g} s" if settings.merge_interval_s > 0
                       else "no merge sweep (SHOAL_MERGE_INTERVAL_S=0)")
