@@ -23,10 +23,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from shoal.catalog.db import catalog_unreachable
 from shoal.datasets.errors import ErrorCode, action_of
 from shoal.errors import (
     AlreadyExistsError,
@@ -120,20 +121,6 @@ HTTP_CODES = {401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 405: "MET
 DATASET_TAG = "datasets"
 
 
-def _catalog_outage(exc: BaseException | None) -> bool:
-    """True when `exc`, or an error it was raised from, is the driver failing to reach or keep the catalog
-    (refused, dropped, shut down, timed out, a pool that could not connect)."""
-    for _ in range(8):  # a short cause chain; never a loop
-        if exc is None:
-            return False
-        if isinstance(exc, (OperationalError, InterfaceError)) or (
-            isinstance(exc, DBAPIError) and exc.connection_invalidated
-        ):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _storage_outage(exc: BaseException | None) -> StorageUnavailableError | None:
     """The StorageUnavailableError that `exc` is, or was raised from (a commit that gave up on it); else None."""
     for _ in range(8):  # a short cause chain; never a loop
@@ -159,7 +146,7 @@ def core_error(exc: BaseException) -> BaseException:
     # says what to do and answers 503 as it is.
     if isinstance(exc, ShoalError) and (not isinstance(exc, CommitError) or isinstance(exc, StateUnknownError)):
         return exc
-    if not _catalog_outage(exc):
+    if not catalog_unreachable(exc):
         return exc
     log.warning("the catalog is unavailable: %s", exc)  # the reason (it may name hosts) goes to the log only
     return CatalogUnavailableError()

@@ -24,8 +24,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
+from shoal.catalog.db import catalog_unreachable
 from shoal.catalog.indexes import freshness_rows
 from shoal.index.segment_cache import SegmentCache
 
@@ -63,7 +64,7 @@ class _LagCollector(Collector):
         try:
             rows = freshness_rows(self.engine)
         except DBAPIError as exc:
-            if not _catalog_outage(exc):
+            if not catalog_unreachable(exc):
                 raise  # a bug, not an outage: the scrape fails loudly
             # The driver's message spans lines (and may name hosts): its first line, to the log only.
             reason = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
@@ -89,11 +90,6 @@ class _LagCollector(Collector):
                                 value=max_built)
         yield GaugeMetricFamily("shoal_index_served_lag_seqs_max", "Largest served lag of any shard of any tenant",
                                 value=max_served)
-
-
-def _catalog_outage(exc: DBAPIError) -> bool:
-    """True when the driver failed to reach or keep the catalog (as shoal.api.errors tells an outage)."""
-    return isinstance(exc, (OperationalError, InterfaceError)) or exc.connection_invalidated
 
 
 class _CacheCollector(Collector):

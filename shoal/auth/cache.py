@@ -10,6 +10,10 @@ but a secret this process already verified with the KDF is recognised by a proof
 random per-process key over the key id, the secret and the stored hash), so only the first check of a key pays
 the KDF. A wrong secret or a changed stored hash has no proof, and pays it as before.
 Every table is bounded (a flood of distinct keys evicts the oldest entries, never grows memory).
+
+While the catalog cannot be reached, an expired verdict is kept and served (`stale`, `stale_anonymous_id`) rather
+than refusing every caller with 503: an anonymous tenant's id for as long as the outage lasts (it never changes),
+a key's verdict for at most STALE_KEY_GRACE_S past its expiry. A rejection is never served past its TTL.
 """
 
 from __future__ import annotations
@@ -37,16 +41,26 @@ MAX_FAILURES = 10_000
 # last_used_at is bookkeeping for operators ("is this key still in use?"): minute precision is plenty,
 # and one UPDATE per key per minute keeps the hot path read-only.
 TOUCH_INTERVAL_S = 60.0
+# How long past its expiry a key's verdict still authenticates while the catalog cannot be reached. The bound is
+# how long a key revoked during an outage (in another process, which cannot tell this one) may keep working; ten
+# minutes rides out a Postgres restart or failover, and keeps that window short. Past it the key gets 503.
+STALE_KEY_GRACE_S = 600.0
+# After a verdict is served stale, it is served again without asking the catalog for this long (the Retry-After
+# outages answer with): an outage then costs one failed connection per key every few seconds, not one per request,
+# and searches stay on the event loop's fast path (shoal.api.fastpath).
+OUTAGE_RECHECK_S = 5.0
 
 
 @dataclass
 class CachedKey:
-    """A verified key: who it authenticates as, its row, until when the verdict holds, when it was touched."""
+    """A verified key: who it authenticates as, its row, until when the verdict holds, when it was touched, and
+    until when it may be served stale while the catalog cannot be reached (`VerifiedKeys.stale`)."""
 
     principal: Principal
     row_id: int
     expires_at: float
     touched_at: float
+    stale_until: float
 
 
 def digest(presented: str) -> str:
@@ -62,8 +76,10 @@ class VerifiedKeys:
         ttl_s: float = CACHE_TTL_S,
         max_entries: int = MAX_ENTRIES,
         clock: Callable[[], float] = time.monotonic,
+        stale_grace_s: float = STALE_KEY_GRACE_S,
     ) -> None:
         self.ttl_s = ttl_s
+        self.stale_grace_s = stale_grace_s
         self.max_entries = max_entries
         self.clock = clock
         self._keys: dict[str, CachedKey] = {}
@@ -77,12 +93,22 @@ class VerifiedKeys:
         self._lock = threading.Lock()
 
     def get(self, key_digest: str) -> CachedKey | None:
-        """The cached verdict for a key digest, or None when absent or expired."""
+        """The cached verdict for a key digest, or None when absent or expired (an expired one is kept, for
+        `stale`, until pruned)."""
         with self._lock:
             entry = self._keys.get(key_digest)
-            if entry is not None and entry.expires_at <= self.clock():
-                del self._keys[key_digest]
+            return entry if entry is not None and entry.expires_at > self.clock() else None
+
+    def stale(self, key_digest: str) -> CachedKey | None:
+        """The verdict for a key digest, expired or not, while it is within its grace (`stale_until`); None
+        otherwise. Call only when the catalog cannot be reached: the verdict is then served without asking the
+        catalog again for OUTAGE_RECHECK_S (never past its grace)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._keys.get(key_digest)
+            if entry is None or entry.stale_until <= now:
                 return None
+            entry.expires_at = max(entry.expires_at, min(now + OUTAGE_RECHECK_S, entry.stale_until))
             return entry
 
     def put(self, key_digest: str, principal: Principal, row_id: int, touched: bool) -> None:
@@ -99,7 +125,8 @@ class VerifiedKeys:
             if len(self._keys) >= self.max_entries:
                 self._prune(now)
             self._keys[key_digest] = CachedKey(
-                principal, row_id, now + self.ttl_s, now if touched else now - TOUCH_INTERVAL_S
+                principal, row_id, now + self.ttl_s, now if touched else now - TOUCH_INTERVAL_S,
+                now + self.ttl_s + self.stale_grace_s,
             )
 
     def verified_within(self, key_digest: str, seconds: float) -> bool:
@@ -143,10 +170,12 @@ class VerifiedKeys:
 
     def put_failure(self, key_digest: str, message: str, ttl_s: float = FAILURE_TTL_S) -> None:
         """Remember for `ttl_s` that a key was rejected with `message` (bounded: the oldest go first). The key
-        no longer counts as verified recently (`verified_within`): revoked, it is limited like any other."""
+        no longer counts as verified recently (`verified_within`): revoked, it is limited like any other; nor is
+        its former verdict served stale in an outage."""
         now = self.clock()
         with self._lock:
             self._verified.pop(key_digest, None)
+            self._keys.pop(key_digest, None)
             if ttl_s <= 0:
                 return
             if key_digest not in self._failures and len(self._failures) >= MAX_FAILURES:
@@ -171,8 +200,20 @@ class VerifiedKeys:
             found = self._anonymous.get(tenant)
             return found[0] if found is not None and found[1] > self.clock() else None
 
+    def stale_anonymous_id(self, tenant: str) -> int | None:
+        """The id of an anonymous tenant, expired or not (a tenant's id never changes, and tenants are never
+        deleted); None when it was never cached. Call only when the catalog cannot be reached: the id is then
+        served without asking the catalog again for OUTAGE_RECHECK_S."""
+        now = self.clock()
+        with self._lock:
+            found = self._anonymous.get(tenant)
+            if found is None:
+                return None
+            self._anonymous[tenant] = (found[0], max(found[1], now + OUTAGE_RECHECK_S))
+            return found[0]
+
     def put_anonymous(self, tenant: str, tenant_id: int) -> None:
-        """Remember an anonymous tenant's id for the TTL."""
+        """Remember an anonymous tenant's id for the TTL (and, for `stale_anonymous_id`, past it)."""
         with self._lock:
             self._anonymous[tenant] = (tenant_id, self.clock() + self.ttl_s)
 
@@ -193,9 +234,10 @@ class VerifiedKeys:
             self._proofs.clear()
 
     def _prune(self, now: float) -> None:
-        for k in [k for k, e in self._keys.items() if e.expires_at <= now]:
+        for k in [k for k, e in self._keys.items() if e.stale_until <= now]:
             del self._keys[k]
-        # Still full of live entries (many keys in use): drop the oldest half rather than grow unbounded.
+        # Still full (many keys in use, or kept for an outage): drop the oldest half rather than grow unbounded;
+        # expired verdicts go first.
         if len(self._keys) >= self.max_entries:
             oldest = sorted(self._keys, key=lambda k: self._keys[k].expires_at)
             for k in oldest[: len(oldest) // 2]:

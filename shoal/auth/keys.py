@@ -4,6 +4,11 @@ Secrets are returned once, by `create_key`, and never stored or shown again: the
 scrypt hash. Verified keys are cached in process for `cache.CACHE_TTL_S` (30 s), so a revoked key may
 still work for up to that long in processes other than the one that revoked it. After that the key's row is read
 again; the KDF is not rerun for a secret the process already verified against the same stored hash.
+
+While the catalog cannot be reached, a caller this process already knows keeps being served from the cache past
+the TTL (so `eventual` searches of loaded indexes go on answering): the anonymous tenant for the whole outage, a
+key for at most `cache.STALE_KEY_GRACE_S` (10 min) past its verdict's expiry. A key not verified before the outage
+gets the outage's error (503), as does one whose verdict was a rejection.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from shoal.auth.hashing import (
 )
 from shoal.auth.limits import FailureLimiter
 from shoal.auth.principal import Principal, Role
+from shoal.catalog.db import catalog_unreachable
 from shoal.catalog.models import ApiKey, Tenant
 from shoal.errors import AlreadyExistsError, AuthenticationError, NotFoundError, ValidationError
 from shoal.log.records import check_tenant_name, storable_text
@@ -324,7 +330,9 @@ def _cached(cache: VerifiedKeys, key_digest: str, presented: str) -> CachedKey |
 
 
 def _verify(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: str, failure_ttl_s: float) -> Principal:
-    """Check a presented key against the catalog (the KDF); a rejection is cached for `failure_ttl_s`."""
+    """Check a presented key against the catalog (the KDF); a rejection is cached for `failure_ttl_s`. When the
+    catalog cannot be reached, a verdict of this key that expired less than the cache's grace ago answers instead
+    (the driver's error is raised when there is none)."""
     failed = cache.failure(key_digest)
     if failed is not None:
         raise AuthenticationError(failed)
@@ -333,6 +341,25 @@ def _verify(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: str
     except AuthenticationError as exc:
         cache.put_failure(key_digest, str(exc), failure_ttl_s)
         raise
+    except SQLAlchemyError as exc:
+        stale = _stale_verdict(cache, key_digest, presented) if catalog_unreachable(exc) else None
+        if stale is None:
+            raise  # answered as the outage it is (503), or the error it is
+        log.warning("the catalog is unreachable: API key %s authenticated from its expired cached verdict (%s)",
+                    stale.key_id, exc.__class__.__name__)
+        return stale
+
+
+def _stale_verdict(cache: VerifiedKeys, key_digest: str, presented: str) -> Principal | None:
+    """The principal of a key's expired verdict still within its grace, when it is about this very key; None
+    otherwise (never seen, rejected, revoked here, or past the grace)."""
+    entry = cache.stale(key_digest)
+    if entry is None:
+        return None
+    parsed = parse_key(presented)
+    if parsed is None or parsed.key_id != entry.principal.key_id:
+        return None
+    return entry.principal
 
 
 def _check_key(engine: Engine, cache: VerifiedKeys, presented: str, key_digest: str) -> Principal:
@@ -414,12 +441,26 @@ def _anonymous(engine: Engine, tenant: str, role: Role, cache: VerifiedKeys) -> 
     tenant_id = cache.anonymous_id(tenant)
     if tenant_id is None:
         check_tenant_name(tenant)
-        with Session(engine) as s, s.begin():
-            # Created on first use, as the Python API does for its tenant: the embedded default just works.
-            s.execute(insert(Tenant).values(name=tenant).on_conflict_do_nothing(index_elements=["name"]))
-            tenant_id = s.scalars(select(Tenant.id).where(Tenant.name == tenant)).one()
+        try:
+            tenant_id = _anonymous_tenant_id(engine, tenant)
+        except SQLAlchemyError as exc:
+            # A tenant's id never changes: one served before stays right for as long as the catalog is away.
+            tenant_id = cache.stale_anonymous_id(tenant) if catalog_unreachable(exc) else None
+            if tenant_id is None:
+                raise
+            log.warning("the catalog is unreachable: anonymous tenant %r served from its cached id (%s)",
+                        tenant, exc.__class__.__name__)
+            return Principal(tenant, tenant_id, role, None)
         cache.put_anonymous(tenant, tenant_id)
     return Principal(tenant, tenant_id, role, None)
+
+
+def _anonymous_tenant_id(engine: Engine, tenant: str) -> int:
+    """The id of tenant `tenant`, created on first use, as the Python API does for its tenant: the embedded
+    default just works."""
+    with Session(engine) as s, s.begin():
+        s.execute(insert(Tenant).values(name=tenant).on_conflict_do_nothing(index_elements=["name"]))
+        return s.scalars(select(Tenant.id).where(Tenant.name == tenant)).one()
 
 
 def _touch(engine: Engine, row_id: int) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event, inspect, text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -22,6 +22,21 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 # One number for "shoal is migrating" (shoal/migrations/env.py): concurrent processes migrating one catalog queue on
 # it.
 MIGRATION_LOCK_KEY = 0x5A0A1
+
+def catalog_unreachable(exc: BaseException | None) -> bool:
+    """True when `exc`, or an error it was raised from, is the driver failing to reach or keep the catalog
+    (refused, dropped, shut down, timed out, a pool that could not connect): an outage (503), never a query the
+    catalog answered with an error."""
+    for _ in range(8):  # a short cause chain; never a loop
+        if exc is None:
+            return False
+        if isinstance(exc, (OperationalError, InterfaceError)) or (
+            isinstance(exc, DBAPIError) and exc.connection_invalidated
+        ):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
 
 def resolve_database_url(settings: Settings) -> str:
     """The configured catalog URL, or the embedded Postgres's (started if needed)."""
