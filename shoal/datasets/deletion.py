@@ -136,13 +136,16 @@ class Deletions(DatasetScope):
 
     def purge(self, name: Any, trash_id: int | None = None) -> Purge:
         """Delete for good, now, a dataset in the trash (the most recently deleted of that name unless
-        `trash_id` picks one): its rows, then its files. DATASET_NOT_FOUND if it left the trash meanwhile."""
+        `trash_id` picks one): its rows, then its files. DATASET_NOT_FOUND if it left the trash meanwhile (a
+        restore committed first); ConflictError (retry), the dataset left in the trash as it was, restorable, if
+        another transaction held its row lock past the lock timeout."""
         name = self._lookup_name(name)
         chosen = self._trashed_one(name, trash_id)
         source_id = chosen.record.source_id
         try:
             result = self._trash().purge(self.shoal.storage, [source_id],
-                                         redis_client=self.shoal.runtime.redis_if_any())
+                                         redis_client=self.shoal.runtime.redis_if_any(),
+                                         lock_timeout_ms=self.shoal.settings.lock_timeout_ms)
         except Exception as exc:
             if self._row_left(source_id):
                 raise  # nothing committed (e.g. the trash folder could not be listed): the error is the answer
@@ -152,7 +155,9 @@ class Deletions(DatasetScope):
                         name, source_id, self.tenant, exc)
             return Purge(name, source_id, 0)
         purged = any(i == source_id for _, _, _, i in result.sources)
-        if not purged:  # restored or purged by someone else meanwhile
+        # Restored, or purged by someone else, meanwhile: for one still in the trash `Trash.purge` raised
+        # ConflictError instead (a client told "not found" would give up on a dataset the trash still lists).
+        if not purged:
             raise DatasetError(ErrorCode.DATASET_NOT_FOUND, f"dataset {name!r} is no longer in the trash",
                                {"dataset_id": name, "trash_id": source_id})
         return Purge(name, source_id, result.files)

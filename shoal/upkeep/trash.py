@@ -30,9 +30,13 @@ GC run) deletes them. Deleting an already deleted file is not an error, so two p
 twice, are harmless.
 
 A purge asked for now (`Trash.purge`: `DELETE /api/v1/trash/{id}`, `shoal trash purge --now`) ends the
-retention first, in a commit of its own, so that from then on no restore can race it. If it then fails before
-deleting a source's rows (step 1 lists the trash folder: a storage outage fails it), it puts that retention back:
-the caller was told to retry, and the source stays in the trash, restorable, as if the purge was never asked for.
+retention first, in a commit of its own, so that from then on no restore can race it. Its step 1 then waits for
+the source's row lock (bounded by the lock timeout) where beat's sweep skips a locked row: a restore holding it
+finds the retention ended and refuses, so the purge that waited deletes (or the restore had committed first,
+and the purge finds the source no longer in the trash). If it then fails before deleting a source's rows (step
+1 lists the trash folder: a storage outage fails it; or another holder kept the row lock past the timeout), it
+puts that retention back: the caller was told to retry (ConflictError for the lock), and the source stays in the
+trash, restorable, as if the purge was never asked for.
 """
 
 from __future__ import annotations
@@ -44,14 +48,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from psycopg import errors as pg_errors
 from sqlalchemy import Engine, func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from shoal.catalog.locks import lock_source, lock_sources
 from shoal.catalog.models import DataSource, Index, Tenant
 from shoal.catalog.repo import _spec
-from shoal.errors import AlreadyExistsError, NotFoundError
+from shoal.errors import AlreadyExistsError, ConflictError, NotFoundError
 from shoal.index.generations import is_hidden
 from shoal.log.records import DataSourceSpec
 from shoal.storage import Storage
@@ -279,6 +284,9 @@ class Trash:
         retention `_expire` set (not purged, nor restored or expired again meanwhile); their ids."""
         back: list[int] = []
         with Session(self.engine) as s, s.begin():
+            # No lock timeout of its own: after a purge skipped a source whose row lock another transaction
+            # (a commit, a GC run) held past the timeout, this waits for that transaction to end, as a restore
+            # would. Giving up instead would leave the source unrestorable until beat's next purge.
             for source_id, (retention, ended_at) in sorted(changed.items()):
                 back += s.scalars(
                     update(DataSource)
@@ -290,21 +298,55 @@ class Trash:
         return back
 
     def purge(
-        self, storage: Storage, source_ids: Sequence[int] | None = None, *, redis_client: redis.Redis | None = None
+        self,
+        storage: Storage,
+        source_ids: Sequence[int] | None = None,
+        *,
+        redis_client: redis.Redis | None = None,
+        lock_timeout_ms: int = 30_000,
     ) -> PurgeResult:
         """Purge now the given sources in the trash (all of the tenant's when None), retention or not; with
-        `redis_client`, their Redis keys go too (`purge_due`).
+        `redis_client`, their Redis keys go too (`purge_due`). Each source's row lock is waited for, up to
+        `lock_timeout_ms`: a restore holding it either commits first (the source is no longer in the trash and
+        is left out of the result) or refuses (its retention ended) and this purge deletes the source.
 
         A purge that raises (the storage is unavailable, say) leaves each source it did not purge in the trash
-        with its retention as it was: restorable, and purged by beat's run once that retention ends."""
+        with its retention as it was: restorable, and purged by beat's run once that retention ends. So does
+        ConflictError, raised when a source asked for is still in the trash after the run (another transaction
+        held its row lock past `lock_timeout_ms`); a retry purges it."""
         ids, changed = self._expire(source_ids)
         try:
-            return purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client)
+            result = purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client,
+                               wait_ms=lock_timeout_ms)
         except Exception as exc:
             # The retention was ended only so that this purge finds the sources due (and no restore races it);
             # left ended, a failed purge would leave them unrestorable, the caller told to retry later.
             self._give_back(changed, exc)
             raise
+        self._refuse_unpurged(ids, result, changed)
+        return result
+
+    def _refuse_unpurged(
+        self, ids: Sequence[int], result: PurgeResult, changed: dict[int, tuple[dt.datetime, dt.datetime]]
+    ) -> None:
+        """ConflictError, after giving their retention back, if sources of `ids` that `result` did not purge are
+        still in the trash: answered "not found" instead, the caller would think them gone while they stay
+        listed, and with their retention left ended no restore could take them back."""
+        purged = {i for _, _, _, i in result.sources}
+        with Session(self.engine) as s:
+            left = sorted(s.scalars(select(DataSource.id).where(
+                DataSource.id.in_([i for i in ids if i not in purged]), DataSource.deleted_at.is_not(None)
+            )))
+        if not left:  # each one was purged, restored, or purged by someone else meanwhile
+            return
+        error = ConflictError(
+            f"data sources {left} of tenant {self.tenant!r} were not purged: another transaction (a commit, a "
+            "GC run, a restore) held their row lock past the lock timeout; they stay in the trash as they were: "
+            "retry the purge",
+            expected="purged", actual="in the trash",
+        )
+        self._give_back({i: changed[i] for i in left if i in changed}, error)
+        raise error
 
     def _give_back(self, changed: dict[int, tuple[dt.datetime, dt.datetime]], failure: Exception) -> None:
         """`_put_back` after a failed purge, logged; if that fails too, the sources stay due (beat purges
@@ -342,12 +384,17 @@ def purge_due(
     source_ids: Sequence[int] | None = None,
     lock_timeout_ms: int = 30_000,
     redis_client: redis.Redis | None = None,
+    wait_ms: int | None = None,
 ) -> PurgeResult:
     """Purge every data source in the trash whose retention ended (of `source_ids` when given): its rows go
     and its files are queued in one transaction, then its Redis keys (with `redis_client`; best effort) and its
     files are deleted. A run over every source first runs the backstop (`leftovers.sweep`: keys of deleted
     data sources, with `redis_client`, and reindex jobs of dropped indexes past their retention) and finishes
-    what an interrupted run left queued. Idempotent; safe to run concurrently and to kill anywhere."""
+    what an interrupted run left queued. Idempotent; safe to run concurrently and to kill anywhere.
+
+    A source whose row lock another transaction holds is skipped (beat's sweep takes it next time), unless
+    `wait_ms` is given (a purge asked for now): then the lock is waited for up to `wait_ms`, and a source still
+    locked after it is skipped (`Trash.purge` tells the caller to retry)."""
     result = PurgeResult([])
 
     def announce(row: garbage.GarbageRow) -> None:
@@ -364,7 +411,7 @@ def purge_due(
                               lock_timeout_ms=lock_timeout_ms, announce=announce)
             result.pending = done.deleted + done.already_gone + done.kept
     for source_id in due_sources(engine, source_ids):
-        purged = _delete_rows(engine, storage, source_id)
+        purged = _delete_rows(engine, storage, source_id, wait_ms)
         if purged is None:
             continue
         owner, files = purged
@@ -376,13 +423,33 @@ def purge_due(
 
 
 def _delete_rows(
-    engine: Engine, storage: Storage, source_id: int
+    engine: Engine, storage: Storage, source_id: int, wait_ms: int | None = None
 ) -> tuple[tuple[str, str, str, int], list[str]] | None:
     """Step 1: in one transaction, delete the source's rows and queue their files (and its trash folder's).
-    None when the source is no longer due (restored, or purged by someone else meanwhile)."""
+    None when the source is no longer due (restored, or purged by someone else meanwhile) or its row lock is
+    held by another transaction (skipped at once; with `wait_ms`, once that wait ran out)."""
+    try:
+        return _delete_locked_rows(engine, storage, source_id, wait_ms)
+    except OperationalError as exc:
+        if wait_ms is None or not isinstance(exc.orig, pg_errors.LockNotAvailable):
+            raise
+        # Rolled back: nothing changed. The caller tells whoever asked for the purge to retry.
+        log.warning("purge: data source #%d skipped: its row lock (or a shard's) stayed held past %d ms",
+                    source_id, wait_ms)
+        return None
+
+
+def _delete_locked_rows(
+    engine: Engine, storage: Storage, source_id: int, wait_ms: int | None
+) -> tuple[tuple[str, str, str, int], list[str]] | None:
+    """`_delete_rows`, the lock timeout raised as the driver's OperationalError."""
     with Session(engine) as s, s.begin():
+        # Beat's sweep skips a locked row (its next run takes it). A purge asked for now waits: a restore holding
+        # the lock refuses an ended retention and lets go, and skipping would leave the source in the trash,
+        # due to no one but beat's next run, and answer the caller "not in the trash".
         locked = lock_sources(s, DataSource.id == source_id, DataSource.deleted_at.is_not(None),
-                              DataSource.purge_after <= func.now(), skip_locked=True)
+                              DataSource.purge_after <= func.now(), lock_timeout_ms=wait_ms,
+                              skip_locked=wait_ms is None)
         row = s.get(DataSource, source_id, populate_existing=True) if locked else None
         if row is None:
             return None
