@@ -133,10 +133,11 @@ def test_option_parsing() -> None:
     for bad in ("at_least:\u0661\u0662", "at_least:\u00b2"):
         with pytest.raises(typer.BadParameter, match="unknown consistency"):
             parse_consistency(bad)
-    argv = worker_argv(beat=True, schedule=Path("/d/s"), concurrency=2, loglevel="info", pool="solo", quick=True)
+    argv = worker_argv(beat=True, schedule=Path("/d/s"), concurrency=2, loglevel="info", pool="solo")
     assert argv == ["worker", "--loglevel", "INFO", "--pool", "solo", "--concurrency", "2", "--without-gossip",
                     "--without-mingle", "--beat", "--schedule", "/d/s"]
     assert "--beat" not in worker_argv(beat=False)
+    assert "--without-gossip" in worker_argv(beat=False)  # every worker: gossip's restart fails on a broker restart
 
 
 # -- index definitions ----------------------------------------------------------------------------------

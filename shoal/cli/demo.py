@@ -154,7 +154,6 @@ def demo(
         schedule = run_dir / f"beat-schedule-{run_id}"  # its own: beat's schedule file takes one writer only
         argv = worker_argv(
             beat=True, schedule=schedule, pool="solo", loglevel="warning", hostname=f"shoal-demo-{run_id}@%h",
-            quick=True,
         )
         head = shoal.get_data_source(name, version).head_seq
         built_before = _built_up_to(shoal, head)()

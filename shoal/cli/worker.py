@@ -52,11 +52,12 @@ def worker_argv(
     pool: str | None = None,
     hostname: str | None = None,
     events: bool = False,
-    quick: bool = False,
 ) -> list[str]:
     """The arguments of `celery -A shoal.workers.app ARGS` (from `worker` on) for these choices.
 
-    `quick` skips the start-up handshakes with other workers (mingle, gossip): a lone worker starts faster.
+    Workers never take part in Celery's gossip or mingle: Shoal elects nothing among workers nor revokes tasks
+    (leases in the catalog coordinate builds), and on a Redis broker that comes back after a restart, gossip's
+    restart logs a traceback in every worker (and mingle slows each start).
     """
     argv = ["worker", "--loglevel", loglevel.upper()]
     if pool:
@@ -67,8 +68,7 @@ def worker_argv(
         argv += ["--hostname", hostname]
     if events:
         argv.append("--task-events")
-    if quick:
-        argv += ["--without-gossip", "--without-mingle"]
+    argv += ["--without-gossip", "--without-mingle"]
     if beat:
         argv.append("--beat")
         if schedule is not None:
