@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from psycopg.errors import LockNotAvailable
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from shoal.catalog.db import make_engine
+from shoal.catalog.locks import set_lock_timeout
 from shoal.datasets import rules
 from shoal.datasets.catalog import DatasetRecord, LogTotals
 from shoal.datasets.errors import DatasetError, ErrorCode, invalid, not_found, problems_of
-from shoal.datasets.live import live_ids
+from shoal.datasets.live import live_and_new
 from shoal.datasets.results import Upserted
 from shoal.datasets.scope import DatasetScope
-from shoal.errors import NotFoundError, ValidationError
+from shoal.errors import ConflictError, NotFoundError, ValidationError
 from shoal.log.records import DataPoint
 
 
@@ -61,7 +70,17 @@ class Uploads(DatasetScope):
             points.append(DataPoint(attrs, v["values"]))
         if problems:
             raise invalid(f"invalid vectors, nothing written: {'; '.join(problems[:10])}", problems=problems[:100])
-        self._check_quota(record, [v["id"] for v in vectors])
+        ids = [v["id"] for v in vectors]
+        # Only a dataset with a quota pays for the lock: its check and its commit must be one step, or uploads
+        # racing each other each pass against a log the other is about to grow.
+        if self._quota_of(record) is None:
+            return self._write(record, points)
+        with uploading_alone(self.shoal.engine, record.source_id, self.shoal.settings.lock_timeout_ms):
+            self._check_quota(record, ids)  # read again under the lock: a PUT may have changed it meanwhile
+            return self._write(record, points)
+
+    def _write(self, record: DatasetRecord, points: list[DataPoint]) -> Upserted:
+        """Append the checked points; the batch's write token."""
         try:
             self.shoal.check_backpressure(record.name, rules.VERSION)
             token = self.shoal.producer(record.name, rules.VERSION).upload(points)
@@ -72,26 +91,84 @@ class Uploads(DatasetScope):
             raise invalid(str(exc), problems=problems_of(exc)[:100]) from None
         return Upserted(record.name, len(points), token.seq)
 
+    def _quota_of(self, record: DatasetRecord) -> int | None:
+        """The dataset's quota_limit as the catalog holds it now (DATASET_NOT_FOUND if it went meanwhile)."""
+        # Not as a cached entry does: an upload after a PUT that lowered it answered is checked against the
+        # lowered one, whatever another process cached.
+        return rules.quota_limit(self.catalog.get(record.name).metadata)
+
     def _check_quota(self, record: DatasetRecord, ids: Sequence[str]) -> None:
         """QUOTA_EXCEEDED (nothing written) when the batch would leave more live vectors than the dataset's
-        `metadata.quota_limit`; ids already live are replaced and count once. Checked against the log's state
-        before the write: uploads racing each other may pass it together."""
-        # The quota as the catalog holds it now, not as a cached entry does: an upload after a PUT that lowered
-        # it answered is checked against the lowered one, whatever another process cached.
-        record = self.catalog.get(record.name)  # DATASET_NOT_FOUND if it went meanwhile
-        limit = rules.quota_limit(record.metadata)
+        `metadata.quota_limit`; ids already live are replaced and count once. Exact when called under
+        `uploading_alone`, which every dataset upload with a quota holds until its commit answered."""
+        limit = self._quota_of(record)
         if limit is None:
             return
         totals = self.catalog.log_totals([record.source_id]).get(record.source_id, LogTotals())
-        live = live_ids(self.shoal.engine, self.shoal.storage, record.source_id, totals.head) if totals.head else set()
-        new = set(ids) - live
-        if len(live) + len(new) > limit:
-            why = (f"{len(new)} new vectors would exceed it" if len(live) <= limit
-                   else "it holds more than its quota already (the quota was lowered): delete vectors first")
+        live, new = live_and_new(self.shoal.engine, self.shoal.storage, record.source_id, totals, ids)
+        if live + new > limit:
+            # "Already": a quota lowered below the count, or writes outside the dataset API (not counted).
+            why = (f"{new} new vectors would exceed it" if live <= limit
+                   else "it holds more than its quota already: delete vectors first")
             raise DatasetError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"dataset {record.name!r} holds {len(live)} vectors and its quota_limit is {limit}: {why}; "
+                f"dataset {record.name!r} holds {live} vectors and its quota_limit is {limit}: {why}; "
                 "nothing written",
                 {"dataset_id": record.name, "field": "metadata.quota_limit", "quota_limit": limit,
-                 "vector_count": len(live), "new_vectors": len(new)},
+                 "vector_count": live, "new_vectors": new},
             )
+
+
+# Connections of their own for the quota lock, outside the catalog engine's pool (by its URL): a pool of one
+# (SHOAL_DB_POOL_SIZE=1) would otherwise have none left for the commit made while the lock is held.
+_lock_engines: dict[str, Engine] = {}
+LOCK_CONNECTIONS = 10
+_lock_engines_guard = threading.Lock()
+
+
+def _lock_engine(engine: Engine) -> Engine:
+    """This process's engine for quota locks on the catalog `engine` reaches: 2 idle connections kept, at most
+    LOCK_CONNECTIONS in all (each upload waiting for a quota lock holds one: unbounded, a burst of them would
+    take every connection Postgres allows)."""
+    url = engine.url.render_as_string(hide_password=False)
+    with _lock_engines_guard:
+        own = _lock_engines.get(url)
+        if own is None:
+            own = make_engine(url, pool_size=2, max_overflow=LOCK_CONNECTIONS - 2)
+            _lock_engines[url] = own
+        return own
+
+
+@contextlib.contextmanager
+def uploading_alone(engine: Engine, source_id: int, lock_timeout_ms: int) -> Iterator[None]:
+    """Hold, for the block, the Postgres advisory lock every dataset API upload with a quota to this data
+    source takes (in every API process): one at a time, so a quota check and its commit see no other upload's
+    commit between them. Waits at most `lock_timeout_ms` (SHOAL_LOCK_TIMEOUT_MS), else ConflictError (nothing
+    written; the dataset API answers 503 with Retry-After). Released when the block ends, on error too, and by
+    Postgres if the process dies."""
+    # A transaction-level lock, on a transaction left open over the block: COMMIT or ROLLBACK (or the
+    # connection's loss) releases it, so no connection goes back to the pool still holding it.
+    try:
+        conn_cm = _lock_engine(engine).connect()
+    except PoolTimeout:  # LOCK_CONNECTIONS uploads have waited for their locks for the pool's 30 s
+        raise ConflictError("too many uploads to datasets with a quota wait for their turn in this process; "
+                            "nothing written: retry") from None
+    with conn_cm as conn:
+        set_lock_timeout(conn, lock_timeout_ms)
+        try:
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
+                         {"k": f"shoal dataset upload {source_id}"})
+        except OperationalError as exc:
+            if not isinstance(exc.orig, LockNotAvailable):
+                raise
+            raise ConflictError(
+                f"other uploads to the dataset held its quota lock for more than {lock_timeout_ms} ms "
+                "(SHOAL_LOCK_TIMEOUT_MS); nothing written: retry"
+            ) from None
+        try:
+            yield
+        finally:
+            # A connection lost meanwhile took the lock with it: its error must not turn a landed upload into a
+            # failed one (the pool's pre-ping replaces the connection).
+            with contextlib.suppress(DBAPIError):
+                conn.rollback()
