@@ -114,11 +114,13 @@ def commit_group(
     last_error: Exception | None = None
     for attempt in range(1, retries + 1):
         made: list[WrittenSegment] = []  # filled as soon as the file exists, so a failure can remove it
+        committing = False  # from here on the outcome may be a landed commit, whose files must stay
         try:
             with engine.connect() as conn:
                 tokens = _attempt(
                     conn, source_id, batches, write_segment, lock_timeout_ms, expect_head, made, rebase
                 )
+                committing = True
                 try:
                     conn.commit()
                 except DBAPIError as exc:
@@ -131,9 +133,11 @@ def commit_group(
                             "commit outcome unknown (catalog unreachable); retry with the same batch id"
                         ) from exc
                     if landed:
+                        made.clear()  # the log's files now: nothing below may remove them
                         _committed(on_commit, tokens)
                         return tokens
                     raise
+                made.clear()  # the log's files now: nothing below may remove them
                 _committed(on_commit, tokens)
                 return tokens
         except ConflictError as exc:
@@ -153,8 +157,12 @@ def commit_group(
             last_error = exc
             log.warning("commit attempt %d/%d failed: %s", attempt, retries, exc)
         except BaseException:
-            for m in made:
-                discard(m.path)
+            # Ctrl-C (KeyboardInterrupt) or a task's time limit, say. Raised while the commit was awaited, the
+            # outcome is unknown: the files stay (GC removes one that no row references). A file removed under a
+            # landed commit's row left the log unreadable for good.
+            if not committing:
+                for m in made:
+                    discard(m.path)
             raise
     raise CommitError(f"commit failed after {retries} attempts: {_public_reason(last_error)}") from last_error
 
