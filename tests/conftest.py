@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -475,3 +475,30 @@ def consumer_in_thread() -> Iterator[Callable[[Settings], tuple[IntakeConsumer, 
     for consumer, thread in started:
         consumer.stop.set()
         thread.join(30)
+
+
+T = TypeVar("T")
+
+
+def race(*calls: Callable[[], T], timeout: float = 180) -> list[T]:
+    """Run the calls at once (each in its own thread, released together by a barrier); their results in order.
+    An exception in any of them fails the caller."""
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(30)
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), f"a call took over {timeout} s"
+    return results

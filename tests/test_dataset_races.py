@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import serve_api
+from conftest import race, serve_api
 
 from shoal import Shoal
 from shoal.auth import create_key
@@ -44,29 +44,6 @@ def servers(make_settings: Callable[..., Settings], redis_url: str) -> Iterator[
             for _ in range(2)
         ]
         yield clients[0], clients[1], settings
-
-
-def race(*requests: Callable[[], httpx.Response]) -> list[httpx.Response]:
-    """Send the requests at once (each from its own thread, released together by a barrier); their answers."""
-    barrier = threading.Barrier(len(requests))
-    answers: list[httpx.Response | None] = [None] * len(requests)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait(30)
-            answers[i] = requests[i]()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert all(a is not None for a in answers)
-    return [a for a in answers if a is not None]
 
 
 def create(http: httpx.Client, name: str, dimensions: int = 3, **extra: Any) -> httpx.Response:

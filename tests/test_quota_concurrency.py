@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-from conftest import serve_api
+from conftest import race, serve_api
 
 import shoal.datasets.live as live_module
 import shoal.log.reader as reader_module
@@ -67,28 +66,6 @@ def vector_count(http: httpx.Client, name: str) -> int:
     return int(r.json()["vector_count"])
 
 
-def race(requests: list[Callable[[], httpx.Response]]) -> list[httpx.Response]:
-    """Send the requests at once (each from its own thread, released together by a barrier); their answers."""
-    barrier = threading.Barrier(len(requests))
-    answers: list[httpx.Response | None] = [None] * len(requests)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait(30)
-            answers[i] = requests[i]()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    return [a for a in answers if a is not None]
-
-
 ROUNDS = 5  # before the fix every round ended above the quota (4 uploads at once all passed)
 CLIENTS = 4
 
@@ -104,7 +81,7 @@ def test_concurrent_uploads_never_pass_the_quota_together(env: Env) -> None:
         assert clients[0].post(f"/datasets/{name}/vectors",
                                json=vectors([f"base{j}" for j in range(40)])).status_code == 200
         batches = [[f"c{k}-{j}" for j in range(20)] for k in range(CLIENTS)]
-        answers = race([
+        answers = race(*[
             (lambda k=k, url=f"/datasets/{name}/vectors", ids=batches[k]: clients[k % 2].post(url, json=vectors(ids)))
             for k in range(CLIENTS)
         ])
