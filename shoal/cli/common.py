@@ -16,9 +16,10 @@ lines, or set the window title. `--json` output is json.dumps', which escapes th
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import kombu.exceptions
@@ -116,8 +117,14 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# OS errors about a path an operator names or owns (a folder that is a file, no permission): one line, not a
+# traceback. Only these, and only with a path: any other OSError may be a bug, whose traceback is wanted.
+_PATH_ERRORS = (PermissionError, FileExistsError, NotADirectoryError, IsADirectoryError)
+
+
 def reporting_errors(func: F) -> F:
-    """Wrap a command so Shoal's own errors (and an unreachable broker) end it with one line and status 1."""
+    """Wrap a command so Shoal's own errors, an unreachable broker and an OS error about a named path (no
+    permission, a file where a folder should be) end it with one line and status 1."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -128,6 +135,10 @@ def reporting_errors(func: F) -> F:
         except (redis.exceptions.ConnectionError, kombu.exceptions.OperationalError) as exc:
             # kombu's: a publish (the intake's Publisher) to a broker that went away.
             fail(f"cannot reach the broker: {first_line(exc)}")
+        except _PATH_ERRORS as exc:
+            if exc.filename is None:
+                raise
+            fail(f"{exc.strerror or type(exc).__name__}: {exc.filename}")
 
     return wrapper  # type: ignore[return-value]
 
@@ -153,11 +164,39 @@ def typer_app(help_text: str) -> ShoalTyper:
     )
 
 
+# SHOAL_* variables that are no setting but are read directly: the config file's name, and the tests' own.
+_OTHER_VARIABLES = frozenset({"SHOAL_CONFIG", "SHOAL_TEST_DATABASE_URL", "SHOAL_SHARED_DATA",
+                              "SHOAL_TEST_FAIL_FILE", "SHOAL_WIRE_EXAMPLES", "SHOAL_WIRE_RANDOM"})
+_warned_variables: set[str] = set()  # each unknown variable is warned about once per process
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """Warnings, one per SHOAL_* variable of `environ` that is no setting (nor a variable Shoal reads itself),
+    naming the nearest setting when one is close: a misspelt variable is otherwise silently ignored."""
+    known = {f"SHOAL_{name.upper()}" for name in Settings.model_fields}
+    # Matched without the prefix all share: "SHOAL_" alone would make any two names look alike.
+    suffixes = sorted(name.removeprefix("SHOAL_") for name in known)
+    warnings = []
+    for key in sorted(environ):
+        name = key.upper()  # pydantic-settings reads variables case-insensitively
+        if not name.startswith("SHOAL_") or name in known or name in _OTHER_VARIABLES:
+            continue
+        near = difflib.get_close_matches(name.removeprefix("SHOAL_"), suffixes, n=1)
+        warnings.append(f"{key} is no setting" + (f"; did you mean SHOAL_{near[0]}?" if near else " (ignored)"))
+    return warnings
+
+
 def load_settings() -> Settings:
     """The effective settings; ConfigurationError listing every invalid one (instead of pydantic's report).
 
     A missing, unreadable or malformed config file is a ConfigurationError of Settings itself, naming the file.
+    A SHOAL_* variable that is no setting is not refused (scripts may export others) but warned about on stderr,
+    once per process.
     """
+    for warning in unknown_variables(os.environ):
+        if warning not in _warned_variables:
+            _warned_variables.add(warning)
+            err.print(Text("warning: " + warning, style="bold yellow"), soft_wrap=True)
     try:
         return Settings()
     except pydantic.ValidationError as exc:

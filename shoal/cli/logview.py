@@ -56,7 +56,7 @@ def _segments_table(segs: list[SegmentRecord]) -> Table:
 
 
 def _state_table(record: SourceRecord, state: pa.Table, show: int) -> Table:
-    rows = state.slice(0, show)
+    rows = state.slice(0, min(show, state.num_rows))  # --show has no upper bound; pyarrow's slice has one
     spec = record.spec
     title = f"State at seq {record.head_seq}: first {rows.num_rows} of {count(state.num_rows)} live points"
     table = Table(title=title, title_justify="left")

