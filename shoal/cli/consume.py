@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from shoal.cli.common import load_settings, out, visible
+from shoal.cli.common import fail, load_settings, out, visible
+from shoal.cli.probes import redis_status
 from shoal.cli.worker import check_catalog, check_storage
 
 
@@ -66,6 +67,12 @@ def consume(
     # And the catalog (README: consumers refuse an older schema at start): the consumer reads it only with the first
     # message, and took a schema it cannot use for a transient failure, requeueing every message for ever.
     check_catalog(settings)
+    # And the broker, as `shoal worker` does: a consumer started on one it cannot reach retried for ever, silently.
+    # (One that goes away later is waited for: the consumer reconnects by itself.)
+    broker = broker_url(settings)
+    reachable = redis_status(broker)
+    if reachable != "reachable":
+        fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = IntakeConsumer(settings, group=group, consumer_id=consumer_id, replaces=replaces)
 
@@ -74,6 +81,10 @@ def consume(
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    # A closed terminal stops it cleanly too (its messages handed back, its lead freed at once): killed outright,
+    # its group waited SHOAL_INTAKE_VISIBILITY_TIMEOUT_S for another consumer to lead. Under nohup it stays ignored.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _stop)
     out.print(
         f"consuming queue {consumer.queue.name} of exchange {consumer.exchange_name} on "
         f"{mask_url(broker_url(settings))}; up to {settings.intake_max_points:,} points or "
