@@ -424,3 +424,6 @@ def test_up_port_check_takes_ipv6_hosts() -> None:
 def test_mask_url() -> None:
     assert mask_url("postgresql://u:pw@db.example:5432/shoal") == "postgresql://u:***@db.example:5432/shoal"
     assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    # A URL without a host keeps its `//` when its query is masked (it was shown as postgresql:/db?...).
+    assert mask_url("postgresql:///db?host=/run/pg&password=x") == "postgresql:///db?host=/run/pg&password=***"
+    assert mask_url("postgresql://u:p@h/db?password=s#f") == "postgresql://u:***@h/db?password=***#f"

@@ -584,7 +584,10 @@ def mask_url(url: str) -> str:
     if not parts.query:
         return masked  # as given (urlunsplit would drop an empty host: redis:///0 as redis:/0)
     pairs = [pair.split("=", 1) for pair in parts.query.split("&")]
-    parts = parts._replace(query="&".join(
+    query = "&".join(
         f"{p[0]}=***" if len(p) == 2 and unquote(p[0]).lower() in _SECRET_PARAMS else "=".join(p) for p in pairs
-    ))
-    return urlunsplit(parts)
+    )
+    # Only the query is rebuilt: urlunsplit drops an empty host (postgresql:///db?host=/run as postgresql:/db?...).
+    head = masked[: masked.index("?")] if "?" in masked else masked
+    fragment = f"#{parts.fragment}" if "#" in masked else ""
+    return f"{head}?{query}{fragment}"
