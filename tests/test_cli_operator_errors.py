@@ -136,7 +136,7 @@ def test_a_misspelt_variable_is_warned_about_once_with_the_nearest_name(
 def test_settings_and_directly_read_variables_are_no_warning() -> None:
     environ = {"SHOAL_DATA_DIR": "/x", "shoal_tenant": "t", "SHOAL_CONFIG": "s.toml", "SHOAL_TEST_DATABASE_URL": "u",
                "SHOAL_SHARED_DATA": "d", "SHOAL_TEST_FAIL_FILE": "f", "SHOAL_WIRE_EXAMPLES": "1",
-               "SHOAL_WIRE_RANDOM": "1", "OTHER": "1"}
+               "SHOAL_WIRE_RANDOM": "1", "SHOAL_BENCH_DATA": "b", "SHOAL_CATALOG_BENCH_TAG": "t", "OTHER": "1"}
     assert unknown_variables(environ) == []
     assert unknown_variables({"SHOAL_DATABSE_URL": "u"}) == [
         "SHOAL_DATABSE_URL is no setting; did you mean SHOAL_DATABASE_URL?"]

@@ -197,6 +197,29 @@ def test_a_row_lock_held_past_the_lock_timeout_answers_503_and_leaves_the_datase
         assert http.get("/datasets/held").json()["vector_count"] == 2
 
 
+def test_a_row_lock_held_before_the_purge_began_answers_503_within_the_lock_timeout(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """The row lock is held before the purge asks (the retention not yet ended): the purge's first step is bounded
+    by the lock timeout too (it waited as long as the holder did), answers 503, and changes nothing."""
+    settings = _anonymous(make_settings("local", lock_timeout_ms=300))
+    with serve_api(settings) as url, _client(settings, url) as http, Shoal(settings, notify=False) as shoal:
+        trash_id = _trashed(http, "early")
+        before = http.get("/trash").json()["datasets"][0]["purge_after"]
+        holder = RowLock(shoal.engine, trash_id)
+        holder.take()
+        try:
+            purged = http.delete(f"/trash/early?trash_id={trash_id}", timeout=20)
+        finally:
+            holder.release()
+        assert purged.status_code == 503, purged.text
+        assert "retry the purge" in purged.json()["message"], purged.text
+        assert [(d["trash_id"], d["purge_after"]) for d in http.get("/trash").json()["datasets"]] == [
+            (trash_id, before)
+        ]
+        assert http.delete(f"/trash/early?trash_id={trash_id}").status_code == 200
+
+
 def _race_round(http: httpx.Client, name: str, trash_id: int) -> dict[str, httpx.Response]:
     """The purge and the restore of `trash_id` sent at once (the restore up to 15 ms later: the window the
     hunter hit lies between the purge's two commits)."""

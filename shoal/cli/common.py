@@ -164,9 +164,11 @@ def typer_app(help_text: str) -> ShoalTyper:
     )
 
 
-# SHOAL_* variables that are no setting but are read directly: the config file's name, and the tests' own.
-_OTHER_VARIABLES = frozenset({"SHOAL_CONFIG", "SHOAL_TEST_DATABASE_URL", "SHOAL_SHARED_DATA",
-                              "SHOAL_TEST_FAIL_FILE", "SHOAL_WIRE_EXAMPLES", "SHOAL_WIRE_RANDOM"})
+# SHOAL_* variables that are no setting but are read directly: the config file's name, and the tests' and
+# benchmarks' own (those under a prefix of their own as a whole).
+_OTHER_VARIABLES = frozenset({"SHOAL_CONFIG", "SHOAL_SHARED_DATA", "SHOAL_WIRE_EXAMPLES", "SHOAL_WIRE_RANDOM",
+                              "SHOAL_CATALOG_BENCH_TAG"})
+_OTHER_PREFIXES = ("SHOAL_TEST_", "SHOAL_BENCH_")
 _warned_variables: set[str] = set()  # each unknown variable is warned about once per process
 
 
@@ -180,6 +182,8 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     for key in sorted(environ):
         name = key.upper()  # pydantic-settings reads variables case-insensitively
         if not name.startswith("SHOAL_") or name in known or name in _OTHER_VARIABLES:
+            continue
+        if name.startswith(_OTHER_PREFIXES):
             continue
         near = difflib.get_close_matches(name.removeprefix("SHOAL_"), suffixes, n=1)
         warnings.append(f"{key} is no setting" + (f"; did you mean SHOAL_{near[0]}?" if near else " (ignored)"))

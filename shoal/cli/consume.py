@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from shoal.cli.common import fail, load_settings, out, visible
-from shoal.cli.probes import redis_status
+from shoal.cli.common import load_settings, out, visible
+from shoal.cli.probes import check_broker
 from shoal.cli.worker import check_catalog, check_storage
 
 
@@ -70,9 +70,7 @@ def consume(
     # And the broker, as `shoal worker` does: a consumer started on one it cannot reach retried for ever, silently.
     # (One that goes away later is waited for: the consumer reconnects by itself.)
     broker = broker_url(settings)
-    reachable = redis_status(broker)
-    if reachable != "reachable":
-        fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
+    check_broker(broker)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     consumer = IntakeConsumer(settings, group=group, consumer_id=consumer_id, replaces=replaces)
 

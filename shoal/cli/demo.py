@@ -22,11 +22,11 @@ from shoal.cli.common import Tenant, err, fail, load_settings, open_shoal, out
 from shoal.cli.demo_http import http_search
 from shoal.cli.formatting import count, params_text
 from shoal.cli.logview import print_log
-from shoal.cli.probes import redis_status
+from shoal.cli.probes import check_broker
 from shoal.cli.status import freshness_table
 from shoal.cli.worker import describe_servers, start_worker_process, stop_worker_process, worker_argv
 from shoal.client import Shoal
-from shoal.config.settings import Settings, mask_url
+from shoal.config.settings import Settings
 from shoal.demo import DEMO_SPEC, demo_files, load_demo
 from shoal.intake.bulk import plan_import, run_import
 from shoal.log.records import IndexSpec, Tombstone, WriteToken
@@ -116,9 +116,7 @@ def demo(
     with open_shoal(tenant, settings) as shoal:
         broker = shoal.broker_url()
         # Checked before anything is written: the demo publishes to the broker and its worker consumes from it.
-        reachable = redis_status(broker)
-        if reachable != "reachable":
-            fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
+        check_broker(broker)
         for line in describe_servers(settings, broker):
             out.print(line)
 

@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from shoal.cli.common import first_line
-from shoal.config.settings import Settings
+from shoal.cli.common import fail, first_line
+from shoal.config.settings import Settings, mask_url
 
 
 def embedded_postgres_status(data_dir: Path) -> tuple[str, str]:
@@ -51,6 +51,14 @@ def database_status(settings: Settings) -> str:
         return f"unreachable: {first_line(exc)}"
     finally:
         engine.dispose()
+
+
+def check_broker(url: str) -> None:
+    """End the command with one line and status 1 when the broker at `url` cannot be reached (one PING): what
+    every long-running role checks before it starts."""
+    reachable = redis_status(url)
+    if reachable != "reachable":
+        fail(f"cannot reach the broker at {mask_url(url)}: {reachable.removeprefix('unreachable: ')}")
 
 
 def redis_status(url: str) -> str:

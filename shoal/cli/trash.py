@@ -132,7 +132,8 @@ def trash_purge(
             if items and not yes:
                 typer.confirm(f"Delete for good the {len(items)} datasets in the trash of tenant {shoal.tenant!r}?",
                               abort=True, err=True)
-            result = trash.purge(shoal.storage, redis_client=shoal.runtime.redis_if_any())
+            result = trash.purge(shoal.storage, redis_client=shoal.runtime.redis_if_any(),
+                                 lock_timeout_ms=shoal.settings.lock_timeout_ms)
         else:
             result = purge_due(shoal.engine, shoal.storage, source_ids=due_sources(shoal.engine, [t.id for t in items]),
                                redis_client=shoal.runtime.redis_if_any())

@@ -26,7 +26,7 @@ from typing import IO, Annotated
 import typer
 
 from shoal.cli.common import err, fail, load_settings, out
-from shoal.cli.probes import redis_status
+from shoal.cli.probes import check_broker
 from shoal.cli.worker import (
     CELERY_APP,
     SCHEDULE_FILE,
@@ -40,7 +40,6 @@ from shoal.cli.worker import (
     stop_worker_process,
     worker_argv,
 )
-from shoal.config.settings import mask_url
 from shoal.errors import ConfigurationError
 from shoal.servers.parent_death import parent_death_signal
 
@@ -240,9 +239,7 @@ def up(
             fail(f"port {p} on {h} is in use: cannot start {what} (choose another port or stop what uses it)")
     check_catalog(settings)  # reachable and migrated (the embedded Postgres started) before anything starts
     broker = broker_url(settings)  # the embedded Valkey started, if it is the broker; the children find it
-    reachable = redis_status(broker)
-    if reachable != "reachable":
-        fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
+    check_broker(broker)
 
     logs = settings.data_dir / LOG_DIR
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # children's logs are complete up to the moment they die

@@ -17,8 +17,8 @@ from typing import IO, Annotated
 
 import typer
 
-from shoal.cli.common import err, fail, load_settings, out
-from shoal.cli.probes import redis_status
+from shoal.cli.common import err, load_settings, out
+from shoal.cli.probes import check_broker
 from shoal.config.settings import Settings, mask_url
 
 CELERY_APP = "shoal.workers.app"
@@ -210,17 +210,16 @@ def worker(
     events; or start the worker with --events; without --address it listens on every interface).
     """
     from shoal.servers.broker import broker_url
+    from shoal.servers.embedded import make_data_folder
     from shoal.workers.app import app
 
     settings = load_settings()
     check_storage(settings)
     check_catalog(settings)  # reachable and migrated before the worker takes tasks
     broker = broker_url(settings)
-    reachable = redis_status(broker)
-    if reachable != "reachable":
-        fail(f"cannot reach the broker at {mask_url(broker)}: {reachable.removeprefix('unreachable: ')}")
+    check_broker(broker)
     if beat and schedule is None:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        make_data_folder(settings.data_dir)
         schedule = settings.data_dir / SCHEDULE_FILE
     argv = worker_argv(
         beat=beat, schedule=schedule, concurrency=concurrency, loglevel=loglevel.value,

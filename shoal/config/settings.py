@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import platformdirs
 from pydantic import AfterValidator, Field, field_validator

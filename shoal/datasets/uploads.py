@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -128,8 +129,8 @@ _lock_engines_guard = threading.Lock()
 
 def _lock_engine(engine: Engine) -> Engine:
     """This process's engine for quota locks on the catalog `engine` reaches: 2 idle connections kept, at most
-    LOCK_CONNECTIONS in all (each upload waiting for a quota lock holds one: unbounded, a burst of them would
-    take every connection Postgres allows)."""
+    LOCK_CONNECTIONS in all (one per dataset whose uploads wait for its lock, as `_Turns` lets one upload of a
+    dataset wait in Postgres: unbounded, a burst of datasets would take every connection Postgres allows)."""
     url = engine.url.render_as_string(hide_password=False)
     with _lock_engines_guard:
         own = _lock_engines.get(url)
@@ -139,8 +140,65 @@ def _lock_engine(engine: Engine) -> Engine:
         return own
 
 
+class _Turns:
+    """Uploads of this process to one dataset, one at a time: only one of them waits on Postgres for the dataset's
+    lock (holding a lock connection), so uploads piling up on one busy dataset leave the other datasets their
+    connections. A source's entry lives while an upload to it is in the block."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[int, tuple[threading.Lock, int]] = {}  # source id -> (its lock, uploads using it)
+
+    @contextlib.contextmanager
+    def turn(self, source_id: int, timeout_s: float) -> Iterator[None]:
+        """Hold the source's turn for the block; ConflictError after `timeout_s` without it."""
+        with self._guard:
+            lock, users = self._locks.get(source_id, (threading.Lock(), 0))
+            self._locks[source_id] = (lock, users + 1)
+        try:
+            if not lock.acquire(timeout=max(timeout_s, 0.0)):
+                raise _lock_timeout(timeout_s * 1000)
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            with self._guard:
+                lock, users = self._locks[source_id]
+                if users == 1:
+                    del self._locks[source_id]
+                else:
+                    self._locks[source_id] = (lock, users - 1)
+
+
+_turns = _Turns()
+
+
+def _lock_timeout(waited_ms: float) -> ConflictError:
+    return ConflictError(
+        f"other uploads to the dataset held its quota lock for more than {waited_ms:.0f} ms "
+        "(SHOAL_LOCK_TIMEOUT_MS); nothing written: retry"
+    )
+
+
 @contextlib.contextmanager
 def uploading_alone(engine: Engine, source_id: int, lock_timeout_ms: int) -> Iterator[None]:
+    """Hold, for the block, this process's turn of the data source and the Postgres advisory lock of it that
+    every dataset API upload with a quota to it takes (in every API process): one at a time, so a quota check and
+    its commit see no other upload's commit between them. Waits at most `lock_timeout_ms`
+    (SHOAL_LOCK_TIMEOUT_MS) for both, else ConflictError (nothing written; the dataset API answers 503 with
+    Retry-After)."""
+    started = time.monotonic()
+    with _turns.turn(source_id, lock_timeout_ms / 1000):
+        left_ms = max(1, int(lock_timeout_ms - (time.monotonic() - started) * 1000))
+        with _advisory_lock(engine, source_id, left_ms, lock_timeout_ms):
+            yield
+
+
+@contextlib.contextmanager
+def _advisory_lock(engine: Engine, source_id: int, wait_ms: int, lock_timeout_ms: int) -> Iterator[None]:
+    """The data source's upload lock in Postgres, waited for at most `wait_ms`; released when the block ends, on
+    error too, and by Postgres if the process dies."""
     """Hold, for the block, the Postgres advisory lock every dataset API upload with a quota to this data
     source takes (in every API process): one at a time, so a quota check and its commit see no other upload's
     commit between them. Waits at most `lock_timeout_ms` (SHOAL_LOCK_TIMEOUT_MS), else ConflictError (nothing
@@ -150,21 +208,18 @@ def uploading_alone(engine: Engine, source_id: int, lock_timeout_ms: int) -> Ite
     # connection's loss) releases it, so no connection goes back to the pool still holding it.
     try:
         conn_cm = _lock_engine(engine).connect()
-    except PoolTimeout:  # LOCK_CONNECTIONS uploads have waited for their locks for the pool's 30 s
+    except PoolTimeout:  # uploads to LOCK_CONNECTIONS other datasets held every connection for the pool's 30 s
         raise ConflictError("too many uploads to datasets with a quota wait for their turn in this process; "
                             "nothing written: retry") from None
     with conn_cm as conn:
-        set_lock_timeout(conn, lock_timeout_ms)
+        set_lock_timeout(conn, wait_ms)
         try:
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
                          {"k": f"shoal dataset upload {source_id}"})
         except OperationalError as exc:
             if not isinstance(exc.orig, LockNotAvailable):
                 raise
-            raise ConflictError(
-                f"other uploads to the dataset held its quota lock for more than {lock_timeout_ms} ms "
-                "(SHOAL_LOCK_TIMEOUT_MS); nothing written: retry"
-            ) from None
+            raise _lock_timeout(lock_timeout_ms) from None
         try:
             yield
         finally:

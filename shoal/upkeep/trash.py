@@ -53,7 +53,7 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from shoal.catalog.locks import lock_source, lock_sources
+from shoal.catalog.locks import lock_source, lock_sources, set_lock_timeout
 from shoal.catalog.models import DataSource, Index, Tenant
 from shoal.catalog.repo import _spec
 from shoal.errors import AlreadyExistsError, ConflictError, NotFoundError
@@ -251,10 +251,26 @@ class Trash:
         return self._expire(source_ids)[0]
 
     def _expire(
-        self, source_ids: Sequence[int] | None
+        self, source_ids: Sequence[int] | None, lock_timeout_ms: int | None = None
     ) -> tuple[list[int], dict[int, tuple[dt.datetime, dt.datetime]]]:
-        """`expire`, telling also what it changed: {id: (the retention it ended, the one it set)}."""
+        """`expire`, telling also what it changed: {id: (the retention it ended, the one it set)}. With
+        `lock_timeout_ms`, ConflictError (nothing changed) when a row lock stays held longer than that."""
+        try:
+            return self._expire_locked(source_ids, lock_timeout_ms)
+        except OperationalError as exc:
+            if lock_timeout_ms is None or not isinstance(exc.orig, pg_errors.LockNotAvailable):
+                raise
+            raise ConflictError(
+                f"data sources of tenant {self.tenant!r} in the trash were held by another transaction (a commit, "
+                f"a GC run, a restore) for more than {lock_timeout_ms} ms; nothing changed: retry the purge",
+                expected="purged", actual="in the trash",
+            ) from None
+
+    def _expire_locked(
+        self, source_ids: Sequence[int] | None, lock_timeout_ms: int | None
+    ) -> tuple[list[int], dict[int, tuple[dt.datetime, dt.datetime]]]:
         with Session(self.engine) as s, s.begin():
+            set_lock_timeout(s, lock_timeout_ms)
             scope = [DataSource.tenant_id == self.tenant_id, DataSource.deleted_at.is_not(None)]
             if source_ids is not None:
                 scope.append(DataSource.id.in_(list(source_ids)))
@@ -314,7 +330,7 @@ class Trash:
         with its retention as it was: restorable, and purged by beat's run once that retention ends. So does
         ConflictError, raised when a source asked for is still in the trash after the run (another transaction
         held its row lock past `lock_timeout_ms`); a retry purges it."""
-        ids, changed = self._expire(source_ids)
+        ids, changed = self._expire(source_ids, lock_timeout_ms)
         try:
             result = purge_due(self.engine, storage, source_ids=ids, redis_client=redis_client,
                                wait_ms=lock_timeout_ms)
