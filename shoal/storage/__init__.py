@@ -404,7 +404,8 @@ class Storage:
         storage cannot be reached, any other OSError (a permission, a disk error) as it is."""
         with self._reaching(f"delete {relative}"):
             try:
-                self.fs.delete_file(self.path(relative))  # one request fewer than asking first
+                # Not asked first: pyarrow asks itself (on S3 a HEAD, the DELETE, then a PUT of the folder's marker).
+                self.fs.delete_file(self.path(relative))
             except FileNotFoundError:
                 return False
         return True
