@@ -275,3 +275,27 @@ def test_uploads_and_first_searches_answer_503_while_s3_is_down(
         assert r.status_code == 200, r.text
         assert [p["attributes"][0]["value"]["int64"] for p in r.json()[0]["nearestDataPoints"]] == [1, 0]
         assert http.post("/datasets/notes/vectors", json=one).status_code == 200
+
+
+def test_healthz_says_when_the_storage_cannot_be_reached(
+    make_settings: Callable[..., Settings], own_s3: OwnS3
+) -> None:
+    """While S3 refused connections, every upload, strong search and first load answered 503, and `/healthz` said
+    "ok": a probe watching it never saw the storage go. It names the storage among its problems, and drops it once
+    S3 is back."""
+    from shoal.workers.liveness import STORAGE_SENTENCE
+
+    settings = _s3_settings(make_settings, own_s3)
+    with Shoal(settings, notify=False), serve_api(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+
+        def problems() -> list[str]:
+            r = http.get("/healthz")
+            assert r.status_code == 200, r.text
+            return list(r.json()["problems"])
+
+        assert STORAGE_SENTENCE not in problems()
+        own_s3.stop()
+        wait_for(lambda: STORAGE_SENTENCE in problems(), 30, "/healthz to name the storage")
+        assert http.get("/healthz").json()["status"] == "degraded"
+        own_s3.start()
+        wait_for(lambda: STORAGE_SENTENCE not in problems(), 30, "/healthz to drop the storage once S3 is back")

@@ -2,8 +2,8 @@
 
 `shoal api` alone commits uploads and queues index work; only a worker (`shoal worker`, `shoal up`) builds
 indexes. The probe answers 200 whatever it finds (it is a liveness probe: the process serves), and its body
-says "degraded", with the problems in words, when shards lag and no worker answers, or when the broker or
-the catalog cannot be reached. The monitor writes the same to the API's log, so an operator who reads only
+says "degraded", with the problems in words, when shards lag and no worker answers, or when the broker, the
+catalog or the storage cannot be reached. The monitor writes the same to the API's log, so an operator who reads only
 the log learns why searches never show new data. The report holds counts only: the probe needs no key.
 """
 
@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from shoal.runtime import Runtime
+from shoal.storage.identity import MARKER
 from shoal.workers.liveness import DEGRADED, HealthReport, health_report
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,15 @@ class _CachedReport:
         # Callers wait for a computation under way rather than starting their own: one ping at a time.
         with self._lock:
             if self._report is None or time.monotonic() - self._at >= max_age_s:
-                self._report = health_report(self._runtime.engine, self._runtime.broker_url, PING_TIMEOUT_S)
+                self._report = health_report(self._runtime.engine, self._runtime.broker_url, PING_TIMEOUT_S,
+                                             storage_check=self._storage_check)
                 self._at = time.monotonic()
             return self._report
+
+    def _storage_check(self) -> bool:
+        # One HEAD of the catalog's marker, which every storage in use holds (a storage the process could not
+        # open at start never got this far).
+        return self._runtime.storage.exists(MARKER)
 
 
 # Keyed weakly: the probe and the monitor of one runtime share a cache, which goes with the runtime.

@@ -37,6 +37,7 @@ DEGRADED = "degraded"
 NO_WORKER = "no_worker"
 BROKER_UNREACHABLE = "broker_unreachable"
 CATALOG_UNREACHABLE = "catalog_unreachable"
+STORAGE_UNREACHABLE = "storage_unreachable"
 
 _apps: dict[str, Celery] = {}
 _apps_lock = threading.Lock()
@@ -134,6 +135,10 @@ BROKER_SENTENCE = (
     "cannot reach the broker: uploads cannot queue index work and no worker can be asked whether it is alive"
 )
 CATALOG_SENTENCE = "cannot reach the catalog: how far the indexes lag is unknown"
+STORAGE_SENTENCE = (
+    "cannot reach the storage: uploads, strong searches and first loads of an index answer 503, and workers "
+    "cannot build"
+)
 
 
 @dataclass(frozen=True)
@@ -160,12 +165,18 @@ class HealthReport:
         }
 
 
-def health_report(engine: Engine, broker_url: Callable[[], str], timeout: float = 1.0) -> HealthReport:
+def health_report(
+    engine: Engine,
+    broker_url: Callable[[], str],
+    timeout: float = 1.0,
+    storage_check: Callable[[], object] | None = None,
+) -> HealthReport:
     """Ask the catalog and the workers; "degraded", with a sentence per problem, when shards lag and nothing
     will index them, or when the broker or the catalog cannot be reached. Never raises for either; the
     reason of a failure goes to this module's log only (it may name hosts), never into the report.
 
     `broker_url` is called only here, so an embedded broker that fails to start is reported, not raised.
+    `storage_check` (one cheap read of the storage) adds the storage's reachability to the report.
     """
     problems: dict[str, str] = {}
     lag: LagSummary | None = None
@@ -180,6 +191,12 @@ def health_report(engine: Engine, broker_url: Callable[[], str], timeout: float 
     except Exception as exc:  # unreachable, refused, or the embedded broker would not start
         log.debug("health: broker check failed: %s", type(exc).__name__, exc_info=True)
         problems[BROKER_UNREACHABLE] = BROKER_SENTENCE
+    if storage_check is not None:
+        try:
+            storage_check()
+        except Exception as exc:  # unreachable, refused, throttled: every write and first load fails meanwhile
+            log.debug("health: storage check failed: %s", type(exc).__name__, exc_info=True)
+            problems[STORAGE_UNREACHABLE] = STORAGE_SENTENCE
     # A shard under a live lease is being built: its worker may be too busy to answer (solo pool).
     if lag is not None and workers == [] and lag.lagging_shards > 0 and lag.building_shards == 0:
         problems[NO_WORKER] = no_worker_sentence(lag)
