@@ -385,7 +385,7 @@ def test_up_refuses_anonymous_writes_beyond_loopback(cli_env: Path, monkeypatch:
 
     monkeypatch.setattr(up_module, "check_catalog", lambda _: None)
     monkeypatch.setattr(shoal.servers.broker, "broker_url", lambda _: "redis://127.0.0.1:1/0")
-    monkeypatch.setattr(up_module, "redis_status", lambda _: "reachable")
+    monkeypatch.setattr(up_module, "check_broker", lambda _: None)
     monkeypatch.setattr(up_module, "start_worker_process", start)
     monkeypatch.setattr(up_module, "stop_worker_process", lambda *_: "stopped")
     monkeypatch.setattr(up_module, "_start", start)
