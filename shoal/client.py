@@ -4,8 +4,9 @@ the log."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ from shoal.log.records import (
     refuse_dataset_key,
 )
 from shoal.log.validation import SEQ, segment_schema
-from shoal.runtime import Runtime
+from shoal.runtime import CLOSED, Runtime
 from shoal.searcher.consistency import check_seq
 from shoal.storage import Storage
 from shoal.storage.layout import source_log_dir
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 class Shoal:
     """The Python API for one tenant: a thin facade over the process's `Runtime` (catalog pool, storage,
     broker clients), which it makes (and closes) itself unless one is passed in. Many Shoals of one runtime
-    share its connections, so a scope per tenant costs no pool of its own."""
+    share its connections, so a scope per tenant costs no pool of its own. Once closed, every method refuses
+    (ConfigurationError "this Shoal is closed"), as do its producers and searchers."""
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class Shoal:
         if runtime is not None and settings is not None and settings is not runtime.settings:
             raise ConfigurationError("pass settings or runtime, not both: a runtime has its own settings "
                                      "(Shoal(runtime=runtime) uses runtime.settings)")
+        self._closed = False
         self._owns_runtime = runtime is None
         # The search services of the searchers `searcher()` made (threads, connections): closed with this Shoal,
         # or they would go on polling the catalog after it closed. Held strongly: a searcher used once and
@@ -120,6 +123,7 @@ class Shoal:
     def create_data_source(self, spec: DataSourceSpec, *, exist_ok: bool = False) -> SourceRecord:
         """Create a data source; AlreadyExistsError if it exists (unless `exist_ok` and identical). Its custom
         metadata may not hold `shoal.dataset`, the dataset API's own key (ValidationError)."""
+        _check_spec("spec", spec, DataSourceSpec)
         refuse_dataset_key(spec.custom_metadata)
         return self.catalog.create_data_source(spec, exist_ok=exist_ok)
 
@@ -212,6 +216,7 @@ class Shoal:
         and the workers build them (the sweep or the next commit queues the work)."""
         from shoal.index.spec import resolve_index
 
+        _check_spec("spec", spec, IndexSpec)
         if GENERATION_MARK in spec.version:
             raise InvalidNameError(f"index version {spec.version!r}: '~' is reserved for reindex generations")
         source = self.get_data_source(spec.source_name, spec.source_version)
@@ -516,7 +521,11 @@ class Shoal:
 
     def close(self) -> None:
         """Stop the searchers `searcher()` made (their threads and connections), and release the catalog
-        connections and broker clients when this Shoal made its own runtime."""
+        connections and broker clients when this Shoal made its own runtime. For good: every later call of this
+        Shoal, its producers and its searchers raises ConfigurationError. A second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for service in self._services:
             service.close()
         self._services.clear()
@@ -528,6 +537,39 @@ class Shoal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_spec(what: str, spec: object, kind: type) -> None:
+    """Refuse (ValidationError naming `what`) a spec that is not a `kind`: a None or a dict would fail deep in
+    the call with an AttributeError."""
+    if not isinstance(spec, kind):
+        raise ValidationError(f"{what} must be a {kind.__module__}.{kind.__name__}, got {type(spec).__name__} "
+                              f"{spec!r:.100}")
+
+
+def _refusing_when_closed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, raising ConfigurationError once its Shoal was closed (a bool check: nothing else is paid)."""
+
+    @functools.wraps(method)
+    def checked(self: Shoal, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise ConfigurationError(f"{CLOSED}: {method.__name__}() is refused (make a new Shoal)")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+def _refuse_after_close(cls: type) -> None:
+    """Wrap every public method of `cls` (not close, nor the properties) with `_refusing_when_closed`: a closed
+    Shoal must not silently reopen the pool, the Redis client and searcher threads its close released, whichever
+    method is called, including methods added later."""
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or name == "close" or not callable(member):
+            continue
+        setattr(cls, name, _refusing_when_closed(member))
+
+
+_refuse_after_close(Shoal)
 
 
 def _check_index(name: str, version: str) -> None:

@@ -9,18 +9,20 @@ by SHOAL_DB_POOL_SIZE and SHOAL_DB_MAX_OVERFLOW, however many tenants call it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from shoal.catalog.db import ensure_schema, make_engine, resolve_database_url
+from shoal.catalog.db import close_engine, ensure_schema, make_engine, resolve_database_url
 from shoal.catalog.indexes import AliasCatalog, IndexCatalog, ShardCatalog
 from shoal.catalog.repo import Catalog, SourceRecord, tenant_exists
 from shoal.config.settings import Settings
-from shoal.errors import NotFoundError
+from shoal.errors import ConfigurationError, NotFoundError
 from shoal.index.segment_cache import SegmentCache
 from shoal.intake.backpressure import Backpressure
 from shoal.log.heads import HeadAnnouncer
@@ -39,6 +41,21 @@ SHARDS_OF_TTL_S = 2.0
 SOURCE_TTL_S = 2.0
 
 
+# Every open runtime of the process, held weakly (a runtime dropped unclosed is not kept alive by this), so that
+# a forked child can make each its own (`Runtime._after_fork_in_child`).
+_RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+CLOSED = "this Shoal is closed"
+
+
+def _runtimes_after_fork_in_child() -> None:
+    for runtime in list(_RUNTIMES):
+        runtime._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_runtimes_after_fork_in_child)
+
+
 @dataclass(frozen=True)
 class Scope:
     """One tenant over a runtime: its id and the repositories that filter by it. Cheap: no connection."""
@@ -52,9 +69,12 @@ class Scope:
 
 
 class Runtime:
-    """What every tenant of this process shares. Thread-safe; `close()` releases connections and clients."""
+    """What every tenant of this process shares. Thread-safe; `close()` releases connections and clients, for
+    good: a closed runtime refuses every later use (ConfigurationError). Safe across `os.fork()`: a forked child
+    opens connections of its own on first use, and the parent's stay the parent's."""
 
     def __init__(self, settings: Settings | None = None, *, notify: bool = True) -> None:
+        self.closed = False
         self.settings = settings or Settings()
         self.notify = notify  # queue index materialization after each commit
         self.database_url = resolve_database_url(self.settings)
@@ -86,6 +106,12 @@ class Runtime:
         self._redis: redis.Redis | None = None
         self._celery: Any = None
         self.heads = HeadAnnouncer(self.redis)
+        _RUNTIMES.add(self)
+
+    def check_open(self) -> None:
+        """Raise ConfigurationError when this runtime was closed."""
+        if self.closed:
+            raise ConfigurationError(f"{CLOSED}: its connections were released (make a new Shoal)")
 
     # -- tenants ------------------------------------------------------------------------------------------
 
@@ -93,6 +119,7 @@ class Runtime:
         """The tenant's scope (its catalog row is created on first use, then remembered). With `create` False a
         tenant the catalog does not hold is NotFoundError, and nothing is created or remembered (a message or
         command naming a tenant that does not exist must not make one)."""
+        self.check_open()
         with self._lock:
             found = self._scopes.get(tenant)
         if found is not None:
@@ -115,6 +142,7 @@ class Runtime:
 
     def broker_url(self) -> str:
         """The Redis URL of the broker: configured, or the embedded Valkey (started on first call)."""
+        self.check_open()
         if self._broker_url is None:
             self._broker_url = broker_url(self.settings)
         return self._broker_url
@@ -123,6 +151,7 @@ class Runtime:
         """The process's Redis client on the broker (a pooled, thread-safe client; short timeouts)."""
         url = self.broker_url()  # outside the lock: it may start the embedded Valkey
         with self._lock:
+            self.check_open()  # again under the lock: a close meanwhile must not be followed by a new client
             if self._redis is None:
                 self._redis = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
             return self._redis
@@ -142,6 +171,7 @@ class Runtime:
 
         url = self.broker_url()
         with self._lock:
+            self.check_open()
             if self._celery is None:
                 self._celery = producer_app(url)
             return self._celery
@@ -152,6 +182,7 @@ class Runtime:
         """The process's log writer of a data source: every upload to it in this process shares its group
         commits, whichever tenant scope or thread sends it."""
         with self._lock:
+            self.check_open()
             writer = self._writers.get(source.id)
             if writer is None:
                 writer = LogWriter(
@@ -170,6 +201,7 @@ class Runtime:
     def source(self, scope: Scope, name: str, version: str) -> SourceRecord:
         """The data source's definition, read from the catalog at most every SOURCE_TTL_S per process (the
         upload routes ask on every request). NotFoundError if absent."""
+        self.check_open()
         key = (scope.tenant_id, name, version)
         found = self._sources.get(key)
         if found is not None and time.monotonic() - found[0] < SOURCE_TTL_S:
@@ -200,7 +232,7 @@ class Runtime:
 
     def after_commit(self, source_id: int) -> None:
         """After a commit (never before): queue materialization of every shard over the data source."""
-        if not self.notify:
+        if not self.notify or self.closed:  # closed meanwhile: the indexers' sweep finds the commit
             return
         cached = self._shards_of.get(source_id)
         if cached is None or time.monotonic() - cached[0] > SHARDS_OF_TTL_S:
@@ -216,16 +248,40 @@ class Runtime:
     # -- life -----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the catalog connections and the broker clients."""
-        self.heads.close()
+        """Release the catalog connections and the broker clients, for good: every later use of this runtime, of
+        its producers' writers and of its catalog pool raises ConfigurationError. A second close does nothing."""
         with self._lock:
+            if self.closed:
+                return
+            self.closed = True
             client, self._redis = self._redis, None
             self._celery = None
             self._scopes.clear()
+            writers = list(self._writers.values())
             self._writers.clear()
+        _RUNTIMES.discard(self)
+        self.heads.close()
+        for writer in writers:  # producers made before the close hold them: their uploads are refused now
+            writer.close()
         if client is not None:
             client.close()
-        self.engine.dispose()
+        close_engine(self.engine)
+
+    def _after_fork_in_child(self) -> None:
+        """Called in a forked child only (no other thread runs): make what the parent shares with it the child's.
+        The pool forgets the parent's connections without closing them (SQLAlchemy's recipe: closing, or using,
+        them from here would break the parent's sessions on the same sockets); the child connects anew. Locks
+        a parent thread held at the fork would never be released here: fresh ones. The Redis client checks the
+        pid itself (redis-py resets its pool in a child); Celery's app is made again; owed head announcements
+        are the parent's to retry. Writers reset themselves (shoal.log.writer)."""
+        self._lock = threading.Lock()
+        self.engine.dispose(close=False)
+        self._celery = None
+        self.heads = HeadAnnouncer(self.redis)
+        self.backpressure = Backpressure(
+            self.shards, self.settings.max_index_lag_seqs, self.settings.backpressure_retry_after_s
+        )
+        self.segment_cache._lock = threading.Lock()  # its segments are immutable, so shared safely; its lock not
 
     def __enter__(self) -> Runtime:
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,13 +59,37 @@ def resolve_database_url(settings: Settings) -> str:
 def make_engine(url: str, *, pool_size: int = 5, max_overflow: int = 5) -> Engine:
     """An engine for the catalog, with pre-ping so a restarted server costs one retry, not an error. It holds
     at most `pool_size + max_overflow` connections, named `shoal/<pid>` in pg_stat_activity (so an operator
-    sees which process holds which connections)."""
-    engine = create_engine(
-        url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow,
-        connect_args={"application_name": application_name()},
-    )
+    sees which process holds which connections: named per connection, so a forked child's are named after it).
+    Once `close_engine` closed it, it opens no connection again (ConfigurationError)."""
+    engine = create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)
+    event.listen(engine, "do_connect", _connecting(weakref.ref(engine)))
     event.listen(engine, "connect", _utc_session)
     return engine
+
+
+# Engines `close_engine` closed: they refuse to connect (weakly held: a closed engine dropped goes).
+_CLOSED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def close_engine(engine: Engine) -> None:
+    """Close the engine's pooled connections for good: any later use raises ConfigurationError instead of
+    silently opening a new pool nobody would close."""
+    _CLOSED_ENGINES.add(engine)
+    engine.dispose()
+
+
+def _connecting(engine_ref: weakref.ref[Engine]) -> Any:
+    """The engine's do_connect hook: refuse when it was closed; name the connection after the process making
+    it (the pid of now, not of when the engine was made: a forked child's connections are its own)."""
+
+    def connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        engine = engine_ref()
+        if engine is not None and engine in _CLOSED_ENGINES:
+            raise ConfigurationError("this Shoal is closed: its catalog connections were released (make a new "
+                                     "Shoal)")
+        cparams["application_name"] = application_name()
+
+    return connect
 
 
 def _utc_session(dbapi_connection: Any, _record: Any) -> None:
@@ -96,6 +121,15 @@ def alembic_config(url: str) -> Config:
 
 _migrated: set[str] = set()
 _migrate_lock = threading.Lock()
+
+
+def _fresh_migrate_lock() -> None:
+    """In a forked child: a lock of its own (a parent thread migrating at the fork would hold the copy forever)."""
+    global _migrate_lock
+    _migrate_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_migrate_lock)
 
 
 def ensure_schema(engine: Engine, url: str, *, auto_migrate: bool) -> None:

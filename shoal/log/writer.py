@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import pyarrow.compute as pc
 from sqlalchemy import Engine
 
 from shoal.catalog.repo import SourceRecord
+from shoal.errors import ConfigurationError
 from shoal.log.commit import BatchSlot, commit_group
 from shoal.log.segment_file import WrittenSegment, build_segment_table, store_segment
 from shoal.storage import Storage
@@ -86,6 +89,19 @@ def _hash_values(h: Any, arr: pa.Array) -> None:
         h.update(repr(arr.to_pylist()).encode())
 
 
+# Every live writer of the process, so that a forked child can reset them (`_reset_writers_in_child`).
+_WRITERS: weakref.WeakSet[LogWriter] = weakref.WeakSet()
+
+
+def _reset_writers_in_child() -> None:
+    """In a forked child, give every writer a group commit of its own (`LogWriter._reset_after_fork`)."""
+    for writer in list(_WRITERS):
+        writer._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_writers_in_child)
+
+
 @dataclass
 class _Request:
     table: pa.Table
@@ -119,6 +135,7 @@ class LogWriter:
         self._cv = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._busy = False
+        self._closed = False
         self._calls = itertools.count(1)
         self.commits = 0  # how many transactions this writer made (observable group-commit effect)
         # Called after each commit that wrote something (never before: DESIGN.md's flow, step 4).
@@ -126,6 +143,21 @@ class LogWriter:
         # Called with (source id, new head) after each commit and before its writers are acknowledged: the
         # head announcement searchers answer `strong` from (shoal.log.heads).
         self.announce_head: Callable[[int, int], None] | None = None
+        _WRITERS.add(self)
+
+    def close(self) -> None:
+        """Refuse every later submit (ConfigurationError: its runtime, or Shoal, was closed). Commits in flight
+        finish; batches still queued are committed by the callers waiting for them, as ever."""
+        self._closed = True
+
+    def _reset_after_fork(self) -> None:
+        """Called in a forked child only: the group commit as if nothing were in flight. The parent's state was
+        copied mid-commit perhaps: a `_busy` no thread of the child will clear (the next submit would wait for it
+        forever) and a condition whose lock may be held. The queued batches are the parent's, whose callers wait
+        for the parent's commit: committed by the child too, they would land twice."""
+        self._cv = threading.Condition()
+        self._queue = deque()
+        self._busy = False
 
     def submit(self, table: pa.Table, batch_id: str | None = None) -> int:
         """Append one validated batch; block until it is durable and committed; return its last seq."""
@@ -142,6 +174,10 @@ class LogWriter:
         """
         # Fingerprints only for batches with an id (nothing to compare the others with), here in the caller's
         # thread rather than by the group's leader, which holds the data source's lock.
+        if self._closed:  # a bool: the upload's hot path pays no more
+            raise ConfigurationError(
+                f"this Shoal is closed: data source {self.source.spec.name}/{self.source.spec.version} takes no "
+                f"uploads through it (make a new Shoal, and its producers, to upload again)")
         reqs = [
             _Request(table, batch_id, batch_fingerprint(table) if batch_id is not None else None)
             for table, batch_id in batches

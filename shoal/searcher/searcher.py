@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import os
 import threading
 import time
 import weakref
@@ -41,7 +42,7 @@ from shoal.log.heads import HEADS_CHANNEL, parse_announcement
 from shoal.log.reader import read_log
 from shoal.log.records import SparseVector, check_name
 from shoal.log.validation import SEQ
-from shoal.runtime import Runtime, Scope
+from shoal.runtime import CLOSED, Runtime, Scope
 from shoal.searcher.announce import VERSIONS_CHANNEL, HeadAndTokenRead
 from shoal.searcher.consistency import Consistency, check_seq
 from shoal.searcher.execute import Hits, execute, prepare_queries, split_matcher
@@ -97,6 +98,24 @@ def _checked_filter(view: IndexView, filters: Mapping[str, Any] | Filter) -> Fil
 # may unload another's least recently searched index to fit one it loads.
 _SHARING: weakref.WeakKeyDictionary[SegmentCache, weakref.WeakSet[SearchService]] = weakref.WeakKeyDictionary()
 _SHARING_LOCK = threading.Lock()  # a WeakSet walked while another thread adds to it raises RuntimeError
+
+# This process's id, kept up to date across fork: a service made in another process (a forked parent) restarts its
+# following threads in this one at its first use here (`SearchService._usable`).
+_pid = os.getpid()
+
+
+def _services_after_fork_in_child() -> None:
+    """In a forked child (one thread): the new pid, and every service's locks and events fresh (a parent thread
+    may have held them at the fork, and it does not run here); their threads restart at the first search."""
+    global _pid, _SHARING_LOCK
+    _pid = os.getpid()
+    _SHARING_LOCK = threading.Lock()
+    for services in list(_SHARING.values()):
+        for service in list(services):
+            service._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_services_after_fork_in_child)
 
 
 def _poll_s(value: Any) -> float:
@@ -212,6 +231,7 @@ class SearchService:
         placement: Placement | None = None,
     ) -> None:
         # Checked first: a service refused here must not have joined _SHARING (other services walk it).
+        runtime.check_open()
         self.poll_interval = runtime.settings.searcher_poll_s if poll_interval is None else _poll_s(poll_interval)
         self.runtime = runtime
         # Which shards of placed indexes this process loads (the rest are other nodes'; shoal.api.fanout asks them).
@@ -255,15 +275,59 @@ class SearchService:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._pid = _pid  # the process whose threads follow for it (see `_usable`)
         # Joined last: other services walk _SHARING to unload (`_fit_budget`), and a half-made one has no lock yet.
         with _SHARING_LOCK:
             _SHARING.setdefault(self.cache, weakref.WeakSet()).add(self)
-        if follow:
-            self._threads.append(threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True))
-            self._threads.append(threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True))
-            self._threads.append(threading.Thread(target=self._young_loop, name="shoal-searcher-young", daemon=True))
-            for t in self._threads:
-                t.start()
+        self._start_following()
+
+    def _start_following(self) -> None:
+        """Start the threads that follow new versions and heads (when this service follows)."""
+        if not self.follows:
+            return
+        self._threads = [
+            threading.Thread(target=self._poll_loop, name="shoal-searcher-poll", daemon=True),
+            threading.Thread(target=self._listen_loop, name="shoal-searcher-listen", daemon=True),
+            threading.Thread(target=self._young_loop, name="shoal-searcher-young", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _usable(self) -> None:
+        """Raise ConfigurationError once this service, or its runtime, was closed: it no longer follows new
+        versions, and its answers would go stale silently. In a forked child, first restart the following threads
+        (they do not survive fork): a service inherited from the parent (a server's preloaded app, a pool's
+        worker) then serves fresh answers in the child as in the parent, and its loaded segments (immutable,
+        shared copy-on-write) need no reload."""
+        if self._pid != _pid:
+            self._restart_after_fork()
+        if self._stop.is_set() or self.runtime.closed:
+            raise Searcher._closed_error()
+
+    def _reset_after_fork(self) -> None:
+        """Called in a forked child only: fresh locks and events (kept closed if closed), no threads, and no
+        subscription to the announcements (the parent's listener does not run here: `strong` must not trust the
+        heads on Redis until this process's own listener subscribed)."""
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        closed = self._stop.is_set()
+        self._stop, self._wake, self._young_wake = threading.Event(), threading.Event(), threading.Event()
+        if closed:
+            self._stop.set()
+        self._threads = []
+        self._subscription = 0
+
+    def _restart_after_fork(self) -> None:
+        """Start this process's following threads, once, and poll at once: what changed since the fork is
+        loaded now rather than a poll interval later."""
+        with self._lock:
+            if self._pid == _pid:
+                return  # another thread of this process did it
+            self._pid = _pid
+            if not self._stop.is_set():
+                self._start_following()
+                self._wake.set()
+                self._young_wake.set()
 
     def for_tenant(self, scope: Scope) -> Searcher:
         """A searcher of one tenant's indexes over this service."""
@@ -296,8 +360,11 @@ class SearchService:
         (`check_hits`). A search at `at_least` or `strong` reports in `answered` the seq its answer reflects;
         with `pin`, it answers at exactly the lowest seq at or past `pin` (and its token) it can: a part asked
         again to match the other parts of a fanned-out search."""
-        if type(k) is not int or k <= 0:  # the exact type first: True is an int but not a k
-            raise ValidationError(f"k must be a positive integer, got {k!r}")
+        self._usable()
+        # Any integer (numpy's too, as as_of and at_least take), but not a bool: True is an int but not a k.
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k <= 0:
+            raise ValidationError(f"k must be a positive integer, got {k!r:.100}")
+        k = int(k)
         # Only what the steps below would fail on with a raw TypeError or AttributeError, or a catalog error, is
         # checked here; the query vectors themselves are checked by prepare_queries.
         if queries is None or isinstance(queries, SparseVector) or not hasattr(queries, "__iter__"):
@@ -749,6 +816,7 @@ class SearchService:
     def view(self, scope: Scope, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use; InvalidNameError (nothing read) when a name
         is no legal name."""
+        self._usable()
         # Read without the lock: one dict lookup is atomic, and views are only ever replaced whole.
         try:
             view = self._views.get((scope.tenant_id, index_name, index_version))
@@ -1177,8 +1245,27 @@ class Searcher:
         self.service = service
         self.scope = scope
         self._owns_service = owns_service
+        self._closed = False
 
-    def search(self, index_name: str, index_version: str, queries: Any, k: int, **options: Any) -> list[Hits]:
+    def search(
+        self,
+        index_name: str,
+        index_version: str,
+        queries: Any,
+        k: int,
+        *,
+        split_filter: Mapping[str, Any] | None = None,
+        retrieve_vectors: bool = False,
+        consistency: Consistency | str | None = None,
+        tag: str | None = None,
+        as_of: int | None = None,
+        search_params: Mapping[str, int] | None = None,
+        filters: Mapping[str, Any] | Filter | None = None,
+        shards: Collection[int] | None = None,
+        max_hits: int | None = None,
+        pin: int | None = None,
+        answered: AnsweredAt | None = None,
+    ) -> list[Hits]:
         """The k nearest data points for each query vector, nearest first, at the requested consistency.
 
         Options: `split_filter` (attribute -> value), `filters` (attribute filters, see
@@ -1192,21 +1279,57 @@ class Searcher:
         the index's query-time parameters for this search only, without a rebuild: `ef_search` for HNSW,
         `nprobe` for IVF (unknown names and bad values raise ValidationError). A search writes nothing, and its
         errors say "invalid query" (a QueryError), never "nothing written".
+
+        For the HTTP server's fan-out (shoal.api.fanout): `shards`, `max_hits`, `pin` and `answered`, as
+        `SearchService.search` takes them. Once this searcher (or its Shoal) was closed: ConfigurationError.
         """
+        if self._closed:
+            raise self._closed_error()
         try:
-            return self.service.search(self.scope, index_name, index_version, queries, k, **options)
+            return self.service.search(
+                self.scope, index_name, index_version, queries, k, split_filter=split_filter,
+                retrieve_vectors=retrieve_vectors, consistency=consistency,  # type: ignore[arg-type]
+                tag=tag, as_of=as_of, search_params=search_params, filters=filters, shards=shards,
+                max_hits=max_hits, pin=pin, answered=answered,
+            )
         except ValidationError as exc:
             raise QueryError.of(exc) from None
 
-    def search_alias(self, alias: str, queries: Any, k: int, **options: Any) -> list[Hits]:
+    def search_alias(
+        self,
+        alias: str,
+        queries: Any,
+        k: int,
+        *,
+        split_filter: Mapping[str, Any] | None = None,
+        retrieve_vectors: bool = False,
+        consistency: Consistency | str | None = None,
+        tag: str | None = None,
+        as_of: int | None = None,
+        search_params: Mapping[str, int] | None = None,
+        filters: Mapping[str, Any] | Filter | None = None,
+    ) -> list[Hits]:
         """`search` on the index the alias names now: resolved once per call, so a search is answered wholly
         by the index before a move or wholly by the one after it."""
+        if self._closed:
+            raise self._closed_error()
         target = self.scope.aliases.get(check_name("alias", alias))
-        return self.search(target.index_name, target.index_version, queries, k, **options)
+        return self.search(
+            target.index_name, target.index_version, queries, k, split_filter=split_filter,
+            retrieve_vectors=retrieve_vectors, consistency=consistency, tag=tag, as_of=as_of,
+            search_params=search_params, filters=filters,
+        )
+
+    @staticmethod
+    def _closed_error() -> ConfigurationError:
+        return ConfigurationError(f"this Searcher is closed (or {CLOSED}, which made it): it no longer follows "
+                                  f"new versions, so its answers would go stale (make a new one)")
 
     def view(self, index_name: str, index_version: str) -> IndexView:
         """The index as currently served, loading it on first use; InvalidNameError when a name is no legal
         name."""
+        if self._closed:
+            raise self._closed_error()
         return self.service.view(self.scope, index_name, index_version)
 
     def loaded(self, index_name: str, index_version: str) -> bool:
@@ -1236,9 +1359,14 @@ class Searcher:
 
     def refresh(self) -> None:
         """Load, now, any newer active version of the indexes served (every tenant's of the service)."""
+        if self._closed:
+            raise self._closed_error()
+        self.service._usable()
         self.service.refresh()
 
     def close(self) -> None:
-        """Stop following new versions (when this searcher made its service; the process's stays)."""
+        """Stop following new versions (when this searcher made its service; the process's stays); every later
+        search of this searcher raises ConfigurationError. A second close does nothing."""
+        self._closed = True
         if self._owns_service:
             self.service.close()
