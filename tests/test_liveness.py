@@ -38,11 +38,12 @@ def healthz(base: str) -> tuple[int, dict[str, Any], str]:
         return int(response.status), json.loads(text), text
 
 
-def shoal_status(settings: Settings, *args: str) -> str:
-    """`shoal status ARGS` in process with these settings as its environment; its stdout."""
+def shoal_status(settings: Settings, *args: str) -> tuple[str, str]:
+    """`shoal status ARGS` in process with these settings as its environment; its stdout and its stderr (where
+    its warnings go)."""
     result = CliRunner().invoke(cli_app, ["status", *args], env=settings.child_env())
     assert result.exit_code == 0, (result.output, result.exception)
-    return result.stdout
+    return result.stdout, result.stderr
 
 
 def _lagging_index(settings: Settings) -> tuple[Shoal, str, int]:
@@ -71,9 +72,9 @@ def test_healthz_and_status_say_nothing_indexes_until_a_worker_runs(
             assert body["lagging_shards"] >= 1 and body["max_lag_seqs"] >= head  # other tenants may lag too
             assert any(p.startswith(NO_WORKER) and "`shoal worker`" in p for p in body["problems"])
 
-            table = " ".join(shoal_status(settings).split())  # rich wraps long lines: compare words
-            assert f"{index}/1" in table and f"warning: {NO_WORKER}" in table and "`shoal up`" in table
-            rows = json.loads(shoal_status(settings, index, "1", "--json"))
+            table, warnings = (" ".join(text.split()) for text in shoal_status(settings))  # rich wraps lines
+            assert f"{index}/1" in table and f"warning: {NO_WORKER}" in warnings and "`shoal up`" in warnings
+            rows = json.loads(shoal_status(settings, index, "1", "--json")[0])
             assert rows[0]["built_watermark"] == 0
             assert rows[0]["health"]["status"] == "degraded" and rows[0]["health"]["workers"] == 0
 
@@ -84,9 +85,9 @@ def test_healthz_and_status_say_nothing_indexes_until_a_worker_runs(
             code, body, _ = healthz(base)
             assert code == 200 and body["workers"] >= 1 and body["problems"] == []
 
-            rows = json.loads(shoal_status(settings, index, "1", "--json"))
+            rows = json.loads(shoal_status(settings, index, "1", "--json")[0])
             assert rows[0]["built_watermark"] == head and rows[0]["health"]["workers"] >= 1
-            assert "warning" not in shoal_status(settings, index, "1")
+            assert "warning" not in "".join(shoal_status(settings, index, "1"))
     finally:
         if worker is not None:
             stop_process(worker)
