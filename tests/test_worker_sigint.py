@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import settings_env, stop_process, wait_for
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from shoal import DataSourceSpec, Shoal
+from shoal.catalog.models import IndexShard
 from shoal.config.settings import Settings
 from shoal.log.records import IndexSpec
 
@@ -49,6 +52,16 @@ def _built(shoal: Shoal, index: str) -> int:
     return min(s.built_watermark for s in shoal.index_status(index, "1"))
 
 
+def _building(shoal: Shoal, index: str) -> bool:
+    """Whether a worker holds a live build lease on a shard of the index: its task runs (a task only received
+    waits in the worker's prefetch, and a warm shutdown hands it back rather than running it)."""
+    shards = [s.id for s in shoal.get_index(index, "1").shards]
+    with Session(shoal.engine) as s:
+        return bool(s.scalar(select(func.count()).select_from(IndexShard).where(
+            IndexShard.id.in_(shards), IndexShard.lease_owner.is_not(None),
+            IndexShard.lease_expires_at > func.clock_timestamp())))
+
+
 @pytest.mark.slow
 def test_one_sigint_lets_the_running_build_finish_and_exits_0(
     make_settings: Callable[..., Settings], redis_url: str, tmp_path: Path
@@ -62,7 +75,7 @@ def test_one_sigint_lets_the_running_build_finish_and_exits_0(
                                       stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         worker.own_session = True  # type: ignore[attr-defined]  # stop_process then ends its pool too
         try:
-            wait_for(lambda: "materialize_shard[" in log_path.read_text(), 60, "the worker to start the build")
+            wait_for(lambda: _building(shoal, index), 60, "the worker to start the build")
             wait_for(lambda: _built(shoal, index) < head and "succeeded" not in log_path.read_text(), 1,
                      "the build to be still running")
             worker.send_signal(signal.SIGINT)
