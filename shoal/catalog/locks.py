@@ -11,7 +11,9 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
+from psycopg.errors import LockNotAvailable
 from sqlalchemy import Connection, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement
 
@@ -39,6 +41,12 @@ _COLUMNS = (
     DataSource.head_seq,
     DataSource.deleted_at,
 )
+
+
+def lock_timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is a lock wait that ran past the transaction's lock timeout (`set_lock_timeout`): the
+    driver's OperationalError for lock_not_available, nothing written by the statement."""
+    return isinstance(exc, OperationalError) and isinstance(exc.orig, LockNotAvailable)
 
 
 def set_lock_timeout(db: Connection | Session, lock_timeout_ms: int | None) -> None:

@@ -8,13 +8,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from psycopg.errors import LockNotAvailable
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from shoal.catalog.db import make_engine
-from shoal.catalog.locks import set_lock_timeout
+from shoal.catalog.locks import lock_timed_out, set_lock_timeout
 from shoal.datasets import rules
 from shoal.datasets.catalog import DatasetRecord, LogTotals
 from shoal.datasets.errors import DatasetError, ErrorCode, invalid, not_found, problems_of
@@ -217,7 +216,7 @@ def _advisory_lock(engine: Engine, source_id: int, wait_ms: int, lock_timeout_ms
             conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
                          {"k": f"shoal dataset upload {source_id}"})
         except OperationalError as exc:
-            if not isinstance(exc.orig, LockNotAvailable):
+            if not lock_timed_out(exc):
                 raise
             raise _lock_timeout(lock_timeout_ms) from None
         try:

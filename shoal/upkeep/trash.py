@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from psycopg import errors as pg_errors
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from shoal.catalog.locks import lock_source, lock_sources, set_lock_timeout
+from shoal.catalog.locks import lock_source, lock_sources, lock_timed_out, set_lock_timeout
 from shoal.catalog.models import DataSource, Index, Tenant
 from shoal.catalog.repo import _spec
 from shoal.errors import AlreadyExistsError, ConflictError, NotFoundError
@@ -258,7 +257,7 @@ class Trash:
         try:
             return self._expire_locked(source_ids, lock_timeout_ms)
         except OperationalError as exc:
-            if lock_timeout_ms is None or not isinstance(exc.orig, pg_errors.LockNotAvailable):
+            if lock_timeout_ms is None or not lock_timed_out(exc):
                 raise
             raise ConflictError(
                 f"data sources of tenant {self.tenant!r} in the trash were held by another transaction (a commit, "
@@ -447,7 +446,7 @@ def _delete_rows(
     try:
         return _delete_locked_rows(engine, storage, source_id, wait_ms)
     except OperationalError as exc:
-        if wait_ms is None or not isinstance(exc.orig, pg_errors.LockNotAvailable):
+        if wait_ms is None or not lock_timed_out(exc):
             raise
         # Rolled back: nothing changed. The caller tells whoever asked for the purge to retry.
         log.warning("purge: data source #%d skipped: its row lock (or a shard's) stayed held past %d ms",
