@@ -210,6 +210,7 @@ def test_api_workers_refuse_a_port_another_api_with_workers_serves(make_settings
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(second.pid, signal.SIGKILL)
         assert second.returncode == 1, out + err
+        assert out == "", out  # no "Shoal API on ..." banner above the refusal: nothing started
         assert err.strip().splitlines() == [
             f"error: port {port} on 127.0.0.1 is in use: cannot start the HTTP API (choose another port or stop "
             "what uses it)"

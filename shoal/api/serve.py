@@ -50,7 +50,7 @@ def serve(app: Any, *, host: str, port: int, workers: int = 1, access_log: bool 
             raise SystemExit(3)
     else:
         # As with workers: uvicorn alone would log its bind error over several lines and exit 3.
-        _check_port_free(host, port)
+        check_port_free(host, port)
         uvicorn.run(app, **options)
 
 
@@ -64,7 +64,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int) -> None:
     """ConfigurationError in one line when host:port is taken, by anyone: probed without SO_REUSEPORT, which
     would bind beside any other SO_REUSEPORT listener of this user (another `shoal api --workers`, which would
     then get half the connections) and fail only on a listener without it."""
@@ -114,7 +114,7 @@ class _Supervisor:
         """Start the workers and keep them running until told to stop; False when they were stopped because
         they kept exiting (a crash loop), True when SIGINT or SIGTERM stopped them."""
         # A port in use fails here, once, clearly; then the workers bind it side by side.
-        _check_port_free(self.options["host"], self.options["port"])
+        check_port_free(self.options["host"], self.options["port"])
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stop.set())
         # Set before any worker starts: a spawned worker inherits it, and prometheus_client reads it on import.

@@ -30,7 +30,7 @@ def api(
     """
     from shoal.api.app import create_app
     from shoal.api.security import check_exposure
-    from shoal.api.serve import serve
+    from shoal.api.serve import check_port_free, serve
     from shoal.searcher.placement import Placement
     from shoal.storage import Storage
 
@@ -44,6 +44,8 @@ def api(
     # The catalog too (reachable, its schema this Shoal's; the embedded default migrated): checked inside the app's
     # startup, a refusal came out as uvicorn's traceback, and with --workers as worker processes restarted in a loop.
     check_catalog(settings)
+    # Before the banner: "Shoal API on ..." printed above the refusal read as if the API had started.
+    check_port_free(host, port)
     anonymous = settings.resolved_anonymous_tenant
     if anonymous is None:
         who = "every request needs an API key"
