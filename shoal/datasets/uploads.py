@@ -198,11 +198,6 @@ def uploading_alone(engine: Engine, source_id: int, lock_timeout_ms: int) -> Ite
 def _advisory_lock(engine: Engine, source_id: int, wait_ms: int, lock_timeout_ms: int) -> Iterator[None]:
     """The data source's upload lock in Postgres, waited for at most `wait_ms`; released when the block ends, on
     error too, and by Postgres if the process dies."""
-    """Hold, for the block, the Postgres advisory lock every dataset API upload with a quota to this data
-    source takes (in every API process): one at a time, so a quota check and its commit see no other upload's
-    commit between them. Waits at most `lock_timeout_ms` (SHOAL_LOCK_TIMEOUT_MS), else ConflictError (nothing
-    written; the dataset API answers 503 with Retry-After). Released when the block ends, on error too, and by
-    Postgres if the process dies."""
     # A transaction-level lock, on a transaction left open over the block: COMMIT or ROLLBACK (or the
     # connection's loss) releases it, so no connection goes back to the pool still holding it.
     try:
