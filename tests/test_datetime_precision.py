@@ -1,7 +1,8 @@
-"""Datetimes are kept to the microsecond: a value with non-zero digits below it (as .NET writes DateTime: seven
-fractional digits, 100 ns ticks) is refused, never floored into another instant, in a Vektonn JSON upload (two keys
-100 ns apart became one point) and in a filter operand (`$lt` the next microsecond missed the stored one). Trailing
-zeros are whole microseconds and are taken. A tombstone's non-key values are never stored: only their type counts.
+"""Datetimes are kept to the microsecond: a key with non-zero digits below it (as .NET writes DateTime: seven
+fractional digits, 100 ns ticks) is refused, never floored into another instant, in a Vektonn JSON upload (two
+keys 100 ns apart became one point), and so is a filter operand (`$lt` the next microsecond missed the stored
+one); a value that is no key is floored. Trailing zeros are whole microseconds and are taken. A tombstone's
+non-key values are never stored: only their type counts.
 Dataset metadata is schemaless: a stored string with such digits compares as the instant it spells."""
 
 from __future__ import annotations
@@ -78,15 +79,27 @@ def test_an_upload_of_two_keys_apart_below_a_microsecond_is_refused_and_writes_n
     r = http.post(UPLOAD, json=[point(DAY + "1234561Z", 1), point(DAY + "1234569Z", 2)])
     assert errors(r) == [f"point 0, attribute 'at': {SUB_MICROSECOND}", f"point 1, attribute 'at': {SUB_MICROSECOND}"]
     assert (head(shoal), stored(shoal)) == (0, [])
-    # A stored value other than the key too, and nanoseconds (nine digits) or a comma as the decimal mark.
-    r = http.post(UPLOAD, json=[point(DAY + "1234560Z", 1, when=DAY + "000000001Z"),
-                                point(DAY + "1234570Z", 2), point("2024-01-01T00:00:00,1234579+01:00", 3)])
-    assert errors(r) == [f"point 0, attribute 'when': {SUB_MICROSECOND}", f"point 2, attribute 'at': {SUB_MICROSECOND}"]
+    # A key in nanoseconds (nine digits) too; a comma is no decimal mark to .NET's reader, nor here.
+    r = http.post(UPLOAD, json=[point(DAY + "1234560Z", 1), point(DAY + "123457001Z", 2)])
+    assert errors(r) == [f"point 1, attribute 'at': {SUB_MICROSECOND}"]
+    r = http.post(UPLOAD, json=[point(DAY + "1234560Z", 1), point("2024-01-01T00:00:00,1234579+01:00", 3)])
+    assert errors(r) == ["point 1, attribute 'at': not an ISO 8601 date and time: '2024-01-01T00:00:00,1234579+01:00'"]
     assert (head(shoal), stored(shoal)) == (0, [])
     # Trailing zeros spell whole microseconds (.NET writes seven digits): taken, each as its own instant.
     r = http.post(UPLOAD, json=[point(DAY + "1234560Z", 1), point(DAY + "123457000Z", 2)])
     assert r.status_code == 200, r.text
     assert stored(shoal) == [(AT, 1), (AT + dt.timedelta(microseconds=1), 2)]
+
+
+def test_a_payload_value_below_a_microsecond_is_floored(api: tuple[Shoal, httpx.Client]) -> None:
+    """A value that is no key (no point's identity hangs on it) is floored to the microsecond, as .NET's client
+    writes DateTime.UtcNow with seven digits: refused, nine uploads in ten of a current time failed."""
+    shoal, http = api
+    r = http.post(UPLOAD, json=[point(DAY + "123456Z", 1, when=DAY + "1234569Z"),
+                                point(DAY + "123457Z", 2, when=DAY + "000000001Z")])
+    assert r.status_code == 200, r.text
+    whens = sorted(row["when"] for row in shoal.fold("Ev", "1").select(["when"]).to_pylist())
+    assert whens == [AT - dt.timedelta(microseconds=123456), AT]
 
 
 def test_the_fast_and_the_exact_decoder_judge_digits_below_a_microsecond_alike() -> None:
@@ -108,11 +121,15 @@ def test_the_fast_and_the_exact_decoder_judge_digits_below_a_microsecond_alike()
     table = decoded(body(*whole))
     assert table["at"].to_pylist() == [AT + dt.timedelta(microseconds=i) for i in range(3)]
     assert decoded(body(*whole, case=str.upper)).equals(table)
-    # Seven digits, and a Unix time in seconds (or milliseconds) that pydantic reads from a string.
-    below = (DAY + "1234560Z", DAY + "1234561Z", "1704067200.1234569", "1704067200123.4569", "1704067200.123456")
+    # Seven digits and nine.
+    below = (DAY + "1234560Z", DAY + "1234561Z", DAY + "123456001Z", DAY + "123456Z")
     assert upload_json._fast_batch(SPEC, orjson.loads(body(*below)), 100) is None
-    refused = [(i, "at", SUB_MICROSECOND) for i in (1, 2, 3)]
+    refused = [(i, "at", SUB_MICROSECOND) for i in (1, 2)]
     assert decoded(body(*below)) == decoded(body(*below, case=str.upper)) == refused
+    # A Unix time in seconds (or milliseconds) sent as a string is no ISO 8601 text: pydantic read it as one.
+    unix = (DAY + "1234560Z", "1704067200.1234569", "1704067200123.4569", "1704067200.123456")
+    refused = [(i, "at", f"not an ISO 8601 date and time: {unix[i]!r}") for i in (1, 2, 3)]
+    assert decoded(body(*unix)) == decoded(body(*unix, case=str.upper)) == refused
 
 
 def test_a_tombstone_is_judged_by_the_instant_its_key_spells(api: tuple[Shoal, httpx.Client]) -> None:

@@ -125,7 +125,7 @@ def _dense_body(coordinates: str, prefix: bytes = b"", extra: str = "", points: 
     _dense_body("[[1,2],3]"),
     _dense_body("[1,[2],3]"),
     _dense_body("[]"),
-    _dense_body("[true,2,3]"),                            # a boolean reads as 1 (the DTO rule)
+    _dense_body("[true,2,3]"),                            # a boolean (refused, as Vektonn refuses it)
     _dense_body("[null,2,3]"),
     _dense_body('["1",2,3]'),
     _dense_body('[1,2,"]"]'),
@@ -235,7 +235,8 @@ def refused(batch: Any, spec: DataSourceSpec = ALL_TYPES, max_points: int = 100)
         (point(1, extra={"int64": 1}), "extra", "unknown attribute"),
         (point(1, vector=...), "vector", "a data point needs a vector"),
         (point(1, vector={"coordinates": [1, 2]}), "vector", "wrong dimension: expected 3, got 2"),
-        (point(1, vector={"coordinates": [1, 2, "3"]}), "vector", "coordinates must be JSON numbers, got string"),
+        (point(1, vector={"coordinates": [1, 2, "x"]}), "vector", "got string 'x' at index 2, which spells no decimal"),
+        (point(1, vector={"coordinates": [1, 2, True]}), "vector", "coordinates must be JSON numbers, got boolean"),
         (point(1, vector={"coordinates": [1, 2, 1e39]}), "vector",
          "coordinates must be finite float32 values: 1e+39 at index 2 is past float32's range"),
         (point(1, vector={"isSparse": True, "coordinates": [1], "coordinateIndices": [0]}), "vector",
@@ -359,7 +360,7 @@ def test_values_parse_as_the_dtos_parsed_them() -> None:
     assert table["at"].to_pylist() == [dt.datetime(2024, 1, 2, 2, 4, 5, tzinfo=dt.UTC)]
     naive = decode_upload(ALL_TYPES, json.dumps([point(1)]).encode(), 10)
     assert naive["at"].to_pylist() == [dt.datetime(2024, 1, 2, 3, 4, 5, tzinfo=dt.UTC)]  # naive is UTC
-    for body in ([item], [point(1, score={"float64": 3})], [point(1, vector={"coordinates": [True, 0, 2**70]})]):
+    for body in ([item], [point(1, score={"float64": 3})], [point(1, vector={"coordinates": [1, 0, 2**70]})]):
         assert_same_upload(ALL_TYPES, json.dumps(body).encode(), 10)
 
 

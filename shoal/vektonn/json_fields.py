@@ -14,10 +14,11 @@ goes on, so a body that breaks several rules reports all of them as the DTO path
 Types are stricter than pydantic's lax mode was: a slot, `isDeleted`, `isSparse`, `k` or `retrieveVectors`
 holding a JSON value of another type (1 or "yes" for a bool, 1.0 for an integer, a number of seconds for a
 dateTime) is refused instead of coerced. The one coercion kept is Vektonn's own: its HttpJson reads numbers from
-JSON strings (System.Text.Json's NumberHandling.AllowReadingFromString), so an int64 slot or `k` takes a decimal
-integer string ("9007199254740993", beyond a double's exact range) and a float64 slot a decimal number string
-("1.5e3"); not "NaN" or "Infinity", nor spaces. Coordinates are JSON numbers; a JSON boolean among them still
-reads as 1 or 0, as before (refusing it would cost a type check per coordinate on every batch).
+JSON strings (System.Text.Json's NumberHandling.AllowReadingFromString), so an int64 slot, `k` or a sparse
+coordinate index takes a decimal integer string ("9007199254740993", beyond a double's exact range) and a float64
+slot or a coordinate a decimal number string ("1.5e3"); not "NaN" or "Infinity", nor spaces. A JSON boolean is no
+coordinate (Vektonn reads no double from `true`). A dateTime is ISO 8601's extended form as System.Text.Json reads
+a DateTime (see `iso_datetime_text`), never a Unix time.
 """
 
 from __future__ import annotations
@@ -69,7 +70,16 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Guids and datetimes are parsed by pydantic, as the DTOs parsed them: the same strings are accepted.
 GUID = pydantic.TypeAdapter(uuid.UUID)
 _DATETIME = pydantic.TypeAdapter(dt.datetime)
-_COORDINATE_TYPES = frozenset((float, int, bool))  # a JSON boolean reads as 1 or 0, as the DTO read it
+_COORDINATE_TYPES = frozenset((float, int))  # JSON numbers; strings that spell one are read apart (_coordinate)
+# A dateTime as System.Text.Json reads a DateTime (JsonHelpers.TryParseAsISO): YYYY-MM-DD, optionally THH:MM,
+# then :SS and a fraction of 1 to 16 digits (digits past the 7th read as zeros), then Z or an offset +HH or
+# +HH:MM of at most 14 hours. Upper-case T and Z only; no space, no basic form (+0300), no Unix time. Ranges
+# (month, day, hour 00-23, second 00-59) are pydantic's to check, as .NET checks them.
+_ISO_DATETIME = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    r"(?:T[0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]{1,16})?)?"
+    r"(?:Z|[+-](?:(?:0[0-9]|1[0-3])(?::[0-5][0-9])?|14(?::00)?))?)?"
+)
 # Numbers written as JSON strings, as .NET's parser reads them there: a sign, ASCII digits and, for a float, a
 # fraction and an exponent. An integer of more digits than Python's int() reads is far past any range anyway.
 _INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
@@ -86,8 +96,9 @@ Shaped = TypeVar("Shaped")
 @dataclass(frozen=True)
 class SubMicrosecond:
     """A dateTime slot's value with non-zero digits below the microsecond (.NET writes 7 fractional digits), as
-    phase 1 gives it: `floored` is what pydantic read. Phase 2 (attributes_dict) refuses it where the value is
-    stored and takes it as `floored` where it is only checked for its type (a tombstone's other attributes)."""
+    phase 1 gives it: `floored` is what pydantic read (it drops the digits past the sixth). Phase 2
+    (attributes_dict) refuses it where the instant is part of a point's key or compared (a permanent attribute,
+    a split filter) and takes it as `floored` elsewhere (an upload's payload attributes)."""
 
     floored: dt.datetime
 
@@ -273,6 +284,23 @@ def integer_text(raw: str) -> int | None:
     return int(raw)
 
 
+def iso_datetime_text(raw: str) -> str | None:
+    """The text pydantic parses for a dateTime slot's `raw` when Vektonn's parser (System.Text.Json's DateTime)
+    takes its form (`_ISO_DATETIME`), else None. An offset of hours alone ("+03"), which pydantic refuses, is
+    given its minutes."""
+    if not _ISO_DATETIME.fullmatch(raw):
+        return None
+    # After the date, a sign three from the end can only open an offset of hours alone.
+    return raw + ":00" if len(raw) > 10 and raw[-3] in "+-" else raw
+
+
+def iso_datetime_texts(raws: list[str]) -> bool:
+    """Whether every one of `raws` (strings) has the form `iso_datetime_text` takes: the fast path's column-wise
+    test (a regex match per value, in C). An offset of hours alone passes here and pydantic then refuses it, so
+    such a column goes the exact way, which reads it."""
+    return all(map(_ISO_DATETIME.fullmatch, raws))
+
+
 def _number_text(raw: str) -> float | None:
     """The double a decimal number string spells ("1.5", "-2e3"); None when it spells none ("NaN" included)."""
     return float(raw) if _NUMBER_TEXT.fullmatch(raw) else None
@@ -312,15 +340,19 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
             return GUID.validate_python(raw), None
         except pydantic.ValidationError:
             return None, f"not a guid: {raw[:50]!r}"
+    text = iso_datetime_text(raw)
+    if text is None:  # checked first: pydantic also reads "2021" or "20210101" as Unix seconds, and more forms
+        return None, f"not an ISO 8601 date and time: {raw[:50]!r}"
     try:
-        moment = _DATETIME.validate_python(raw)
+        moment = _DATETIME.validate_python(text)
     except pydantic.ValidationError:
         return None, f"not an ISO 8601 date and time: {raw[:50]!r}"
     try:
         moment.astimezone(dt.UTC)  # "0001-01-01T00:00:00+01:00" is before year 1 in UTC, where it is stored
     except OverflowError:
         return None, f"date and time out of range in UTC: {raw[:50]!r}"
-    # pydantic drops digits past the sixth: whether that lost anything is phase 2's question (see SubMicrosecond).
+    # pydantic drops (floors) digits past the sixth: whether that lost anything is phase 2's question (see
+    # SubMicrosecond).
     return (SubMicrosecond(moment) if sub_microsecond_text(raw) else moment), None
 
 
@@ -356,38 +388,74 @@ def read_vector(raw: Any, position: int | None, attribute: str, problems: list[P
         numbers = dense_numbers(raw_coordinates) if sparse is False else None
         if numbers is not None:
             coordinates = numbers  # type: ignore[assignment]
-        elif type(raw_coordinates) is not list:
-            problems.append(Problem(f"coordinates must be a JSON array of numbers, got {jtype(raw_coordinates)}",
-                                    position, attribute))
-        elif not set(map(type, raw_coordinates)) <= _COORDINATE_TYPES:
-            bad = next(i for i, c in enumerate(raw_coordinates) if type(c) not in _COORDINATE_TYPES)
-            problems.append(Problem(
-                f"coordinates must be JSON numbers, got {jtype(raw_coordinates[bad])} at index {bad}",
-                position, attribute,
-            ))
         else:
-            try:
-                coordinates = list(map(float, raw_coordinates))  # as the DTO's list[float] held them
-            except OverflowError:
-                problems.append(Problem("a coordinate is out of the range of a double", position, attribute))
+            read, rule = _coordinates(raw_coordinates)
+            if rule is not None:
+                problems.append(Problem(rule, position, attribute))
+            coordinates = read or []
     indices = vector.get("coordinateIndices")
     if indices is not None:
-        if type(indices) is not list:
-            problems.append(Problem(f"coordinateIndices must be a JSON array of integers, got {jtype(indices)}",
-                                    position, attribute))
-        elif not set(map(type, indices)) <= {int}:
-            bad = next(i for i, c in enumerate(indices) if type(c) is not int)
-            problems.append(Problem(
-                f"coordinateIndices[{bad}] must be a JSON integer, got {jtype(indices[bad])}", position, attribute
-            ))
+        indices, rule = _coordinate_indices(indices)
+        if rule is not None:
+            problems.append(Problem(rule, position, attribute))
     if len(problems) != before:
         return None
     return sparse, coordinates, indices
 
 
+def _coordinates(raw: Any) -> tuple[list[float] | None, str | None]:
+    """(coordinates as doubles, None) or (None, the rule broken): a JSON array of numbers, each a JSON number or
+    a string spelling a decimal number ("1.5", read as Vektonn's AllowReadingFromString reads it); no boolean."""
+    if type(raw) is not list:
+        return None, f"coordinates must be a JSON array of numbers, got {jtype(raw)}"
+    try:
+        if set(map(type, raw)) <= _COORDINATE_TYPES:
+            return list(map(float, raw)), None  # as the DTO's list[float] held them
+        out: list[float] = []
+        for i, value in enumerate(raw):  # only a vector that holds some other JSON value comes here
+            number = _coordinate(value)
+            if number is None:
+                return None, _not_a_coordinate(value, i)
+            out.append(number)
+        return out, None
+    except OverflowError:  # an integer beyond a double
+        return None, "a coordinate is out of the range of a double"
+
+
+def _not_a_coordinate(value: Any, index: int) -> str:
+    if type(value) is str:
+        return (f"coordinates must be JSON numbers, got string {value[:50]!r} at index {index}, which spells no "
+                "decimal number")
+    return f"coordinates must be JSON numbers, got {jtype(value)} at index {index}"
+
+
+def _coordinate(value: Any) -> float | None:
+    """One coordinate's double, or None when it is no JSON number nor a string that spells one."""
+    kind = type(value)
+    if kind is float or kind is int:
+        return float(value)
+    return _number_text(value) if kind is str else None
+
+
+def _coordinate_indices(raw: Any) -> tuple[list[int] | None, str | None]:
+    """(sparse indices, None) or (None, the rule broken): a JSON array of integers, each a JSON integer or a
+    string spelling a decimal integer ("7", as Vektonn reads int[] from strings); no boolean."""
+    if type(raw) is not list:
+        return None, f"coordinateIndices must be a JSON array of integers, got {jtype(raw)}"
+    if set(map(type, raw)) <= {int}:
+        return raw, None
+    out: list[int] = []
+    for i, value in enumerate(raw):
+        index = value if type(value) is int else integer_text(value) if type(value) is str else None
+        if index is None:
+            return None, wrong_number(f"coordinateIndices[{i}]", "integer", value)
+        out.append(index)
+    return out, None
+
+
 def dense_numbers(raw: Any) -> np.ndarray | None:
-    """A dense vector's coordinates as float64, when they are a JSON array of numbers (booleans reading as 1 or
-    0, as the DTO read them); None otherwise, and the per-value checks then name what is wrong.
+    """A dense vector's coordinates as float64, when they are a JSON array of numbers; None otherwise (a boolean,
+    a string, ...), and the per-value checks then read or name what is wrong.
 
     NumPy's type discovery runs in C: a list of numbers becomes a numeric array, anything else (a string, a
     null, a nested array, an integer beyond 64 bits) an array of another kind. The values are the doubles
@@ -399,9 +467,19 @@ def dense_numbers(raw: Any) -> np.ndarray | None:
         array = np.asarray(raw)
     except (ValueError, OverflowError):  # ragged nesting and the like
         return None
-    if array.ndim != 1 or array.dtype.kind not in "fiub":
+    if array.ndim != 1 or array.dtype.kind not in "fiu" or may_hold_booleans(raw, array):
         return None
     return array.astype(np.float64, copy=False)
+
+
+def may_hold_booleans(raw: list[Any], array: np.ndarray) -> bool:
+    """Whether the JSON array `raw`, read by NumPy as the numeric `array`, holds a boolean: NumPy reads true
+    among numbers as 1, so only a vector holding a 0 or a 1 pays for a look at the JSON types (in C)."""
+    if array.dtype.kind == "b":
+        return True
+    if not ((array == 0) | (array == 1)).any():
+        return False
+    return bool in set(map(type, raw))
 
 
 # -- phase 2: values against the data source ------------------------------------------------------------------
@@ -414,8 +492,10 @@ def attributes_dict(
     """{key: value}: each key once, each declared attribute in its type's slot, guids as canonical text.
 
     A dateTime with digits below the microsecond is a problem (SUB_MICROSECOND) for the attributes in `exact`
-    (every one when None): those values are stored or compared. Elsewhere (a tombstone's non-key attributes,
-    never stored) it is only checked for its type, as columns_to_table checks such a column."""
+    (every one when None, as for a split filter): flooring a key's instant could make two points one, and a
+    filter would compare another instant. Elsewhere (an upload's non-permanent attributes: payload, or a
+    tombstone's, never stored) it is floored to the microsecond, as .NET's DateTime.UtcNow (7 fraction digits)
+    cannot be stored otherwise and no two points can merge over it."""
     out: dict[str, Any] = {}
     for key, slot, value in entries:
         if key in out:
@@ -429,7 +509,7 @@ def attributes_dict(
             if declared is not None and (exact is None or key in exact):
                 problems.append(Problem(SUB_MICROSECOND, position, key))
                 continue
-            value = value.floored  # not stored (or not an attribute at all: points_to_table says so)
+            value = value.floored  # payload, or not an attribute at all (points_to_table says so)
         out[key] = str(value) if declared is AttributeType.GUID else value
     return out
 

@@ -42,8 +42,10 @@ from shoal.vektonn.json_fields import (
     Vector,
     attributes_dict,
     canon,
+    iso_datetime_texts,
     jtype,
     load,
+    may_hold_booleans,
     read_entry,
     read_vector,
     shape_body,
@@ -185,7 +187,7 @@ def _fast_batch(
         names = spec.permanent_attributes if deleted[start] else types
         arrays: dict[str, Any] = {}
         for name in names:
-            array = _fast_column(types[name], columns[name][1][start:end])
+            array = _fast_column(types[name], columns[name][1][start:end], exact=name in permanent)
             if array is None:
                 return None
             arrays[name] = array
@@ -213,8 +215,8 @@ def _fast_batch(
 
 def _fast_column(kind: AttributeType, values: list[Any], *, exact: bool = True) -> Any:
     """One attribute's values as a column columns_to_table takes without a per-value check where it can, or
-    None when a value is of the wrong JSON type or breaks a rule. `exact=False`: the values are only checked for
-    their type (a tombstone's other attributes), so a datetime below the microsecond passes."""
+    None when a value is of the wrong JSON type or breaks a rule. `exact=False` (a payload attribute, or a
+    tombstone's other attributes): a datetime below the microsecond is floored to it, not refused."""
     seen = set(map(type, values))  # C-level pass: the JSON types present in the column
     if kind is AttributeType.STRING:
         return pa.array(values, pa.string()) if seen == {str} else None
@@ -245,8 +247,10 @@ def _fast_column(kind: AttributeType, values: list[Any], *, exact: bool = True) 
                 return None
             out.append(guid)
         return out
+    if not iso_datetime_texts(values):  # pydantic reads Unix times and other forms Vektonn refuses
+        return None
     try:
-        moments = _DATETIMES.validate_python(values)
+        moments = _DATETIMES.validate_python(values)  # digits past the sixth dropped: floored
     except pydantic.ValidationError:
         return None
     if exact and any_sub_microsecond_text(values):
@@ -268,7 +272,11 @@ def _dense_matrix(rows: list[Any], n: int, dim: int) -> np.ndarray | None:
         matrix = np.array(rows)
     except (ValueError, TypeError, OverflowError):
         return None
-    if matrix.dtype.kind not in "fib" or matrix.shape != (n, dim):
+    if matrix.dtype.kind not in "fiu" or matrix.shape != (n, dim):
+        return None  # booleans alone make a bool matrix: no coordinate (the exact path names it)
+    # NumPy reads true among numbers as 1: only rows holding a 0 or a 1 are looked at for a JSON boolean.
+    maybe = np.flatnonzero(((matrix == 0) | (matrix == 1)).any(axis=1))
+    if any(may_hold_booleans(rows[i], matrix[i]) for i in maybe):
         return None
     if matrix.dtype.kind != "f":
         matrix = matrix.astype(np.float64)  # an int64 straight to float32 could round differently
@@ -320,9 +328,9 @@ def _records(spec: DataSourceSpec, items: list[Shaped], empty_sparse: bool = Tru
     problems: list[Problem] = []
     records: list[DataPoint | Tombstone] = []
     for pos, (entries, vector, deleted) in enumerate(items):
-        # A tombstone stores its key alone: its other attributes are checked for their type only.
-        attributes = attributes_dict(spec, entries, pos, problems,
-                                     exact=spec.permanent_attributes if deleted else None)
+        # Below the microsecond, a key's instant is refused and a payload's floored (see attributes_dict). A
+        # tombstone stores its key alone: its other attributes are checked for their type only.
+        attributes = attributes_dict(spec, entries, pos, problems, exact=spec.permanent_attributes)
         if deleted:
             if vector is not None:
                 problems.append(Problem("a tombstone carries no vector", pos, "vector"))

@@ -162,7 +162,8 @@ def vector(draw: st.DrawFn, spec: DataSourceSpec) -> dict[str, Any] | None:
     mutation = draw(st.integers(0, 60))
     coordinate = st.floats(-1e6, 1e6, width=32) | st.integers(-1000, 1000)
     if mutation == 0:
-        coordinate = st.sampled_from([float("nan"), float("inf"), 1e39, -1e300, 2**64 + 1, True])
+        # No boolean: the DTOs read one as 1, Vektonn and Shoal refuse it (tests/test_vektonn_value_forms.py).
+        coordinate = st.sampled_from([float("nan"), float("inf"), 1e39, -1e300, 2**64 + 1])
     out: dict[str, Any]
     if sparse:
         count = draw(st.integers(0, dim))
