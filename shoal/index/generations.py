@@ -301,13 +301,16 @@ class Generations:
                 .limit(1)
                 .with_for_update()
             ).one_or_none()
-            if job is None or job.from_index_id is None or job.to_index_id is None:
+            if job is None or job.to_index_id is None:
                 raise ReindexConflictError(f"index {name!r} version {version!r} has no reindex to roll back")
             serving = s.get(Index, job.to_index_id, with_for_update=True)
-            kept = s.get(Index, job.from_index_id, with_for_update=True)
+            # Swept (the job's link to it is set NULL with its row) or dropped since: the reindex is there, and
+            # still listed as swapped, but what it replaced is gone.
+            kept = None if job.from_index_id is None else s.get(Index, job.from_index_id, with_for_update=True)
             if kept is None:
                 raise ReindexConflictError(
-                    f"the generation before the last reindex of {name!r} {version!r} is no longer kept"
+                    f"the generation before the last reindex of {name!r} {version!r} is no longer kept: "
+                    "beat's sweep_generations drops it SHOAL_REINDEX_KEEP_S after the swap"
                 )
             if serving is None or serving.version != version:
                 raise ReindexConflictError(f"index {name!r} version {version!r} changed since its last reindex")

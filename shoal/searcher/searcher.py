@@ -959,7 +959,8 @@ class SearchService:
             # since. The view is loaded as anew.
             anew = old is None or old.index.id != index.id
             fresh: TailCache | None = None
-            if anew and self.follows and self.young_max_seqs > 0 and view.shards:
+            followed = anew and self.follows and self.young_max_seqs > 0 and bool(view.shards)
+            if followed:
                 # A view loaded anew answers its first eventual search with the log up to the head read with it,
                 # as a followed view does: writes acknowledged before the load (maybe long before, with no
                 # worker building) are shown at once, not from the follower's next wake, up to a poll later.
@@ -972,7 +973,15 @@ class SearchService:
                         fresh = self._young_at_load(view, target, max(bound, top))
                     except Exception as exc:  # noqa: BLE001 - the follower extends it then
                         log.debug("young tier of index %s not read at load: %s", name, exc)
+                if old is not None:
+                    # The follower went on extending the old generation's tier while this one was read: caught
+                    # up once here, without the lock, so the check under it rarely has anything left to read.
+                    fresh = self._caught_up(view, fresh, self._shown(old), bound)
             with self._lock:
+                if followed and old is not None:
+                    # Again under the lock, which the follower takes to store what it extends: the old tier
+                    # cannot move past this check, and no search finds the new view with less than it showed.
+                    fresh = self._caught_up(view, fresh, self._shown(old), bound)
                 self._views[key] = view
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
@@ -997,6 +1006,32 @@ class SearchService:
         self.shards.mark_served_many({s.shard_id: s.watermark for s in view.shards
                                       if s.version_id is not None and s.version_id not in held})
         return view
+
+    def _shown(self, old: IndexView) -> int:
+        """The seq up to which eventual searches of `old` (the view served) may have shown the log: its young
+        tier's end, or its highest shard watermark when that reaches further (or it has no tier)."""
+        young = self._tails.get(old.index.id)
+        top = max((s.watermark for s in old.shards), default=0)
+        return max(young.end if young is not None else 0, top)
+
+    def _caught_up(self, view: IndexView, fresh: TailCache | None, shown: int, bound: int) -> TailCache | None:
+        """`fresh`, the young tier read for `view` (loaded anew, about to replace a served generation),
+        extended to `shown` (what searches of the generation served showed: past its bound if need be, or a
+        write once returned would vanish at the swap) and to the newest head this searcher knows (within the
+        bound). Unchanged when it reaches both; None only when it was None and the view covers both already.
+        A read that fails raises: the caller keeps the generation served (the next poll loads again), unless
+        the log past the view's watermarks was compacted away (_Stale), which no young tier can cover."""
+        top = max((s.watermark for s in view.shards), default=0)
+        known = min(self._heads.get(view.source.id, 0), bound)
+        required = max(shown, known, top)
+        if required <= max(fresh.end if fresh is not None else 0, view.min_watermark):
+            return fresh
+        try:
+            required = self._past_compaction(view, fresh, required, False)
+        except _Stale:  # the view must be reloaded once built past the compaction: served as it is meanwhile
+            return fresh
+        return extend(fresh, view, required, lambda after, up_to: self._read_log(view, after, up_to),
+                      time.monotonic())
 
     def _young_at_load(self, view: IndexView, target: int, limit: int) -> TailCache | None:
         """The young tier of `view`, a view loaded anew and not served yet, read from its lowest watermark up to
