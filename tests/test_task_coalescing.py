@@ -27,7 +27,7 @@ from shoal.index.lease import default_owner
 from shoal.index.manifest import Manifest
 from shoal.log.records import IndexSpec
 from shoal.workers.app import beat_schedule
-from shoal.workers.names import MATERIALIZE_SHARD, MERGE_SHARD, QUEUE, SWEEP, SWEEP_MERGES
+from shoal.workers.names import MATERIALIZE_SHARD, MERGE_SHARD, SWEEP, SWEEP_MERGES, UPKEEP_QUEUE
 
 DIM = 8
 SPEC = DataSourceSpec("docs", "1", DIM, {"id": "int64"}, ["id"])
@@ -189,7 +189,7 @@ def test_a_worker_back_after_beat_ran_alone_drops_the_stale_sweeps(wsettings: Ca
     client = redis.Redis.from_url(str(settings.redis_url))
 
     def queued_sweeps() -> list[dict[str, object]]:
-        messages = [json.loads(m) for m in client.lrange(QUEUE, 0, -1)]
+        messages = [json.loads(m) for m in client.lrange(UPKEEP_QUEUE, 0, -1)]  # beat's runs: not behind builds
         return [m["headers"] for m in messages if m["headers"]["task"] == SWEEP]
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.signals import worker_ready
+from kombu import Exchange, Queue
 from kombu.utils.objects import cached_property
 
 from shoal.config.settings import Settings
@@ -18,10 +19,13 @@ from shoal.workers.names import (
     COMPACT_LOG,
     PURGE_TRASH,
     QUEUE,
+    QUEUES,
     SWEEP,
     SWEEP_COMPACTION,
     SWEEP_GENERATIONS,
     SWEEP_MERGES,
+    UPKEEP,
+    UPKEEP_QUEUE,
 )
 
 # The task names are spelled in shoal.workers.names; those this module always exported stay importable here.
@@ -49,7 +53,9 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
 
     Each entry's task expires after its own interval: while no worker is free to take them, beat's runs would
     pile up in the queue, and a returning worker would run every stale one ahead of the index work queued after
-    them. A run dropped that way is harmless, since the next run does the same work.
+    them. A run dropped that way is harmless, since the next run does the same work. The runs go to
+    UPKEEP_QUEUE (the app's task_routes), not behind the builds in QUEUE: there a backlog of builds longer
+    than an interval expired every run, and the upkeep never ran while the backlog lasted.
 
     Later periodic work (log retention and compaction, artifact GC) gets its own entry here, each with its
     own SHOAL_*_INTERVAL_S setting.
@@ -69,10 +75,26 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     ):
         if interval > 0:
             intervals[key] = (task, interval)
+    unrouted = sorted({task for task, _ in intervals.values()} - set(UPKEEP))
+    if unrouted:  # it would expire behind the builds in QUEUE (see above): a bug of this module
+        raise RuntimeError(f"beat tasks {unrouted} are not routed to {UPKEEP_QUEUE!r}: list them in names.UPKEEP")
     return {
         key: {"task": task, "schedule": interval, "options": {"expires": interval}}
         for key, (task, interval) in intervals.items()
     }
+
+
+def task_queues() -> list[Queue]:
+    """The queues every worker consumes unless started with -Q: QUEUE (index work, the default) and
+    UPKEEP_QUEUE (beat's runs), each on a direct exchange and routing key of its name, as Celery declares
+    its default queue."""
+    return [Queue(name, Exchange(name, type="direct"), routing_key=name) for name in QUEUES]
+
+
+def task_routes() -> dict[str, dict[str, str]]:
+    """Routes of beat's tasks to UPKEEP_QUEUE. A sender's explicit queue= still wins (Celery merges the
+    route under the call's options)."""
+    return {task: {"queue": UPKEEP_QUEUE} for task in UPKEEP}
 
 
 @app.on_configure.connect
@@ -88,6 +110,11 @@ def _configure(sender: Celery, **_: Any) -> None:
         accept_content=["json"],
         task_ignore_result=True,
         task_default_queue=QUEUE,
+        # A worker started without -Q consumes every declared queue: builds and beat's runs. Kombu's Redis
+        # transport sends one BRPOP over all of them and moves the queue it just took a message from to the
+        # end of its order, so with both queues full a worker takes from each in turn.
+        task_queues=task_queues(),
+        task_routes=task_routes(),
         # A broker restart must not end the worker: reconnect at start and after every loss, for as long as it
         # takes (Celery gives up after 100 attempts by default), on channel errors too. `shoal up` restarts a
         # worker that dies anyway (kombu's Redis transport can still fail while it tears a connection down).
