@@ -13,6 +13,13 @@ for makes the search a 503 naming it (X-Shoal-Missing-Shards), unless the caller
 true`: then the answer holds what the other shards found and the same header names the missing ones; the 503 says
 why each node asked for them did not answer (its own error message, a timeout, a refused connection).
 
+A search has one deadline, SHOAL_FANOUT_TIMEOUT_S from its start, for every node it asks (replicas and the rounds
+at one seq included). A part a node has not answered after HEDGE_S is asked of the next replica listed for its
+shards too, and the first answer is taken. Nodes that just failed (or were outrun by a replica) are asked after
+their healthy replicas for SUSPECT_S, and still asked when no other node is left. Only a node's refusal of the
+caller's own request (a bad query: 400 in the Vektonn shape; the caller's key, forwarded, refused: 401 or 403) is
+answered as it came; any other status is the node failing, and its replica is asked.
+
 Idle connections to the nodes are kept FANOUT_KEEPALIVE_S, less than a node keeps them open (serve.py sets
 uvicorn's keep-alive to serve.NODE_KEEPALIVE_S; uvicorn's own default is 5 s): a part sent on a connection the node
 closed at that moment was reset, and its shards counted as answered by no node. A part that fails so, before
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +66,14 @@ SEQ_ROUNDS = 4
 FANOUT_KEEPALIVE_S = 4.0
 # Retry-After of a 503 for shards whose nodes did not answer (one restarting); none for shards placed on no node.
 RETRY_AFTER_S = 5
+# Seconds a part may go unanswered before the next replica of its shards is asked too (at most half the timeout).
+HEDGE_S = 1.0
+# Seconds a node that failed a part (or was outrun by a replica) is asked only after its replicas.
+SUSPECT_S = 30.0
 REASON_CHARS = 300  # of each error message a node answered, repeated in the search's 503
+# aiohttp rounds a timeout of ClientTimeout.ceil_threshold s or more (5 by default) up to a whole second of the
+# loop's clock; a part's timeout is the time left to the search's deadline, which must not land late.
+NO_CEIL = float("inf")
 # Failures of a part before any answer came on which it is sent once more, on a new connection: the pooled one it
 # went out on was closed by the node meanwhile (a refused connection is no such failure: the node is not there).
 RETRIED = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError, aiohttp.ClientOSError)
@@ -66,8 +81,19 @@ RETRIED = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError, 
 # One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects and whether higher
 # is nearer, where it says).
 Answered = tuple[list[int], list[dict[str, Any]], int | None, bool | None]
-# The shards no node answered for, and why each node asked for some did not (node -> reason).
-Unanswered = tuple[set[int], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a node did not answer a part, in a few words, and whether asking again later may help (a timeout, a
+    refused connection, a 5xx: yes; a node configured other than this one, answering 404 or 413: no)."""
+
+    reason: str
+    transient: bool = True
+
+
+# The shards no node answered for, and why each node asked for some did not (node -> failure).
+Unanswered = tuple[set[int], dict[str, Failure]]
 
 
 @dataclass(frozen=True)
@@ -109,15 +135,18 @@ class FanOut:
         self.placement = placement
         self.timeout_s = timeout_s
         self._unpinned: set[str] = set()  # nodes found not to say the seq of their parts (an older release)
+        self.hedge_s = min(HEDGE_S, timeout_s / 2)
+        # Nodes that failed a part, or were outrun by a replica, lately: node -> when (the loop's clock).
+        self._suspect: dict[str, float] = {}
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=FANOUT_KEEPALIVE_S),
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, ceil_threshold=NO_CEIL),
             skip_auto_headers=("User-Agent",),
         )
         # For a part sent again: a new connection every time, never one of the pool the first attempt failed on.
         self._fresh = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, ceil_threshold=NO_CEIL),
             skip_auto_headers=("User-Agent",),
         )
 
@@ -136,6 +165,7 @@ class FanOut:
         nodes' requests are out."""
         placed = self.placement.of(ctx.tenant, name, version)
         assert placed is not None
+        deadline = asyncio.get_running_loop().time() + self.timeout_s  # one for every node this search asks
         mine = sorted(placed.local)
         # Shards past the index's own (a placement file edited for another index, or not yet on every process)
         # are asked of no node: a node refuses them as the caller's mistake (400), which this caller did not make.
@@ -145,7 +175,8 @@ class FanOut:
         count = len(searcher.view(name, version).index.shards)
         mine = [s for s in mine if s < count]
         remote_task = asyncio.ensure_future(
-            self._remote(placed, name, version, body, headers, set(mine), {s for s in placed.nodes if s < count}))
+            self._remote(placed, name, version, body, headers, deadline, set(mine),
+                         {s for s in placed.nodes if s < count}))
         try:
             if inline:
                 for _ in range(3):  # the task, the gather of its requests, and their writes
@@ -158,8 +189,8 @@ class FanOut:
             raise
         try:
             remote, (missing, failures) = await remote_task
-            part, remote, (lost, failed) = await self._at_one_seq(placed, name, version, body, headers, local,
-                                                                  mine, part, remote)
+            part, remote, (lost, failed) = await self._at_one_seq(placed, name, version, body, headers, deadline,
+                                                                  local, mine, part, remote)
         except PeerError as exc:  # the caller's request refused by a node (its key, its token): answered as sent
             return Response(exc.content, status_code=exc.status, media_type=exc.content_type)
         missing |= lost
@@ -167,12 +198,7 @@ class FanOut:
         missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _, _ in remote for s in shards}
         missing = {s for s in missing if s < part.shard_count}
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
-            why = failures | failed
-            raise ShardsUnavailableError(
-                f"shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} of index "
-                f"{name}/{version} answered from no node (placement: {self._where(placed, missing)})"
-                f"{_why(placed, missing, why)}; retry, or send {PARTIAL_HEADER}: true to accept the other shards' "
-                "results", sorted(missing), RETRY_AFTER_S if why else None)
+            raise self._unavailable(placed, name, version, missing, failures | failed)
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
         parts += [(min(shards), results) for shards, results, _, _ in remote]
         # Each node bounds only its own shards' hits, so the merged answer is held to the bound here too: a
@@ -184,14 +210,14 @@ class FanOut:
 
     async def _at_one_seq(
         self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
-        local: Any, mine: list[int], part: LocalPart, remote: list[Answered],
+        deadline: float, local: Any, mine: list[int], part: LocalPart, remote: list[Answered],
     ) -> tuple[LocalPart, list[Answered], Unanswered]:
         """The parts all at one seq: those that answered below the highest seq a part reports are asked again,
         pinned to it, until all agree (parts that report none, eventual or time travel, are consistent as they
         are); ConflictError after SEQ_ROUNDS rounds. Also the shards no node answered for when asked again, and
         why."""
         lost: set[int] = set()
-        failures: dict[str, str] = {}
+        failures: dict[str, Failure] = {}
         for _ in range(SEQ_ROUNDS):
             seqs = [s for _, _, s, _ in remote if s is not None]
             if mine and part.seq is not None:
@@ -202,7 +228,7 @@ class FanOut:
             behind = {shard for shards, _, s, _ in remote if s is not None and s < top for shard in shards}
             remote = [r for r in remote if r[2] is None or r[2] >= top]
             remote_task = asyncio.ensure_future(
-                self._remote(placed, name, version, body, headers, set(mine), behind, top))
+                self._remote(placed, name, version, body, headers, deadline, set(mine), behind, top))
             try:
                 if mine and part.seq is not None and part.seq < top:
                     part = await run_in_threadpool(local, mine, top)
@@ -219,68 +245,105 @@ class FanOut:
 
     async def _remote(
         self, placed: IndexPlacement, name: str, version: str, body: bytes, headers: Mapping[str, str],
-        mine: set[int], only: set[int] | None = None, pin: int | None = None,
+        deadline: float, mine: set[int], only: set[int] | None = None, pin: int | None = None,
     ) -> tuple[list[Answered], Unanswered]:
         """The other shards' parts (`only` these, when given; at exactly `pin`, or the lowest seq past it a node
-        can answer at, when given): (the shards a node answered for, its results, its seq), and the shards no
-        node answered for with why each node that failed did. A node that fails is replaced by the next one
-        listed for its shards (replicas)."""
+        can answer at, when given), all answered by `deadline` (the loop's clock): (the shards a node answered
+        for, its results, its seq), and the shards no node answered for with why each node that failed did. A
+        shard's nodes are asked in the order listed, those that failed lately last; the next one is asked when one
+        fails, or has not answered after `hedge_s` (its first answer is taken); PeerError when a node refuses the
+        caller's own request."""
         passed = {h: headers[h] for h in PASSED if h in headers}
         passed["content-type"] = "application/json"
         if pin is not None:
             passed[PIN_HEADER] = str(pin)
-        tried: dict[int, int] = {}  # shard -> candidates tried
-        pending = {s for s in placed.nodes if s not in mine} if only is None else set(only) - mine
-        answered: list[Answered] = []
-        missing: set[int] = set()
-        failures: dict[str, str] = {}
-        while pending:
-            by_node: dict[str, list[int]] = {}
-            for shard in sorted(pending):
-                candidates = [n for n in placed.nodes[shard] if n != self.placement.node]
-                index = tried.get(shard, 0)
-                if index >= len(candidates):
-                    missing.add(shard)
+        asked = sorted({s for s in placed.nodes if s not in mine} if only is None else set(only) - mine)
+        order = {s: self._order([n for n in placed.nodes[s] if n != self.placement.node]) for s in asked}
+        flights = _Flights(order, lambda node, shards: asyncio.ensure_future(
+            self._ask(node, shards, name, version, body, passed, deadline)))
+        flights.launch(asked)
+        loop = asyncio.get_running_loop()
+        try:
+            while flights.tasks:
+                hedging = flights.hedgeable()
+                left = deadline - loop.time()
+                # _ask ends each part at the deadline itself; the second more is for it to say so.
+                wait = min(self.hedge_s, left) if hedging else left + 1
+                if left + 1 <= 0:
+                    break
+                finished, _ = await asyncio.wait(flights.tasks, timeout=max(wait, 0),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                if not finished:
+                    if hedging:
+                        flights.hedge(hedging)
                     continue
-                tried[shard] = index + 1
-                by_node.setdefault(candidates[index], []).append(shard)
-            pending = set()
-            calls = [self._ask(node, shards, name, version, body, passed) for node, shards in by_node.items()]
-            for (node, shards), outcome in zip(by_node.items(), await asyncio.gather(*calls), strict=True):
-                if isinstance(outcome, str):
-                    pending.update(shards)  # the next node listed for them, if any
-                    failures[node] = outcome
-                else:
-                    answered.append((shards, *outcome))
-        return answered, (missing, failures)
+                for task in finished:
+                    self._settle(flights, task)
+                for node in flights.drop_answered():  # outrun by a replica: asked after it for a while
+                    self._suspect[node] = loop.time()
+                flights.launch(flights.orphans())
+        finally:
+            for task in flights.tasks:
+                _abandon(task)
+        for node, _ in flights.tasks.values():  # still out at the deadline (the loop stalled)
+            flights.failures.setdefault(node, Failure(_failure(TimeoutError(), self.timeout_s)))
+        return flights.answered, (set(asked) - flights.done, flights.failures)
+
+    def _settle(self, flights: _Flights, task: asyncio.Future[Any]) -> None:
+        """Take a finished part's outcome: its shards answered (unless a replica answered some meanwhile), or its
+        node's failure remembered (PeerError, the caller's own refusal, goes up)."""
+        node, shards = flights.tasks.pop(task)
+        outcome = task.result()
+        if isinstance(outcome, Failure):
+            flights.failures[node] = outcome
+            self._suspect[node] = asyncio.get_running_loop().time()
+            return
+        self._suspect.pop(node, None)
+        if any(s in flights.done for s in shards):  # merged once: its shards' other answer stands
+            return
+        flights.done.update(shards)
+        flights.answered.append((shards, *outcome))
+
+    def _order(self, candidates: list[str]) -> list[str]:
+        """The nodes listed for a shard, in the order to ask them: as listed, those that failed a part in the
+        last SUSPECT_S after the others (a node stalled costs one search its hedge, not every search)."""
+        now = asyncio.get_running_loop().time()
+        for node, when in list(self._suspect.items()):
+            if now - when > SUSPECT_S:
+                del self._suspect[node]
+        return sorted(candidates, key=lambda n: n in self._suspect)
 
     async def _ask(
         self, node: str, shards: list[int], name: str, version: str, body: bytes, headers: dict[str, str],
-    ) -> tuple[list[dict[str, Any]], int | None, bool | None] | str:
-        """One node's results for `shards`, the seq it says they reflect and whether it says higher is nearer;
-        why not, in a few words, when it cannot answer for them now (unreachable, timed out, 5xx: its own error
-        message); PeerError when it refuses the caller's request."""
+        deadline: float | None = None,
+    ) -> tuple[list[dict[str, Any]], int | None, bool | None] | Failure:
+        """One node's results for `shards`, the seq it says they reflect and whether it says higher is nearer,
+        by `deadline` (the loop's clock; the fan-out timeout from now by default); why not (Failure) when it
+        cannot answer for them now (unreachable, timed out, 5xx: its own error message, or a status that is not
+        the caller's); PeerError when it refuses the caller's own request."""
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
         url = f"{self.placement.urls[node].rstrip('/')}/api/v1/search/{name}/{version}"
         try:
             status, content, kind, seq_text, nearer_text = await self._post(
-                url, body, headers | {SHARDS_HEADER: ",".join(map(str, shards))})
+                url, body, headers | {SHARDS_HEADER: ",".join(map(str, shards))}, deadline)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
                         type(exc).__name__, exc)
-            return _failure(exc, self.timeout_s)
-        if status >= 500:
-            log.warning("node %s answered %d for shards %s of %s/%s", node, status, shards, name, version)
-            return _node_reason(status, content)
+            return Failure(_failure(exc, self.timeout_s))
         if status != 200:
-            raise PeerError(status, content, kind)
+            if _callers(status, content, headers):
+                raise PeerError(status, content, kind)
+            log.warning("node %s answered %d for shards %s of %s/%s", node, status, shards, name, version)
+            return Failure(_node_reason(status, content), _transient(status))
         try:
             results = orjson.loads(content)
         except orjson.JSONDecodeError:
             log.warning("node %s answered shards %s of %s/%s with a body that is not JSON", node, shards, name,
                         version)
-            return "answered with a body that is not JSON"
+            return Failure("answered with a body that is not JSON")
         if not isinstance(results, list):
-            return "answered with JSON that is no list of results"
+            return Failure("answered with JSON that is no list of results")
         nearer = {"higher": True, "lower": False}.get(nearer_text or "")
         seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
         if seq is None and _one_seq_asked(headers) and node not in self._unpinned:
@@ -293,24 +356,26 @@ class FanOut:
         return results, seq, nearer
 
     async def _post(
-        self, url: str, body: bytes, headers: dict[str, str],
+        self, url: str, body: bytes, headers: dict[str, str], deadline: float,
     ) -> tuple[int, bytes, str, str | None, str | None]:
         """A part's answer: its status, body, content type, X-Shoal-Seq and X-Shoal-Nearer. Sent once more, on a
         new connection, when it failed before any answer came on one from the pool (RETRIED): the node closed that
-        idle connection as the part went out. Both attempts together take at most the fan-out timeout."""
-        started = asyncio.get_running_loop().time()
+        idle connection as the part went out. Both attempts together end at the search's `deadline`."""
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError
         try:
-            response = await self.client.post(url, data=body, headers=headers)
+            response = await self.client.post(url, data=body, headers=headers, timeout=_timeout(left))
         except RETRIED as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):  # no connection made: the node is not there
                 raise
-            left = self.timeout_s - (asyncio.get_running_loop().time() - started)
+            left = deadline - loop.time()
             if left <= 0:
                 raise TimeoutError from exc
             log.info("a part sent to %s failed before any answer came (%s: %s); sending it again on a new "
                      "connection", url, type(exc).__name__, exc)
-            response = await self._fresh.post(url, data=body, headers=headers,
-                                              timeout=aiohttp.ClientTimeout(total=left))
+            response = await self._fresh.post(url, data=body, headers=headers, timeout=_timeout(left))
         async with response:
             content = await response.read()
             reply = response.headers
@@ -320,17 +385,114 @@ class FanOut:
     def _where(self, placed: IndexPlacement, missing: set[int]) -> str:
         return "; ".join(f"shard {s} on {', '.join(placed.nodes.get(s, ())) or 'no node'}" for s in sorted(missing))
 
+    def _unavailable(
+        self, placed: IndexPlacement, name: str, version: str, missing: set[int], failures: Mapping[str, Failure],
+    ) -> ShardsUnavailableError:
+        """The 503 of a search missing `missing`: where they are placed and why each node asked did not answer;
+        "retry" and Retry-After only when some node's failure may pass (not for shards placed on no node, nor a
+        node answering a status no retry changes)."""
+        asked = {n: failures[n] for n in failures if any(n in placed.nodes.get(s, ()) for s in missing)}
+        why = "".join(f"; node {n} {asked[n].reason}" for n in sorted(asked))
+        unplaced = sorted(s for s in missing if not placed.nodes.get(s))
+        transient = any(f.transient for f in asked.values())
+        if transient:
+            hint = "retry, or send"
+        elif unplaced:
+            which = f"shard{'s' if len(unplaced) > 1 else ''} {', '.join(map(str, unplaced))}"
+            hint = (f"the placement file (SHOAL_PLACEMENT_FILE) lists no node for {which}: an operator must "
+                    "place it; send")
+        else:
+            hint = "a retry will not help until an operator corrects the node or the placement; send"
+        return ShardsUnavailableError(
+            f"shard{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} of index "
+            f"{name}/{version} answered from no node (placement: {self._where(placed, missing)}){why}; {hint} "
+            f"{PARTIAL_HEADER}: true to accept the other shards' results",
+            sorted(missing), RETRY_AFTER_S if transient else None)
+
     async def close(self) -> None:
         """Close the pooled connections."""
         await self.client.close()
         await self._fresh.close()
 
 
+class _Flights:
+    """The parts of one `_remote` call out at a time: each task with its node and shards, the shards answered,
+    how far down each shard's node order the parts went, and each failed node's failure."""
+
+    def __init__(self, order: dict[int, list[str]], start: Any) -> None:
+        self.order = order
+        self.start = start  # (node, shards) -> the task asking it
+        self.next = dict.fromkeys(order, 0)
+        self.tasks: dict[asyncio.Future[Any], tuple[str, list[int]]] = {}
+        self.hedged: set[asyncio.Future[Any]] = set()
+        self.done: set[int] = set()
+        self.answered: list[Answered] = []
+        self.failures: dict[str, Failure] = {}
+
+    def launch(self, shards: list[int]) -> None:
+        """Ask each shard's next node (one part per node); a shard with none left is not asked again."""
+        by_node: dict[str, list[int]] = {}
+        for shard in shards:
+            if self.next[shard] < len(self.order[shard]):
+                by_node.setdefault(self.order[shard][self.next[shard]], []).append(shard)
+                self.next[shard] += 1
+        for node, group in by_node.items():
+            self.tasks[self.start(node, group)] = (node, group)
+
+    def _open(self, shards: list[int]) -> list[int]:
+        return [s for s in shards if s not in self.done and self.next[s] < len(self.order[s])]
+
+    def hedgeable(self) -> list[asyncio.Future[Any]]:
+        """The parts not yet hedged that have shards unanswered with another node left to ask."""
+        return [t for t, (_, shards) in self.tasks.items() if t not in self.hedged and self._open(shards)]
+
+    def hedge(self, tasks: list[asyncio.Future[Any]]) -> None:
+        """Ask the next node of these parts' shards too."""
+        self.hedged.update(tasks)
+        self.launch(sorted({s for t in tasks for s in self._open(self.tasks[t][1])}))
+
+    def orphans(self) -> list[int]:
+        """Shards unanswered that no part out asks for (its node failed, or answered what was answered)."""
+        out = {s for _, shards in self.tasks.values() for s in shards}
+        return [s for s in self.order if s not in self.done and s not in out]
+
+    def drop_answered(self) -> list[str]:
+        """Cancel the parts whose shards were all answered by other nodes; their nodes."""
+        dropped = [t for t, (_, shards) in self.tasks.items() if all(s in self.done for s in shards)]
+        nodes = [self.tasks.pop(t)[0] for t in dropped]
+        for task in dropped:
+            _abandon(task)
+        return nodes
+
+
+def _timeout(left: float) -> aiohttp.ClientTimeout:
+    """A part's timeout: the time left to its search's deadline, not rounded up to a whole second."""
+    return aiohttp.ClientTimeout(total=left, ceil_threshold=NO_CEIL)
+
+
+def _callers(status: int, content: bytes, headers: Mapping[str, str]) -> bool:
+    """Whether a node's non-200 answer is the caller's own error, answered as it came: a 400 in the Vektonn error
+    shape (its query), or a 401 or 403 in that shape to the caller's own key, which the part carried. Anything
+    else (404 of a wrong path, 405, 413 of a smaller body limit, 429, a 401 to no key: a node set up otherwise)
+    is the node failing: its replica is asked."""
+    if status == 400 or (status in (401, 403) and "authorization" in headers):
+        return _vektonn_messages(content) is not None
+    return False
+
+
+def _transient(status: int) -> bool:
+    """Whether a node's error status may pass on its own (5xx, 408, 409, 429) rather than stay until an operator
+    changes the node or the placement (404 of a wrong path, 405, 413, 401...)."""
+    return status >= 500 or status in (408, 409, 425, 429)
+
+
 def _failure(exc: BaseException, timeout_s: float) -> str:
     """Why a node did not answer, in a few words for the caller's 503: only what the connection told (no
     address, no URL: the placement file's, which the caller never sent)."""
     if isinstance(exc, TimeoutError):
-        return f"timed out after {timeout_s:g} s (SHOAL_FANOUT_TIMEOUT_S)"
+        return f"timed out after {timeout_s:g} s (SHOAL_FANOUT_TIMEOUT_S, the search's time for all its nodes)"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"cannot resolve its host: {_os_reason(exc.os_error)}"
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect: {_os_reason(exc.os_error)}"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
@@ -341,25 +503,28 @@ def _failure(exc: BaseException, timeout_s: float) -> str:
 
 
 def _os_reason(error: OSError) -> str:
-    """The error number's own words ("Connection refused"): asyncio's strerror names the address it dialed."""
+    """The error's own words ("Connection refused", "Name or service not known"): the number's for an OS error
+    (asyncio's strerror names the address it dialed), the resolver's for a DNS one (socket.gaierror, whose
+    negative numbers os.strerror knows nothing of)."""
+    if isinstance(error, socket.gaierror) or (error.errno or 0) < 0:
+        return error.strerror or type(error).__name__
     return os.strerror(error.errno) if error.errno else type(error).__name__
 
 
-def _node_reason(status: int, content: bytes) -> str:
-    """What a node said when it answered a part with an error of its own (5xx): its status and its Vektonn
-    errorMessages, each cut to REASON_CHARS; only the status for a body of another shape (a proxy's page)."""
+def _vektonn_messages(content: bytes) -> list[str] | None:
+    """The errorMessages of a Vektonn error body; None for a body of another shape (a proxy's page, no route)."""
     try:
         messages = orjson.loads(content).get("errorMessages")
     except (orjson.JSONDecodeError, AttributeError):
-        messages = None
-    said = [m[:REASON_CHARS] for m in messages if isinstance(m, str)] if isinstance(messages, list) else []
+        return None
+    return [m for m in messages if isinstance(m, str)] if isinstance(messages, list) else None
+
+
+def _node_reason(status: int, content: bytes) -> str:
+    """What a node said when it answered a part with an error of its own (not the caller's): its status and its
+    Vektonn errorMessages, each cut to REASON_CHARS; only the status for a body of another shape."""
+    said = [m[:REASON_CHARS] for m in _vektonn_messages(content) or []]
     return f"answered {status}: {'; '.join(said)}" if said else f"answered {status}"
-
-
-def _why(placed: IndexPlacement, missing: set[int], failures: Mapping[str, str]) -> str:
-    """Why the nodes listed for the missing shards did not answer (those asked), for the 503's message."""
-    asked = sorted(n for n in failures if any(n in placed.nodes.get(s, ()) for s in missing))
-    return "".join(f"; node {n} {failures[n]}" for n in asked)
 
 
 def _one_seq_asked(headers: Mapping[str, str]) -> bool:

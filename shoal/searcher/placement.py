@@ -13,12 +13,38 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from shoal.errors import ConfigurationError
 
 IndexKey = tuple[str, str, str]  # (tenant, index name, index version)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a node's URL as the base of its API, in words (None when nothing is): http or https, a
+    host, a port from 1 to 65535 when one is given; a path is kept (a node behind a proxy's prefix: the search
+    route is appended to it), a query, a fragment or credentials are not (the route appended would not be where
+    they expect). Checked at load: a bad URL failed every search asking the node with a retryable 503."""
+    if not url.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "must have no spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError past 65535, or not a number
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if not parts.hostname:
+        return "names no host"
+    if port == 0:
+        return "has port 0: give the port the node's API listens on (1-65535)"
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        return "must have no query (?) or fragment (#): it is the base the search route is appended to"
+    if parts.username is not None or parts.password is not None:
+        return "must carry no credentials: a part carries the caller's own key"
+    return None
 
 
 @dataclass(frozen=True)
@@ -72,8 +98,9 @@ class Placement:
         if not isinstance(nodes, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in nodes.items()):
             raise bad("`nodes` must map each node's name to the base URL of its API")
         for name, url in nodes.items():
-            if not url.startswith(("http://", "https://")):
-                raise bad(f"node {name!r}: URL {url!r} must start with http:// or https://")
+            problem = url_problem(url)
+            if problem:
+                raise bad(f"node {name!r}: URL {url!r} {problem}")
         if node is not None and node not in nodes:
             raise bad(f"SHOAL_NODE {node!r} is not among its nodes ({', '.join(sorted(nodes)) or 'none'})")
         indexes: dict[IndexKey, IndexPlacement] = {}
