@@ -21,6 +21,7 @@ from shoal.cli.apply import apply
 from shoal.cli.common import fit_consoles, typer_app
 from shoal.cli.consume import consume
 from shoal.cli.demo import demo
+from shoal.cli.flower import FLOWER_CONTEXT, flower
 from shoal.cli.imports import import_file
 from shoal.cli.indexes import index_app
 from shoal.cli.maintenance import gc, log_app
@@ -54,6 +55,7 @@ app.command("rollback")(rollback)
 app.command("status")(status)
 app.command("worker")(worker)
 app.command("up")(up)
+app.command("flower", context_settings=FLOWER_CONTEXT)(flower)
 app.command("settings")(settings_command)
 app.command("migrate")(migrate_command)
 app.command("demo")(demo)

@@ -11,6 +11,7 @@ and ends with status 1.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -41,7 +42,7 @@ from shoal.cli.worker import (
     worker_argv,
 )
 from shoal.errors import ConfigurationError
-from shoal.servers.parent_death import parent_death_signal
+from shoal.servers.parent_death import parent_death_signal, supervised_env
 
 LOG_DIR = "logs"  # under SHOAL_DATA_DIR: one file per child, appended to across runs
 TAIL_LINES = 25  # lines of a dead child's log shown
@@ -50,6 +51,7 @@ RESTART_FIRST_S = 1.0  # the first restart of a dead child waits this long; each
 RESTART_MAX_S = 30.0  # ... up to this
 RESTART_STABLE_S = 60.0  # a run this long resets the backoff: the child was healthy, its death is news
 RESTART_TAIL_LINES = 5  # lines of a dead child's log shown when it is restarted
+READY_TIMEOUT_S = 2.0  # the longest a health request waits for a server's answer before it is asked again
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     stop_timeout: float = 10.0
-    ready_at: tuple[str, int] | None = None  # (host, port) that accepts connections once it serves
+    ready_at: tuple[str, int, str] | None = None  # (host, port, path): it serves once GET path answers there
     ready_note: str = ""
     announced: bool = field(default=False)
     launch: Callable[[], subprocess.Popen[bytes]] | None = None  # starts it again (None: it is not restarted)
@@ -129,13 +131,26 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
-def _answers(host: str, port: int) -> bool:
+def _answers(host: str, port: int, path: str) -> bool:
+    """Whether an HTTP server answers GET `path` at `host`:`port` (any status) within READY_TIMEOUT_S. A
+    connection alone proves nothing: a process that holds the port (the child failed to bind it) accepts it."""
     connect_to = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)  # noqa: S104
+    conn = http.client.HTTPConnection(connect_to, port, timeout=READY_TIMEOUT_S)
     try:
-        with socket.create_connection((connect_to, port), timeout=0.2):
-            return True
-    except OSError:
+        conn.request("GET", path)
+        conn.getresponse().read()
+        return True
+    except (OSError, http.client.HTTPException):
         return False
+    finally:
+        conn.close()
+
+
+def _serves(child: Child) -> bool:
+    """Whether the child serves where it should: its health path answers there and the child still runs after
+    (what answered was not another server on a port the child, now exiting, failed to bind)."""
+    assert child.ready_at is not None
+    return child.proc.poll() is None and _answers(*child.ready_at) and child.proc.poll() is None
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -263,9 +278,13 @@ def up(
                 beat=True, schedule=schedule, concurrency=concurrency, loglevel=loglevel.value,
                 pool=pool.value if pool else None, events=True,
             )
-            children.append(_child("worker", logs, lambda: start_worker_process(argv, logs / "worker.log", env,
-                                                                                parent_death_signal()),
-                                   stop_timeout=stop_timeout))
+            # The worker bounds its own stop by stop_timeout should `shoal up` die (SIGKILL) and not enforce it.
+            worker_env = supervised_env(env, stop_timeout)
+            children.append(_child(
+                "worker", logs,
+                lambda: start_worker_process(argv, logs / "worker.log", worker_env, parent_death_signal()),
+                stop_timeout=stop_timeout,
+            ))
             merges = (f"merges every {settings.merge_interval_s:g} s" if settings.merge_interval_s > 0
                       else "no merge sweep (SHOAL_MERGE_INTERVAL_S=0)")
             _say(f"worker:  celery -A {CELERY_APP} worker --beat --task-events (pid {children[-1].proc.pid}); "
@@ -280,15 +299,16 @@ def up(
                 shown = f"[{host}]" if ":" in host else host
                 url = f"http://{shown}:{port}"
                 children.append(_child("api", logs, lambda: _start(api_argv, logs / "api.log", env),
-                                       ready_at=(host, port), ready_note=f"API ready at {url}"))
+                                       ready_at=(host, port, "/healthz"), ready_note=f"API ready at {url}"))
                 _say(f"api:     {url} (OpenAPI at {url}/docs, metrics at {url}/metrics) "
                      f"(pid {children[-1].proc.pid})")
             if flower:
-                flower_argv = [sys.executable, "-m", "celery", "-A", CELERY_APP, "flower", f"--port={flower_port}",
+                flower_argv = [sys.executable, "-m", "shoal", "flower", f"--port={flower_port}",
                                "--address=127.0.0.1"]
                 url = f"http://127.0.0.1:{flower_port}"
                 children.append(_child("flower", logs, lambda: _start(flower_argv, logs / "flower.log", env),
-                                       ready_at=("127.0.0.1", flower_port), ready_note=f"Flower ready at {url}"))
+                                       ready_at=("127.0.0.1", flower_port, "/healthcheck"),
+                                       ready_note=f"Flower ready at {url}"))
                 _say(f"flower:  {url} (tasks, their arguments and states; workers) (pid {children[-1].proc.pid})")
             err.print("Ctrl-C stops everything" + ("; a child that dies is restarted" if restart else ""))
             died = _supervise(children, restart=restart)
@@ -359,7 +379,7 @@ def _supervise(children: list[Child], *, restart: bool = True) -> Child:
                     return child
                 _schedule_restart(child, code, now)
                 continue
-            if child.ready_at and not child.announced and _answers(*child.ready_at):
+            if child.ready_at and not child.announced and _serves(child):
                 child.announced = True
                 _say(child.ready_note)
         time.sleep(POLL_S)
