@@ -25,6 +25,8 @@ from shoal.cli import app as cli_app
 from shoal.config.settings import Settings
 from shoal.log.records import IndexSpec
 from shoal.runtime import Runtime
+from shoal.servers.broker import broker_url
+from shoal.workers import liveness
 
 DIM = 8
 NO_WORKER = "no indexer worker is alive"
@@ -91,6 +93,28 @@ def test_healthz_and_status_say_nothing_indexes_until_a_worker_runs(
     finally:
         if worker is not None:
             stop_process(worker)
+        client.close()
+
+
+def test_a_worker_consuming_no_index_queue_is_no_indexer(
+    make_settings: Callable[..., Settings], redis_url: str
+) -> None:
+    """A worker that answers pings but consumes other queues only (`-Q`; another application's worker on the same
+    broker) builds nothing: counted as alive, it hid the stall ("ok", no warning, lag growing)."""
+    settings = make_settings(redis_url=redis_url)
+    client, index, _ = _lagging_index(settings)
+    name = f"elsewhere-{uuid.uuid4().hex[:6]}@localhost"
+    worker = start_worker(settings, "-Q", "elsewhere", "-n", name)
+    try:
+        control = liveness._control_app(broker_url(settings)).control
+        wait_for(lambda: any(name in reply for reply in control.ping(timeout=1) or []), 60, "the worker to answer")
+        with serve_api(settings) as base:
+            code, body, _ = healthz(base)
+        assert code == 200 and body["status"] == "degraded" and body["workers"] == 0, body
+        assert any(p.startswith(NO_WORKER) for p in body["problems"]), body
+        assert client.index_status(index, "1")[0].built_watermark == 0  # indeed: nothing was built
+    finally:
+        stop_process(worker)
         client.close()
 
 

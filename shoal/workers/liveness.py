@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from shoal.catalog.indexes import freshness_rows
 from shoal.catalog.models import DataSource, Index, IndexShard
+from shoal.workers.names import QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ def _control_app(broker_url: str) -> Celery:
 
 
 def alive_workers(broker_url: str, timeout: float = 1.0) -> list[str]:
-    """The hostnames of the Celery workers that answer a ping on `broker_url` within `timeout` seconds,
-    sorted; BrokerUnreachableError when the broker refuses the connection.
+    """The hostnames of the Celery workers on `broker_url` that consume Shoal's index queue (QUEUE) and say so
+    within `timeout` seconds, sorted; BrokerUnreachableError when the broker refuses the connection. A worker
+    that answers but consumes other queues only (`-Q`, or another application's worker on the same broker)
+    builds nothing: counted by a ping, it hid a stall from /healthz and `shoal status`.
 
     A worker answers from its consumer loop, so one with the solo pool busy with a long build answers only
     once the build ends: `lag_summary` counts the shards under a live build lease for that reason.
@@ -70,10 +73,11 @@ def alive_workers(broker_url: str, timeout: float = 1.0) -> list[str]:
         with app.connection_for_write(connect_timeout=timeout) as conn:
             # Fail at once: kombu would otherwise retry the connection for seconds before giving up.
             conn.ensure_connection(max_retries=0)
-            replies: list[dict[str, Any]] = app.control.ping(timeout=timeout, connection=conn) or []
+            queues: dict[str, Any] = app.control.inspect(timeout=timeout, connection=conn).active_queues() or {}
     except (OperationalError, redis.RedisError, OSError) as exc:
         raise BrokerUnreachableError("the broker did not accept a connection") from exc
-    return sorted({hostname for reply in replies for hostname in reply})
+    return sorted(host for host, consumed in queues.items()
+                  if any(isinstance(q, dict) and q.get("name") == QUEUE for q in consumed or ()))
 
 
 @dataclass(frozen=True)
