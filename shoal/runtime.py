@@ -39,6 +39,11 @@ SHARDS_OF_TTL_S = 2.0
 # How long an upload route may reuse a data source's definition instead of reading it per request. Safe: the
 # commit re-reads the source under its row lock and refuses a dropped or trashed one.
 SOURCE_TTL_S = 2.0
+# What the runtime keeps per data source (its writer, definition and shard list) is forgotten after this long
+# without a write to it: kept for ever, one entry per data source ever written to, it grew without bound in a
+# long-running API or consumer (3-5 KB each) when sources are made, written and dropped elsewhere. Checked on
+# the write path at most every IDLE_FORGET_S / 4 seconds. A module constant so tests can lower it.
+IDLE_FORGET_S = 600.0
 
 
 # Every open runtime of the process, held weakly (a runtime dropped unclosed is not kept alive by this), so that
@@ -102,6 +107,11 @@ class Runtime:
         self._writers: dict[int, LogWriter] = {}
         self._shards_of: dict[int, tuple[float, list[int]]] = {}
         self._sources: dict[tuple[int, str, str], tuple[float, SourceRecord]] = {}
+        self._written: dict[int, float] = {}  # source id -> when a writer was last asked for or committed
+        self._swept_at = time.monotonic()
+        # Every writer made, held weakly: one forgotten while idle may still serve a producer, which `close`
+        # must refuse like the others.
+        self._made_writers: weakref.WeakSet[LogWriter] = weakref.WeakSet()
         self._broker_url: str | None = None
         self._redis: redis.Redis | None = None
         self._celery: Any = None
@@ -196,7 +206,10 @@ class Runtime:
                 writer.after_commit = self.after_commit
                 writer.announce_head = self.announce_head
                 self._writers[source.id] = writer
-            return writer
+                self._made_writers.add(writer)
+            self._written[source.id] = time.monotonic()
+        self._forget_idle_now_and_then()
+        return writer
 
     def source(self, scope: Scope, name: str, version: str) -> SourceRecord:
         """The data source's definition, read from the catalog at most every SOURCE_TTL_S per process (the
@@ -209,6 +222,7 @@ class Runtime:
         record = scope.catalog.get_data_source(name, version)
         with self._lock:  # forget_source walks the dict under the lock: a write beside it broke its walk
             self._sources[key] = (time.monotonic(), record)
+        self._forget_idle_now_and_then()
         return record
 
     def forget_source(self, source_id: int) -> None:
@@ -217,6 +231,7 @@ class Runtime:
         with self._lock:
             self._writers.pop(source_id, None)
             self._shards_of.pop(source_id, None)
+            self._written.pop(source_id, None)
             for key in [k for k, (_, r) in self._sources.items() if r.id == source_id]:
                 del self._sources[key]
 
@@ -228,7 +243,36 @@ class Runtime:
     def announce_head(self, source_id: int, head: int) -> None:
         """Announce a data source's new head to searchers (every commit, whatever `notify` says: searchers
         answer `strong` from it). Best effort: what fails is retried in the background."""
+        self._written[source_id] = time.monotonic()  # a commit: the source's writer is in use
         self.heads.announce(source_id, head)
+        self._forget_idle_now_and_then()
+
+    def _forget_idle_now_and_then(self) -> None:
+        """Forget the data sources idle past IDLE_FORGET_S (`forget_idle`), at most every IDLE_FORGET_S / 4:
+        called on the write path, where it costs one clock read otherwise."""
+        now = time.monotonic()
+        if now - self._swept_at >= IDLE_FORGET_S / 4:
+            self._swept_at = now
+            self.forget_idle(now)
+
+    def forget_idle(self, now: float | None = None) -> None:
+        """Drop the writers, definitions and shard lists of data sources not written to (nor asked for) for
+        IDLE_FORGET_S: a later upload reads and makes them again. A writer with a commit in flight or batches
+        queued is kept. Writers are dropped, not closed: closing only refuses later submits (a writer has no
+        thread or buffer of its own; its callers lead the group commits), and a producer holding one may upload
+        again; `close` still refuses them (`_made_writers`)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for source_id in [s for s, at in self._written.items() if now - at > IDLE_FORGET_S]:
+                writer = self._writers.get(source_id)
+                if writer is not None and _in_flight(writer):
+                    continue
+                self._writers.pop(source_id, None)
+                self._written.pop(source_id, None)
+            for source_id in [s for s, (at, _) in self._shards_of.items() if now - at > IDLE_FORGET_S]:
+                del self._shards_of[source_id]
+            for key in [k for k, (at, _) in self._sources.items() if now - at > IDLE_FORGET_S]:
+                del self._sources[key]
 
     def after_commit(self, source_id: int) -> None:
         """After a commit (never before): queue materialization of every shard over the data source."""
@@ -257,8 +301,9 @@ class Runtime:
             client, self._redis = self._redis, None
             self._celery = None
             self._scopes.clear()
-            writers = list(self._writers.values())
+            writers = list(self._made_writers)
             self._writers.clear()
+            self._written.clear()
         _RUNTIMES.discard(self)
         self.heads.close()
         for writer in writers:  # producers made before the close hold them: their uploads are refused now
@@ -288,3 +333,9 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _in_flight(writer: LogWriter) -> bool:
+    """Whether a writer has a commit running or batches queued (read without its lock: a writer found idle
+    that takes a batch right after is only forgotten by the runtime, its caller commits through it as ever)."""
+    return writer._busy or bool(writer._queue)

@@ -287,8 +287,10 @@ class ShardBuilder:
         log.info("merge of shard %s: %d of %d segments (rows %s%s) %s into %s rows%s in %.2fs", shard_id,
                  len(picked), len(segments), [e.rows for e in picked], ", busy" if busy else "", how,
                  merged.rows if merged else 0, " (quick)" if merged and merged.quick else "", time.monotonic() - t0)
-        return self._leased(shard_id, lambda: self._publish_merge(shard, index, active, picked, merged),
-                            wait_s=self.publish_wait_s)
+        result = self._leased(shard_id, lambda: self._publish_merge(shard, index, active, picked, merged),
+                              wait_s=self.publish_wait_s)
+        self.keys.discard(p.id for p in picked)  # replaced: no later build of the shard reads their keys
+        return result
 
     def _live_rows(self, entry: SegmentEntry) -> pa.Table:
         rows = load_rows(self.storage, entry)

@@ -38,6 +38,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.message import Message
 from sqlalchemy.exc import OperationalError
 
+import shoal.runtime as _runtime_module
 from shoal.config.settings import Settings
 from shoal.errors import BatchIdReusedError, CommitError, ConfigurationError, NotFoundError, ShoalError, ValidationError
 from shoal.intake import codec, topology
@@ -136,6 +137,7 @@ class IntakeConsumer:
         self._written_sources: dict[tuple[str, int], float] = {}
         self.recent_writes_s = RECENT_WRITES_S
         self._paused_at = 0.0
+        self._swept_at = time.monotonic()
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -341,6 +343,7 @@ class IntakeConsumer:
         cached = self._producers.get(target)
         if cached is not None and not fresh and time.monotonic() - cached[0] < SOURCE_TTL_S:
             return cached[1]
+        self._forget_idle_now_and_then()
         runtime = self.runtime()
         read_at = time.monotonic()
         try:
@@ -354,6 +357,24 @@ class IntakeConsumer:
         producer = LogProducer(record, runtime.writer(record), self.settings.max_batch_points)
         self._producers[target] = (read_at, producer)
         return producer
+
+    def _forget_idle_now_and_then(self) -> None:
+        """Drop the producers and recent-write times of data sources idle past the runtime's IDLE_FORGET_S, at
+        most every IDLE_FORGET_S / 4. Kept for ever, they grew one entry per data source ever written to (3-5 KB
+        with the runtime's) when sources are made, written and dropped elsewhere. A producer's time is when its
+        definition was read, again every SOURCE_TTL_S while messages come: an old one was not used since."""
+        now = time.monotonic()
+        idle = _runtime_module.IDLE_FORGET_S
+        if now - self._swept_at < idle / 4:
+            return
+        self._swept_at = now
+        for target in [t for t, (at, _) in self._producers.items() if now - at > idle]:
+            del self._producers[target]
+        if not self.paused:  # while paused, `_lagging` counts the sources written before the pause
+            keep = max(idle, self.recent_writes_s)
+            self._written_sources = {k: at for k, at in self._written_sources.items() if now - at <= keep}
+        if self._runtime is not None:
+            self._runtime.forget_idle(now)
 
     def _forget(self, target: Target) -> None:
         """Drop what this consumer keeps for the data source `target` named (gone, or made again)."""

@@ -7,6 +7,7 @@ the catalog is the fallback when a message is missed or Redis is down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import numbers
@@ -14,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -249,6 +250,11 @@ class SearchService:
         self.young_max_seqs = runtime.settings.young_tier_max_seqs
         self.follows = follow
         self._heads: dict[int, int] = {}  # data source id -> the newest head announced or read
+        # Heads are kept only for the data sources of served views (and, while a load runs, for any: its view is
+        # not served yet, and a head announced after its catalog read must not be lost). Every commit of the
+        # deployment is announced, so keeping all of them grew one entry per data source ever written to.
+        self._served_sources: frozenset[int] = frozenset()
+        self._loading = False
         # Strong searches take the head announced on Redis only while this searcher is subscribed to the
         # announcements (so it notices Redis going away) and only when it is at least the head the catalog gave
         # since the subscription began: Redis may have come back holding the heads of before (its append-only
@@ -316,6 +322,7 @@ class SearchService:
             self._stop.set()
         self._threads = []
         self._subscription = 0
+        self._loading = False  # a load the parent ran is not running here
 
     def _restart_after_fork(self) -> None:
         """Start this process's following threads, once, and poll at once: what changed since the fork is
@@ -929,7 +936,7 @@ class SearchService:
     def _load(self, scope: Scope, name: str, version: str) -> IndexView:
         key = (scope.tenant_id, name, version)
         # One loader at a time: two racing loads would do the same I/O twice.
-        with self._load_lock:
+        with self._load_lock, self._loading_heads():
             old = self._views.get(key)
             held = {s.version_id for s in old.shards if s.version_id is not None} if old else set()
             index, source, versions = scope.indexes.serving(name, version, held)
@@ -983,6 +990,7 @@ class SearchService:
                     # cannot move past this check, and no search finds the new view with less than it showed.
                     fresh = self._caught_up(view, fresh, self._shown(old), bound)
                 self._views[key] = view
+                self._served_sources = self._sources_of_views()
                 self._scopes[scope.tenant_id] = scope
                 self._used.setdefault(key, time.monotonic())
                 if anew:  # swapped with the view, so no search pairs the new view with another tier
@@ -1060,8 +1068,36 @@ class SearchService:
             if view is not None:
                 young = self._tails.pop(view.index.id, None)
                 self._checked.pop(view.index.id, None)
+                self._served_sources = self._sources_of_views()
+                self._forget_unserved_sources()
         self._retain()
         return young is not None
+
+    @contextlib.contextmanager
+    def _loading_heads(self) -> Iterator[None]:
+        """While a load runs (under the load lock), take every head announced; after it, keep only the heads
+        of the data sources served."""
+        with self._lock:
+            self._loading = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._loading = False
+                self._forget_unserved_sources()
+
+    def _sources_of_views(self) -> frozenset[int]:
+        """The data sources of the views served (called under the lock, when they change)."""
+        return frozenset(view.source.id for view in self._views.values())
+
+    def _forget_unserved_sources(self) -> None:
+        """Drop the heads and floors of data sources no served view uses (under the lock; not while a load runs,
+        whose view may need a head announced meanwhile). A later load reads the head with the data source."""
+        if self._loading:
+            return
+        for table in (self._heads, self._floors):
+            for source_id in [s for s in table if s not in self._served_sources]:
+                del table[source_id]
 
     def _lru(self, loaded: tuple[int, str, str]) -> list[tuple[float, tuple[int, str, str]]]:
         """(last searched, key) of the indexes this service serves, `loaded` left out."""
@@ -1194,11 +1230,15 @@ class SearchService:
         return self._subscription > 0
 
     def _saw_head(self, source_id: int, head: int) -> None:
-        """Note a data source's head (announced, or read with its definition); wake the young tier's follower
-        when it moved."""
-        if head > self._heads.get(source_id, 0):
+        """Note a data source's head (announced, or read with its definition) when a served view uses it (or
+        a load runs); wake the young tier's follower when it moved. Other data sources' heads are ignored."""
+        with self._lock:
+            if not self._loading and source_id not in self._served_sources:
+                return
+            if head <= self._heads.get(source_id, 0):
+                return
             self._heads[source_id] = head
-            self._young_wake.set()
+        self._young_wake.set()
 
     def _young_loop(self) -> None:
         """Keep each served index's young tier up to the newest known head of its data source, up to
@@ -1269,6 +1309,9 @@ class SearchService:
             self._views.clear()
             self._used.clear()
             self._tails.clear()
+            self._served_sources = frozenset()
+            self._heads.clear()
+            self._floors.clear()
         self.cache.release(id(self))
 
 
