@@ -18,6 +18,7 @@ from shoal import DataSourceSpec, Shoal
 from shoal.config.settings import Settings
 from shoal.index.builder import ShardBuilder
 from shoal.log.records import IndexSpec
+from shoal.searcher.consistency import Consistency
 
 DIM = 16
 ROUNDS = 4  # each a reindex swap and a rollback: 8 loads of another generation while writes go on
@@ -119,3 +120,36 @@ def test_a_write_once_returned_stays_returned_across_swaps_and_rollbacks(flat: S
             assert not run.errors, run.errors[:3]
     assert not run.errors, run.errors[:3]
     assert not run.lost, f"{len(run.lost)} acknowledged writes returned once, then missing: {run.lost[:5]}"
+
+
+def test_an_index_made_again_over_another_source_is_read_from_that_source(
+    make_settings: Callable[..., Settings], redis_url: str,
+) -> None:
+    """An index dropped and made again under its name over another data source, noticed by one refresh of a
+    following searcher: what the young tier it replaced reached (seqs of the other data source's log, far
+    further on) was taken as what the new one had to reach, so the new tier was marked as covering seqs of its
+    own log it never read, and even strong searches missed the writes made there after the swap."""
+    shoal = Shoal(make_settings("local", redis_url=redis_url), notify=False)
+    try:
+        for source in ("far", "near"):
+            shoal.create_data_source(DataSourceSpec(source, "1", DIM, {"id": "int64"}, ["id"]))
+        far = shoal.producer("far", "1")
+        for n in range(40):  # 40 commits: its head far past the other source's
+            far.upload_columns(_vectors(np.array([n])), {"id": np.array([n], dtype=np.int64)})
+        shoal.producer("near", "1").upload_columns(_vectors(np.array([100])), {"id": np.array([100], np.int64)})
+        shoal.create_index(IndexSpec("again", "1", "far", "1", metric="cosine", id_attributes=["id"]))
+        searcher = shoal.searcher(follow=True, poll_interval=3600)  # refreshed by hand below
+        try:
+            assert searcher.search("again", "1", _vectors(np.array([39])), 1)[0][0].attributes["id"] == 39
+            shoal.drop_index("again", "1")
+            shoal.create_index(IndexSpec("again", "1", "near", "1", metric="cosine", id_attributes=["id"]))
+            searcher.refresh()  # loads the new index in place of the one it served
+            near = shoal.producer("near", "1")
+            for n in range(101, 106):
+                near.upload_columns(_vectors(np.array([n])), {"id": np.array([n], dtype=np.int64)})
+            hits = searcher.search("again", "1", _vectors(np.array([105])), 1, consistency=Consistency.strong())[0]
+            assert [h.attributes["id"] for h in hits] == [105]
+        finally:
+            searcher.close()
+    finally:
+        shoal.close()

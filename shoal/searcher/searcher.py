@@ -161,6 +161,9 @@ class _Stale(Exception):
 
 # How many times one search reloads a view found stale (_Stale) before it gives up: once is enough unless
 # compactions keep overtaking the loads.
+# Catch-ups of a generation swapped in, without the lock, to what the one it replaces showed (its follower goes
+# on extending it meanwhile) before the last, under the lock.
+CATCH_UP_TRIES = 3
 _STALE_RELOADS = 3
 
 
@@ -980,15 +983,22 @@ class SearchService:
                         fresh = self._young_at_load(view, target, max(bound, top))
                     except Exception as exc:  # noqa: BLE001 - the follower extends it then
                         log.debug("young tier of index %s not read at load: %s", name, exc)
-                if old is not None:
-                    # The follower went on extending the old generation's tier while this one was read: caught
-                    # up once here, without the lock, so the check under it rarely has anything left to read.
-                    fresh = self._caught_up(view, fresh, self._shown(old), bound)
+            # What the generation served showed binds the new one only over the same data source: an index made
+            # again over another counts other seqs (its tier would be marked as reaching seqs it never read).
+            replaced = old if followed and old is not None and old.source.id == view.source.id else None
+            if replaced is not None:
+                # The follower goes on extending the old generation's tier while this one is read: caught up
+                # here, without the lock, a few times, so the check under it rarely has anything left to read.
+                for _ in range(CATCH_UP_TRIES):
+                    fresh = self._caught_up(view, fresh, self._shown(replaced), bound)
+                    if self._reaches(view, fresh, self._shown(replaced)):
+                        break
             with self._lock:
-                if followed and old is not None:
-                    # Again under the lock, which the follower takes to store what it extends: the old tier
-                    # cannot move past this check, and no search finds the new view with less than it showed.
-                    fresh = self._caught_up(view, fresh, self._shown(old), bound)
+                if replaced is not None and not self._reaches(view, fresh, self._shown(replaced)):
+                    # Under the lock, which the follower takes to store what it extends: the old tier cannot
+                    # move past this check, and no search finds the new view with less than it showed. Only up
+                    # to that (the newest head is the follower's, after the swap): the read here is short.
+                    fresh = self._caught_up(view, fresh, self._shown(replaced), bound, newest=False)
                 self._views[key] = view
                 self._served_sources = self._sources_of_views()
                 self._scopes[scope.tenant_id] = scope
@@ -1022,15 +1032,23 @@ class SearchService:
         top = max((s.watermark for s in old.shards), default=0)
         return max(young.end if young is not None else 0, top)
 
-    def _caught_up(self, view: IndexView, fresh: TailCache | None, shown: int, bound: int) -> TailCache | None:
-        """`fresh`, the young tier read for `view` (loaded anew, about to replace a served generation),
-        extended to `shown` (what searches of the generation served showed: past its bound if need be, or a
-        write once returned would vanish at the swap) and to the newest head this searcher knows (within the
-        bound). Unchanged when it reaches both; None only when it was None and the view covers both already.
-        A read that fails raises: the caller keeps the generation served (the next poll loads again), unless
-        the log past the view's watermarks was compacted away (_Stale), which no young tier can cover."""
+    @staticmethod
+    def _reaches(view: IndexView, fresh: TailCache | None, shown: int) -> bool:
+        """Whether `view` with the young tier `fresh` covers the log up to `shown`."""
+        return shown <= max(fresh.end if fresh is not None else 0, view.min_watermark)
+
+    def _caught_up(
+        self, view: IndexView, fresh: TailCache | None, shown: int, bound: int, *, newest: bool = True,
+    ) -> TailCache | None:
+        """`fresh`, the young tier read for `view` (loaded anew, about to replace a served generation of the
+        same data source), extended to `shown` (what searches of the generation served showed: past its bound
+        if need be, or a write once returned would vanish at the swap) and, with `newest`, to the newest head
+        this searcher knows (within the bound). Unchanged when it reaches them; None only when it was None and
+        the view covers them already. A read that fails raises: the caller keeps the generation served (the
+        next poll loads again), unless the log past the view's watermarks was compacted away (_Stale), which no
+        young tier can cover."""
         top = max((s.watermark for s in view.shards), default=0)
-        known = min(self._heads.get(view.source.id, 0), bound)
+        known = min(self._heads.get(view.source.id, 0), bound) if newest else 0
         required = max(shown, known, top)
         if required <= max(fresh.end if fresh is not None else 0, view.min_watermark):
             return fresh
