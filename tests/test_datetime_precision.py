@@ -272,3 +272,25 @@ def test_a_cli_split_value_below_a_microsecond_is_refused() -> None:
     assert whole.microsecond == 123456
     with pytest.raises(ValidationError, match="sub-microsecond"):
         split_value(AttributeType.DATETIME, "at", "2024-01-01T00:00:00.1234561+00:00")
+
+
+@pytest.mark.parametrize("zone", ["Asia/Tokyo", "America/New_York"])
+def test_naive_extremes_are_utc_whatever_the_hosts_zone(zone: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """.NET's DateTime.MinValue and MaxValue, naive: taken as UTC on both decoders. The exact one converted them
+    through the host's zone first: east of UTC year 1 raised ValueError (a 500), west of it year 9999 was
+    refused as out of range, while the fast path took both."""
+    import time
+
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        ats = ("0001-01-01T00:00:00", "9999-12-31T23:59:59")
+        items = [point(at, i) for i, at in enumerate(ats)]
+        for case in (str, str.upper):  # the fast path, and the exact one (keys in another case)
+            body = orjson.dumps([{case(k): v for k, v in item.items()} for item in items])
+            table = decode_upload(SPEC, body, 10)
+            assert table["at"].to_pylist() == [dt.datetime(1, 1, 1, tzinfo=dt.UTC),
+                                               dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.UTC)]
+    finally:
+        monkeypatch.undo()  # the zone the process had
+        time.tzset()

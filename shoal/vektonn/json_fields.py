@@ -347,10 +347,13 @@ def _slot_value(slot: str, raw: Any) -> tuple[Any, str | None]:
         moment = _DATETIME.validate_python(text)
     except pydantic.ValidationError:
         return None, f"not an ISO 8601 date and time: {raw[:50]!r}"
-    try:
-        moment.astimezone(dt.UTC)  # "0001-01-01T00:00:00+01:00" is before year 1 in UTC, where it is stored
-    except OverflowError:
-        return None, f"date and time out of range in UTC: {raw[:50]!r}"
+    if moment.tzinfo is not None:
+        try:
+            moment.astimezone(dt.UTC)  # "0001-01-01T00:00:00+01:00" is before year 1 in UTC, where it is stored
+        except OverflowError:
+            return None, f"date and time out of range in UTC: {raw[:50]!r}"
+    # A naive value is UTC as it stands (never converted: astimezone would take it as the host's local time, and
+    # "0001-01-01T00:00:00", .NET's DateTime.MinValue, raised ValueError east of UTC).
     # pydantic drops (floors) digits past the sixth: whether that lost anything is phase 2's question (see
     # SubMicrosecond).
     return (SubMicrosecond(moment) if sub_microsecond_text(raw) else moment), None
