@@ -24,6 +24,11 @@ Idle connections to the nodes are kept FANOUT_KEEPALIVE_S, less than a node keep
 uvicorn's keep-alive to serve.NODE_KEEPALIVE_S; uvicorn's own default is 5 s): a part sent on a connection the node
 closed at that moment was reset, and its shards counted as answered by no node. A part that fails so, before
 any byte of its answer came, is sent once more on a new connection (a search writes nothing).
+
+What searches see of the nodes is kept for operators: every failed part, hedged part and missing shard is counted
+in /metrics (Metrics.fanout_*: by node and a reason of FAILURE_KINDS, a fixed few, never the node's words), and
+`NodeHealth` remembers the nodes whose parts failed and that answered none since, which /healthz reports (without
+probing any node: only what searches saw).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ import asyncio
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -44,6 +51,9 @@ from starlette.concurrency import run_in_threadpool
 from shoal.api.security import TenantContext
 from shoal.errors import ConflictError, QueryError, ShardsUnavailableError
 from shoal.searcher.placement import IndexPlacement, Placement
+
+if TYPE_CHECKING:
+    from shoal.api.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +87,14 @@ NO_CEIL = float("inf")
 # Failures of a part before any answer came on which it is sent once more, on a new connection: the pooled one it
 # went out on was closed by the node meanwhile (a refused connection is no such failure: the node is not there).
 RETRIED = (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError, aiohttp.ClientOSError)
+# Why a part failed, as a metric's label and in /healthz: a fixed few (a label of free text, or of a node's own
+# message, would make a series per message).
+TIMEOUT, CONNECT, DNS, STATUS_5XX, STATUS_4XX, BAD_BODY = (
+    "timeout", "connect", "dns", "status_5xx", "status_4xx", "bad_body")
+FAILURE_KINDS = (TIMEOUT, CONNECT, DNS, STATUS_5XX, STATUS_4XX, BAD_BODY)
+# Seconds after its last failed part that a node no search asked since is no longer reported by /healthz: nothing
+# seen of it since (a replica listed before it answers every part) says whether it still fails.
+FORGET_S = 10 * SUSPECT_S
 
 # One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects and whether higher
 # is nearer, where it says).
@@ -86,10 +104,26 @@ Answered = tuple[list[int], list[dict[str, Any]], int | None, bool | None]
 @dataclass(frozen=True)
 class Failure:
     """Why a node did not answer a part, in a few words, and whether asking again later may help (a timeout, a
-    refused connection, a 5xx: yes; a node configured other than this one, answering 404 or 413: no)."""
+    refused connection, a 5xx: yes; a node configured other than this one, answering 404 or 413: no), its kind
+    (one of FAILURE_KINDS) and the status the node answered, if it did."""
 
     reason: str
     transient: bool = True
+    kind: str = CONNECT
+    status: int | None = None
+
+    def plain(self, timeout_s: float) -> str:
+        """The failure in a few words naming nothing (no host, none of the node's own words, which may name an
+        index): for /healthz, which anyone may read."""
+        if self.kind == TIMEOUT:
+            return f"timed out after {timeout_s:g} s"
+        if self.kind == DNS:
+            return "its host name did not resolve"
+        if self.kind in (STATUS_5XX, STATUS_4XX):
+            return f"answered {self.status}"
+        if self.kind == BAD_BODY:
+            return "answered a body that is no list of search results"
+        return "could not be connected to"
 
 
 # The shards no node answered for, and why each node asked for some did not (node -> failure).
@@ -106,6 +140,66 @@ class LocalPart:
     shard_count: int
     seq: int | None = None  # the seq it reflects (at_least and strong, with shards of its own)
     searched: bool = False  # whether `higher_is_nearer` is that of the generation its shards were searched in
+
+
+@dataclass(frozen=True)
+class _Down:
+    """A node whose parts failed since it last answered one: since when (time.monotonic), its latest failure and
+    when."""
+
+    since: float
+    last_at: float
+    last: Failure
+
+
+class NodeHealth:
+    """The placed nodes searches found failing: each node whose parts failed and that has answered none since,
+    until it answers one (or no search asked it for FORGET_S). Written on the event loop, read by /healthz in a
+    thread: under a lock."""
+
+    def __init__(self, timeout_s: float, forget_s: float = FORGET_S) -> None:
+        self.timeout_s = timeout_s
+        self.forget_s = forget_s
+        self._lock = threading.Lock()
+        self._down: dict[str, _Down] = {}
+
+    def failed(self, node: str, failure: Failure) -> None:
+        """A part asked of `node` failed."""
+        now = time.monotonic()
+        with self._lock:
+            before = self._down.get(node)
+            self._down[node] = _Down(before.since if before else now, now, failure)
+
+    def answered(self, node: str) -> None:
+        """`node` answered a part (its results, or the caller's own error): it is up."""
+        with self._lock:
+            self._down.pop(node, None)
+
+    def down(self) -> dict[str, _Down]:
+        """The nodes failing now (those no search asked for `forget_s` left out)."""
+        now = time.monotonic()
+        with self._lock:
+            for node in [n for n, d in self._down.items() if now - d.last_at > self.forget_s]:
+                del self._down[node]
+            return dict(self._down)
+
+    def problems(self) -> list[str]:
+        """A sentence for /healthz when placed nodes fail: how many, for how long, and their last failures in a
+        few words; no node's name or URL (/healthz names nothing: /metrics' shoal_fanout_part_failures_total has
+        the nodes). Empty when every node asked lately answered."""
+        down = self.down()
+        if not down:
+            return []
+        now = time.monotonic()
+        seconds = round(now - max(d.since for d in down.values()))
+        said = sorted({d.last.plain(self.timeout_s) for d in down.values()})
+        if len(down) == 1:
+            return [f"1 placed node has failed every search part asked of it for {seconds} s (its last failure: "
+                    f"{said[0]}); searches of its shards answer 503 unless a replica serves them "
+                    "(shoal_fanout_part_failures_total in /metrics names the node)"]
+        return [f"{len(down)} placed nodes have failed every search part asked of them for {seconds} s or more "
+                f"(their last failures: {'; '.join(said)}); searches of their shards answer 503 unless a replica "
+                "serves them (shoal_fanout_part_failures_total in /metrics names the nodes)"]
 
 
 class PeerError(Exception):
@@ -131,9 +225,11 @@ class FanOut:
     """Fans searches of placed indexes out to the nodes serving their shards, over one pooled HTTP client
     (aiohttp's: about a quarter of httpx's CPU per request, bench/fanout.py). Made on the event loop it serves."""
 
-    def __init__(self, placement: Placement, timeout_s: float) -> None:
+    def __init__(self, placement: Placement, timeout_s: float, metrics: Metrics | None = None) -> None:
         self.placement = placement
         self.timeout_s = timeout_s
+        self.metrics = metrics  # failed and hedged parts, missing shards counted there
+        self.health = NodeHealth(timeout_s)  # the nodes failing lately, for /healthz
         self._unpinned: set[str] = set()  # nodes found not to say the seq of their parts (an older release)
         self.hedge_s = min(HEDGE_S, timeout_s / 2)
         # Nodes that failed a part, or were outrun by a replica, lately: node -> when (the loop's clock).
@@ -197,6 +293,8 @@ class FanOut:
         # Shards the placement names on no node, or beyond the index's own: the index's shards decide.
         missing |= set(range(part.shard_count)) - set(mine) - {s for shards, _, _, _ in remote for s in shards}
         missing = {s for s in missing if s < part.shard_count}
+        if missing and self.metrics is not None:
+            self.metrics.fanout_missing(len(missing))
         if missing and headers.get(PARTIAL_HEADER, "").lower() not in ("true", "1", "yes"):
             raise self._unavailable(placed, name, version, missing, failures | failed)
         parts = [(min(mine), part.results)] if mine else [(part.shard_count, part.results)]
@@ -275,6 +373,7 @@ class FanOut:
                                                  return_when=asyncio.FIRST_COMPLETED)
                 if not finished:
                     if hedging:
+                        self._count_hedged(flights, hedging)
                         flights.hedge(hedging)
                     continue
                 for task in finished:
@@ -286,23 +385,42 @@ class FanOut:
             for task in flights.tasks:
                 _abandon(task)
         for node, _ in flights.tasks.values():  # still out at the deadline (the loop stalled)
-            flights.failures.setdefault(node, Failure(_failure(TimeoutError(), self.timeout_s)))
+            if node not in flights.failures:
+                self._failed(flights, node, Failure(_failure(TimeoutError(), self.timeout_s), kind=TIMEOUT))
         return flights.answered, (set(asked) - flights.done, flights.failures)
 
     def _settle(self, flights: _Flights, task: asyncio.Future[Any]) -> None:
         """Take a finished part's outcome: its shards answered (unless a replica answered some meanwhile), or its
         node's failure remembered (PeerError, the caller's own refusal, goes up)."""
         node, shards = flights.tasks.pop(task)
-        outcome = task.result()
+        try:
+            outcome = task.result()
+        except PeerError:
+            self.health.answered(node)  # it refused the caller's request: it is up
+            raise
         if isinstance(outcome, Failure):
-            flights.failures[node] = outcome
+            self._failed(flights, node, outcome)
             self._suspect[node] = asyncio.get_running_loop().time()
             return
         self._suspect.pop(node, None)
+        self.health.answered(node)
         if any(s in flights.done for s in shards):  # merged once: its shards' other answer stands
             return
         flights.done.update(shards)
         flights.answered.append((shards, *outcome))
+
+    def _failed(self, flights: _Flights, node: str, failure: Failure) -> None:
+        """Remember a node's failed part: for the search's 503, for /healthz, and counted in /metrics."""
+        flights.failures[node] = failure
+        self.health.failed(node, failure)
+        if self.metrics is not None:
+            self.metrics.fanout_part_failed(node, failure.kind)
+
+    def _count_hedged(self, flights: _Flights, hedging: list[asyncio.Future[Any]]) -> None:
+        """Count, by node, the parts about to be asked of a replica too (their node was slow to answer)."""
+        if self.metrics is not None:
+            for task in hedging:
+                self.metrics.fanout_hedged(flights.tasks[task][0])
 
     def _order(self, candidates: list[str]) -> list[str]:
         """The nodes listed for a shard, in the order to ask them: as listed, those that failed a part in the
@@ -330,20 +448,21 @@ class FanOut:
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("node %s did not answer for shards %s of %s/%s: %s: %s", node, shards, name, version,
                         type(exc).__name__, exc)
-            return Failure(_failure(exc, self.timeout_s))
+            return Failure(_failure(exc, self.timeout_s), kind=_kind(exc))
         if status != 200:
             if _callers(status, content, headers):
                 raise PeerError(status, content, kind)
             log.warning("node %s answered %d for shards %s of %s/%s", node, status, shards, name, version)
-            return Failure(_node_reason(status, content), _transient(status))
+            return Failure(_node_reason(status, content), _transient(status),
+                           STATUS_5XX if status >= 500 else STATUS_4XX, status)
         try:
             results = orjson.loads(content)
         except orjson.JSONDecodeError:
             log.warning("node %s answered shards %s of %s/%s with a body that is not JSON", node, shards, name,
                         version)
-            return Failure("answered with a body that is not JSON")
+            return Failure("answered with a body that is not JSON", kind=BAD_BODY)
         if not isinstance(results, list):
-            return Failure("answered with JSON that is no list of results")
+            return Failure("answered with JSON that is no list of results", kind=BAD_BODY)
         nearer = {"higher": True, "lower": False}.get(nearer_text or "")
         seq = int(seq_text) if seq_text is not None and seq_text.isascii() and seq_text.isdigit() else None
         if seq is None and _one_seq_asked(headers) and node not in self._unpinned:
@@ -500,6 +619,15 @@ def _failure(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, OSError):
         return f"connection failed: {_os_reason(exc)}"
     return f"did not answer ({type(exc).__name__})"
+
+
+def _kind(exc: BaseException) -> str:
+    """The kind of a part's failure to get any answer (FAILURE_KINDS): timed out, unresolved, or connection."""
+    if isinstance(exc, TimeoutError):
+        return TIMEOUT
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return DNS
+    return CONNECT
 
 
 def _os_reason(error: OSError) -> str:

@@ -5,6 +5,11 @@ indexes. The probe answers 200 whatever it finds (it is a liveness probe: the pr
 says "degraded", with the problems in words, when shards lag and no worker answers, or when the broker, the
 catalog or the storage cannot be reached. The monitor writes the same to the API's log, so an operator who reads only
 the log learns why searches never show new data. The report holds counts only: the probe needs no key.
+
+A process that fans searches out to placed nodes (shoal.api.fanout) also says "degraded" while some node has
+failed the search parts asked of it and answered none since: from what its searches saw (no node is probed
+here), so it is current at every probe (not cached with the rest), and it is cleared by the node's next answer.
+It counts the nodes and says their last failures in a few words, naming none (/metrics does, by node).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from shoal.api.fanout import FanOut
 from shoal.runtime import Runtime
 from shoal.storage.identity import MARKER
 from shoal.workers.liveness import DEGRADED, HealthReport, health_report
@@ -87,12 +93,23 @@ def current_report(runtime: Runtime, max_age_s: float = CACHE_S) -> HealthReport
 @router.get("/healthz", tags=["ops"], response_model=Health)
 def healthz(request: Request) -> Health:
     """Liveness: 200 while the service answers. The body says whether indexing keeps up ("ok") or not
-    ("degraded", with the problems in words: no live worker while shards lag, broker or catalog down)."""
+    ("degraded", with the problems in words: no live worker while shards lag, broker or catalog down, placed nodes
+    failing this process's searches)."""
     # A sync endpoint: FastAPI runs it in its thread pool, so the ping never blocks the event loop.
     runtime: Runtime | None = getattr(request.app.state, "runtime", None)
     if runtime is None:
         return Health(status="degraded", workers=0, shards=0, lagging_shards=0, max_lag_seqs=0, problems=[NOT_READY])
-    return Health(**current_report(runtime).as_json())
+    body = current_report(runtime).as_json()
+    placed = placed_node_problems(getattr(request.app.state, "fanout", None))
+    if placed:
+        body["status"] = DEGRADED
+        body["problems"] = [*body["problems"], *placed]
+    return Health(**body)
+
+
+def placed_node_problems(fanout: FanOut | None) -> list[str]:
+    """The problems of the placed nodes this process's searches found failing (none without a placement)."""
+    return fanout.health.problems() if fanout is not None else []
 
 
 class HealthMonitor:

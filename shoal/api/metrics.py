@@ -1,8 +1,12 @@
-"""Prometheus metrics: upload rate, search latency, and lag per shard (read from the catalog at scrape).
+"""Prometheus metrics: upload rate, search latency, fan-out failures, and lag per shard (read from the catalog at
+scrape).
 
 A scrape shows what its caller may see (`MetricsView`): with the metrics token, every tenant's series; with an
 admin key, its own tenant's series; anyone else gets totals over all tenants, in which no tenant, index or data
-source is named. (Never both for one family: a total beside its parts would be counted twice by a sum.)
+source is named. (Never both for one family: a total beside its parts would be counted twice by a sum.) The
+fan-out counters name no tenant and are shown to every caller alike: their labels are a placed node's name (the
+placement file's, a few) and a failure kind of a fixed few, and the missing shards are counted over every index,
+whose names are tenants' own (and a label per index would grow with them).
 
 Under `shoal api --workers N` the supervisor sets PROMETHEUS_MULTIPROC_DIR before starting the workers, and the
 counter and histogram are prometheus_client's multiprocess values: every worker writes them to a file of its own
@@ -142,7 +146,8 @@ class _YoungCollector(Collector):
 
 class _Viewed(Collector):
     """The per-tenant counters and histograms of a registry as a view allows: the series of the tenants it
-    shows, or (when it names none) the totals over all tenants, without the tenant label."""
+    shows, or (when it names none) the totals over all tenants, without the tenant label. Series without a tenant
+    label (the fan-out's) are every view's."""
 
     def __init__(self, families: Iterable[Metric], view: MetricsView) -> None:
         self.families = list(families)
@@ -156,7 +161,7 @@ class _Viewed(Collector):
             for sample in family.samples:
                 tenant = sample.labels.get(TENANT)
                 if named:
-                    if tenant is not None and self.view.shows(tenant):
+                    if tenant is None or self.view.shows(tenant):
                         out.add_sample(sample.name, sample.labels, sample.value, sample.timestamp)
                     continue
                 rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k != TENANT))
@@ -183,6 +188,20 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
         )
         self._search_by_tenant: dict[str, Any] = {}
+        # Searches of placed indexes (shoal.api.fanout), as the process fanning them out saw the nodes.
+        self._failed_parts = Counter(
+            "shoal_fanout_part_failures", "Parts of fanned-out searches a node did not answer, by node and why "
+            "(timeout, connect, dns, status_5xx, status_4xx, bad_body)", ["node", "reason"],
+            registry=self.registry,
+        )
+        self._hedged_parts = Counter(
+            "shoal_fanout_hedged_parts", "Parts of fanned-out searches asked of a replica too because their node "
+            "had not answered in time, by that node", ["node"], registry=self.registry,
+        )
+        self._missing_shards = Counter(
+            "shoal_fanout_missing_shards", "Shards no node answered for in fanned-out searches (each search's, "
+            "answered 503 or partial)", registry=self.registry,
+        )
         # prometheus_client picks its value class when first imported: shared files only if the variable was set
         # then (a worker of `shoal api --workers N`, spawned with it); a variable set later changes nothing here.
         shared = getattr(values.ValueClass, "_multiprocess", False)
@@ -196,6 +215,18 @@ class Metrics:
     def observe_search(self, tenant: str, seconds: float) -> None:
         """Record one search of `tenant` that took `seconds` (for a caller that times it itself)."""
         self._search_child(tenant).observe(seconds)
+
+    def fanout_part_failed(self, node: str, reason: str) -> None:
+        """Count one part a placed node did not answer; `reason` is one of shoal.api.fanout.FAILURE_KINDS."""
+        self._failed_parts.labels(node, reason).inc()
+
+    def fanout_hedged(self, node: str) -> None:
+        """Count one part of `node` asked of a replica too (the node had not answered yet)."""
+        self._hedged_parts.labels(node).inc()
+
+    def fanout_missing(self, shards: int) -> None:
+        """Count `shards` shards one fanned-out search got no answer for."""
+        self._missing_shards.inc(shards)
 
     def _search_child(self, tenant: str) -> Any:
         # The labelled child is looked up once per tenant: labels() costs more than the observation.
