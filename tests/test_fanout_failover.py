@@ -16,12 +16,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import api_process, free_port
+from conftest import api_process, free_port, wait_for
 
 from shoal import DataPoint, DataSourceSpec, Shoal
 from shoal.config.settings import Settings
@@ -120,6 +121,42 @@ def test_a_stalled_replica_is_not_waited_on_and_the_search_has_one_deadline(
                 assert got.headers["Retry-After"] == "5"  # stalled nodes may come back
         # Both resumed: node a answers again (it is asked last for a while, but still asked when b fails).
         assert _ids(httpx.post(f"{router}/api/v1/search/R/1", json=QUERY, timeout=60)) == NEAREST
+
+
+def _searches_answered(proc: subprocess.Popen[str], name: str) -> int:
+    """How many searches of `name` the node started with --access-log has answered (its access log's lines)."""
+    text = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+    return text.count(f'"POST /api/v1/search/{name}/1 HTTP/1.1" 200')
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_nodes_answer_is_kept_when_a_replica_answered_part_of_it(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    """Shard 0 on nodes a and b, shard 1 on a alone. Node a slow: its part (shards 0 and 1) is hedged to b for
+    shard 0, and b answers first. Then a answers both: its results cannot be split by shard, and were dropped
+    whole as overlapping b's, so shard 1, which no other node serves, was missing (a 503 saying no retry would
+    help). A's answer now replaces b's, which lay within it."""
+    settings = make_settings("local")
+    settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
+    _indexes(settings, ["P"])
+    ports = {"a": free_port(), "b": free_port()}
+    nodes = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+    placement = _placement(tmp_path / "placement.yaml", nodes, settings.tenant, {"P": {"a": [0, 1], "b": [0]}})
+    env = {"SHOAL_PLACEMENT_FILE": placement}
+    with api_process(settings, port=ports["a"], SHOAL_NODE="a", **env) as (pa, a), \
+            api_process(settings, "--access-log", port=ports["b"], SHOAL_NODE="b", **env) as (pb, b), \
+            api_process(settings, SHOAL_FANOUT_TIMEOUT_S="60", **env) as (_, router):
+        _warm(a, "P")
+        _warm(b, "P", "0")
+        answered = _searches_answered(pb, "P")
+        with ThreadPoolExecutor(1) as pool:
+            with _stopped(pa):
+                search = pool.submit(httpx.post, f"{router}/api/v1/search/P/1", json=QUERY, timeout=60)
+                # The hedge: node b asked for shard 0 after a second without a's answer, and answering it.
+                wait_for(lambda: _searches_answered(pb, "P") > answered, 30, "node b to answer the hedged part")
+            got = search.result(60)  # node a resumed: its part, both shards, answers now
+        assert _ids(got) == NEAREST
 
 
 # -- a node's own 4xx, a DNS failure, a shard on no node -----------------------------------------------------------

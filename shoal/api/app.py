@@ -54,8 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         monitor.start()
         placement = app.state.tenants.search.placement
         # Searches of indexes placed across nodes fan out to them (shoal.api.fanout); without a placement, none.
-        app.state.fanout = (FanOut(placement, settings.fanout_timeout_s, app.state.metrics) if placement.indexes
-                            else None)
+        app.state.fanout = (FanOut(placement, settings.fanout_timeout_s, app.state.metrics,
+                                   hedge_s=settings.fanout_hedge_s) if placement.indexes else None)
         # Request bodies of megabytes: reuse their memory, and keep full collections short (shoal.api.process_tuning).
         keep_large_blocks()
         freeze_startup_objects()

@@ -76,8 +76,12 @@ SEQ_ROUNDS = 4
 FANOUT_KEEPALIVE_S = 4.0
 # Retry-After of a 503 for shards whose nodes did not answer (one restarting); none for shards placed on no node.
 RETRY_AFTER_S = 5
-# Seconds a part may go unanswered before the next replica of its shards is asked too (at most half the timeout).
+# Seconds a part may go unanswered before the next replica of its shards is asked too (at most half the timeout;
+# SHOAL_FANOUT_HEDGE_S, 0: never).
 HEDGE_S = 1.0
+# A part is sent only with at least this long left to the search's deadline: one sent with less could not be
+# answered, and its node would count as failed (suspect, in the 503) without having been asked.
+MIN_PART_S = 0.05
 # Seconds a node that failed a part (or was outrun by a replica) is asked only after its replicas.
 SUSPECT_S = 30.0
 REASON_CHARS = 300  # of each error message a node answered, repeated in the search's 503
@@ -225,13 +229,15 @@ class FanOut:
     """Fans searches of placed indexes out to the nodes serving their shards, over one pooled HTTP client
     (aiohttp's: about a quarter of httpx's CPU per request, bench/fanout.py). Made on the event loop it serves."""
 
-    def __init__(self, placement: Placement, timeout_s: float, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, placement: Placement, timeout_s: float, metrics: Metrics | None = None, *, hedge_s: float = HEDGE_S,
+    ) -> None:
         self.placement = placement
         self.timeout_s = timeout_s
         self.metrics = metrics  # failed and hedged parts, missing shards counted there
         self.health = NodeHealth(timeout_s)  # the nodes failing lately, for /healthz
         self._unpinned: set[str] = set()  # nodes found not to say the seq of their parts (an older release)
-        self.hedge_s = min(HEDGE_S, timeout_s / 2)
+        self.hedge_s = min(hedge_s, timeout_s / 2)  # 0: no hedging
         # Nodes that failed a part, or were outrun by a replica, lately: node -> when (the loop's clock).
         self._suspect: dict[str, float] = {}
         self.client = aiohttp.ClientSession(
@@ -261,7 +267,6 @@ class FanOut:
         nodes' requests are out."""
         placed = self.placement.of(ctx.tenant, name, version)
         assert placed is not None
-        deadline = asyncio.get_running_loop().time() + self.timeout_s  # one for every node this search asks
         mine = sorted(placed.local)
         # Shards past the index's own (a placement file edited for another index, or not yet on every process)
         # are asked of no node: a node refuses them as the caller's mistake (400), which this caller did not make.
@@ -270,6 +275,9 @@ class FanOut:
             await run_in_threadpool(searcher.view, name, version)  # the local part loads it anyway
         count = len(searcher.view(name, version).index.shards)
         mine = [s for s in mine if s < count]
+        # One for every node this search asks, from when they are asked: a first search that loads a large index
+        # here first must not leave the other nodes no time (they were all timed out, and suspected).
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         remote_task = asyncio.ensure_future(
             self._remote(placed, name, version, body, headers, deadline, set(mine),
                          {s for s in placed.nodes if s < count}))
@@ -363,8 +371,8 @@ class FanOut:
         loop = asyncio.get_running_loop()
         try:
             while flights.tasks:
-                hedging = flights.hedgeable()
                 left = deadline - loop.time()
+                hedging = flights.hedgeable() if self.hedge_s > 0 and left > MIN_PART_S else []
                 # _ask ends each part at the deadline itself; the second more is for it to say so.
                 wait = min(self.hedge_s, left) if hedging else left + 1
                 if left + 1 <= 0:
@@ -380,7 +388,8 @@ class FanOut:
                     self._settle(flights, task)
                 for node in flights.drop_answered():  # outrun by a replica: asked after it for a while
                     self._suspect[node] = loop.time()
-                flights.launch(flights.orphans())
+                if deadline - loop.time() > MIN_PART_S:  # else their nodes' failures stand as the reason
+                    flights.launch(flights.orphans())
         finally:
             for task in flights.tasks:
                 _abandon(task)
@@ -404,10 +413,7 @@ class FanOut:
             return
         self._suspect.pop(node, None)
         self.health.answered(node)
-        if any(s in flights.done for s in shards):  # merged once: its shards' other answer stands
-            return
-        flights.done.update(shards)
-        flights.answered.append((shards, *outcome))
+        flights.take(node, shards, outcome)
 
     def _failed(self, flights: _Flights, node: str, failure: Failure) -> None:
         """Remember a node's failed part: for the search's 503, for /healthz, and counted in /metrics."""
@@ -547,6 +553,7 @@ class _Flights:
         self.done: set[int] = set()
         self.answered: list[Answered] = []
         self.failures: dict[str, Failure] = {}
+        self.reasked: set[int] = set()  # shards asked again of a node whose answer overlapped others' (`take`)
 
     def launch(self, shards: list[int]) -> None:
         """Ask each shard's next node (one part per node); a shard with none left is not asked again."""
@@ -574,6 +581,28 @@ class _Flights:
         """Shards unanswered that no part out asks for (its node failed, or answered what was answered)."""
         out = {s for _, shards in self.tasks.values() for s in shards}
         return [s for s in self.order if s not in self.done and s not in out]
+
+    def take(self, node: str, shards: list[int], outcome: tuple[Any, ...]) -> None:
+        """Keep a node's answer for `shards`, each shard answered once in all. A node's results cannot be split by
+        shard, so an answer overlapping earlier ones replaces those that lie within its shards (a hedge asked of
+        a replica for some of them answered first); should one reach past them, this node is asked again for
+        its shards still unanswered (once per shard), rather than its answer dropping the ones no other node
+        serves."""
+        overlap = [s for s in shards if s in self.done]
+        if len(overlap) == len(shards):  # every one answered by others meanwhile
+            return
+        if overlap:
+            inside = [a for a in self.answered if set(a[0]) <= set(shards)]
+            if sum(len(a[0]) for a in inside) < len(overlap):
+                again = [s for s in shards if s not in self.done and s not in self.reasked]
+                self.reasked.update(again)
+                if again:
+                    self.tasks[self.start(node, again)] = (node, again)
+                return
+            self.answered = [a for a in self.answered if not any(a is b for b in inside)]
+            self.done.difference_update(s for a in inside for s in a[0])
+        self.done.update(shards)
+        self.answered.append((shards, *outcome))
 
     def drop_answered(self) -> list[str]:
         """Cancel the parts whose shards were all answered by other nodes; their nodes."""

@@ -174,6 +174,12 @@ class Settings(BaseSettings):
         description="How long a fanned-out search waits for another node's answer before calling its shards "
         "unavailable.",
     )
+    fanout_hedge_s: Seconds = Field(
+        default=1.0, ge=0,
+        description="How long a fanned-out search waits for a node's part before also asking the next replica "
+        "listed for its shards (the first answer is taken; at most half SHOAL_FANOUT_TIMEOUT_S); 0: a replica is "
+        "asked only when a node fails.",
+    )
     searcher_poll_s: Seconds = Field(
         default=1.0, gt=0, description="How often searchers check the catalog for new versions and dropped indexes."
     )

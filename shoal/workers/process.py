@@ -104,7 +104,10 @@ class Worker(CeleryWorker):  # type: ignore[misc]
                     "cold)", parent, stop_timeout)
         beat = getattr(self, "beat", None)  # set by the worker's Beat step, absent before it ran
         if beat is not None:
-            beat.stop()  # its own process (prefork) or thread: it schedules nothing beside a new supervisor's
+            try:
+                beat.stop()  # its own process (prefork) or thread: it schedules nothing beside a new supervisor's
+            except Exception:  # noqa: BLE001 - the stop below must be asked for, and bounded, whatever this did
+                log.exception("stopping the embedded beat failed; the worker's stop ends it")
         # The warm stop, should the kernel's death signal not come (no prctl); a repeated SIGTERM changes nothing.
         os.kill(os.getpid(), signal.SIGTERM)
         _after(stop_timeout, _cold_stop)
