@@ -13,14 +13,20 @@ import os
 import pty
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import api_process, free_port, settings_env, wait_for
+from helpers.long_build import building, built, queue_a_long_build
 
+from shoal import Shoal
 from shoal.config.settings import Settings
 
 
@@ -215,3 +221,103 @@ def test_api_workers_refuse_a_port_another_api_with_workers_serves(make_settings
             f"error: port {port} on 127.0.0.1 is in use: cannot start the HTTP API (choose another port or stop "
             "what uses it)"
         ], err
+
+
+# -- a `shoal up` killed unannounced, children that cannot serve -------------------------------------------------
+# SIGKILL to `shoal up` while its worker runs a long build: the worker got SIGTERM from the kernel (a warm stop) and
+# went on until the build ended, minutes, its embedded beat scheduling beside the next `shoal up`'s; it now stops
+# within `shoal up`'s stop timeout by itself, and the build is done by the next worker. An API child that cannot
+# bind its port because another process holds it was announced "API ready" on every restart. Flower's Broker page
+# answered 404 "'redis' broker is not supported" (the app names its own transport).
+
+DIM = 64
+POINTS = 80_000  # an HNSW build of these takes a minute or more here: far longer than the stop timeout below
+STOP_TIMEOUT_S = 3
+GONE_WITHIN_S = 40  # generous beside the stop timeout, and well short of the build (the old code waited for it)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+def test_the_worker_of_a_killed_up_stops_within_its_stop_timeout(up_settings: Settings) -> None:
+    """SIGKILL to `shoal up` mid-build: every process of its worker's session (main, pool, beat) is gone well
+    before the build could have ended, the build unfinished; the next `shoal up`'s worker builds the shard."""
+    up_settings = up_settings.model_copy(update={  # a dead worker's lease runs out soon, builds at full quality
+        "lease_seconds": 9.0, "lease_heartbeat_s": 3.0, "sweep_interval_s": 3.0, "quick_build_backlog_seqs": 0})
+    with Shoal(up_settings) as shoal:
+        with _shoal_up(up_settings, "--no-api", "--no-consumer", "-c", "1",
+                       "--stop-timeout", str(STOP_TIMEOUT_S)) as up:
+            worker = _started(up, up.log_path.read_text, "worker")["worker"]  # type: ignore[attr-defined]
+            wait_for(lambda: len(_session(worker)) >= 3, 60, "the worker's pool process and beat to start")
+            index, head = queue_a_long_build(shoal, prefix="orphan", dim=DIM, points=POINTS, seed=11)
+            wait_for(lambda: building(shoal, index), 120, "the worker to start the build")
+            up.kill()
+            up.wait(10)
+            wait_for(lambda: not _session(worker), GONE_WITHIN_S,
+                     "no process of the worker's session to be left (it waited for its build)")
+            assert built(shoal, index) < head  # it was stopped mid-build: the premise of this test
+        log = (up_settings.data_dir / "logs" / "worker.log").read_text()
+        assert "the supervisor (pid" in log, log[-3000:]
+        with _shoal_up(up_settings, "--no-api", "--no-consumer", "-c", "1") as up:
+            _started(up, up.log_path.read_text, "worker")  # type: ignore[attr-defined]
+            wait_for(lambda: built(shoal, index) == head, 600, "the next worker to build the shard")
+
+
+def _hold(port: int, until: float) -> socket.socket:
+    """A plain listening socket on 127.0.0.1:`port`, bound as soon as the port is free (before `until`)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    while True:
+        try:
+            s.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            if time.monotonic() > until:
+                s.close()
+                raise
+            time.sleep(0.01)
+    s.listen()
+    return s
+
+
+def test_an_api_that_cannot_bind_is_not_announced_ready(up_settings: Settings) -> None:
+    """After start, the API child is killed and a plain socket takes its port: each restart fails to bind;
+    `shoal up` said "API ready" for every one of them."""
+    port = free_port()
+    with _shoal_up(up_settings, "--no-consumer", "--port", str(port), "-c", "1") as up:
+        text = up.log_path.read_text  # type: ignore[attr-defined]
+        api = _started(up, text, "worker", "api")["api"]
+        wait_for(lambda: text().count("API ready at") == 1, 60, "shoal up to announce the API")
+        os.kill(api, signal.SIGKILL)
+        squatter = _hold(port, time.monotonic() + 10)
+        try:
+            # The first restarts come after 1, 2 and 4 s: three of them fail here.
+            wait_for(lambda: text().count("api restarted") >= 3 and text().count("exited unexpectedly") >= 4,
+                     60, "three restarts of the API to fail")
+            assert text().count("API ready at") == 1, text()
+            assert "is in use" in text(), text()  # the failure is told (from the child's log)
+        finally:
+            squatter.close()
+        wait_for(lambda: text().count("API ready at") == 2, 90, "the API to be announced once it serves again")
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a loopback URL of the test
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def test_flowers_broker_page_shows_the_queues(up_settings: Settings) -> None:
+    """Flower's Broker page answered 404 "'redis' broker is not supported": Flower read the app's own transport
+    name for the broker's scheme."""
+    port = free_port()
+    with _shoal_up(up_settings, "--no-api", "--no-consumer", "--flower", "--flower-port", str(port), "-c",
+                   "1") as up:
+        text = up.log_path.read_text  # type: ignore[attr-defined]
+        _started(up, text, "worker", "flower")
+        wait_for(lambda: "Flower ready at" in text(), 60, "shoal up to announce Flower")
+        status, body = _get(f"http://127.0.0.1:{port}/broker")
+        assert status == 200, body[-2000:]
+        assert "not supported" not in body, body[-2000:]
+        assert "redis://" in body  # the page, naming the broker by its URL
