@@ -111,7 +111,7 @@ class Runtime:
         self._swept_at = time.monotonic()
         # Every writer made, held weakly: one forgotten while idle may still serve a producer, which `close`
         # must refuse like the others.
-        self._made_writers: weakref.WeakSet[LogWriter] = weakref.WeakSet()
+        self._made_writers: weakref.WeakValueDictionary[int, LogWriter] = weakref.WeakValueDictionary()
         self._broker_url: str | None = None
         self._redis: redis.Redis | None = None
         self._celery: Any = None
@@ -193,7 +193,11 @@ class Runtime:
         commits, whichever tenant scope or thread sends it."""
         with self._lock:
             self.check_open()
+            # A writer forgotten while idle that a producer still holds is this source's writer again: two would
+            # each lead group commits of their own.
             writer = self._writers.get(source.id)
+            if writer is None:
+                writer = self._made_writers.get(source.id)
             if writer is None:
                 writer = LogWriter(
                     self.engine,
@@ -205,8 +209,8 @@ class Runtime:
                 )
                 writer.after_commit = self.after_commit
                 writer.announce_head = self.announce_head
-                self._writers[source.id] = writer
-                self._made_writers.add(writer)
+                self._made_writers[source.id] = writer
+            self._writers[source.id] = writer
             self._written[source.id] = time.monotonic()
         self._forget_idle_now_and_then()
         return writer
@@ -263,7 +267,9 @@ class Runtime:
         again; `close` still refuses them (`_made_writers`)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            for source_id in [s for s, at in self._written.items() if now - at > IDLE_FORGET_S]:
+            # list(...) in one step: `announce_head` notes writes without the lock (a walk of the dict itself would
+            # fail should one land in the middle of it).
+            for source_id in [s for s, at in list(self._written.items()) if now - at > IDLE_FORGET_S]:
                 writer = self._writers.get(source_id)
                 if writer is not None and _in_flight(writer):
                     continue
@@ -301,7 +307,7 @@ class Runtime:
             client, self._redis = self._redis, None
             self._celery = None
             self._scopes.clear()
-            writers = list(self._made_writers)
+            writers = list(self._made_writers.values())
             self._writers.clear()
             self._written.clear()
         _RUNTIMES.discard(self)

@@ -39,7 +39,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +97,12 @@ TIMEOUT, CONNECT, DNS, STATUS_5XX, STATUS_4XX, BAD_BODY = (
     "timeout", "connect", "dns", "status_5xx", "status_4xx", "bad_body")
 FAILURE_KINDS = (TIMEOUT, CONNECT, DNS, STATUS_5XX, STATUS_4XX, BAD_BODY)
 # Seconds after its last failed part that a node no search asked since is no longer reported by /healthz: nothing
-# seen of it since (a replica listed before it answers every part) says whether it still fails.
-FORGET_S = 10 * SUSPECT_S
+# seen of it since (a replica listed before it answers every part) says whether it still fails. As long as it is
+# asked after its replicas: one slow answer (a pause) degraded /healthz for minutes at ten times this. A node still
+# down is asked first again once this passes, fails, and is reported again.
+FORGET_S = SUSPECT_S
+# Why shards were not asked of their next node: the search's deadline was too near (no node's failure).
+NOT_ASKED = "was not asked: too little of the search's time was left (SHOAL_FANOUT_TIMEOUT_S)"
 
 # One node's answer for some shards: (the shards, its SearchResultDto list, the seq it reflects and whether higher
 # is nearer, where it says).
@@ -365,10 +369,10 @@ class FanOut:
             passed[PIN_HEADER] = str(pin)
         asked = sorted({s for s in placed.nodes if s not in mine} if only is None else set(only) - mine)
         order = {s: self._order([n for n in placed.nodes[s] if n != self.placement.node]) for s in asked}
-        flights = _Flights(order, lambda node, shards: asyncio.ensure_future(
-            self._ask(node, shards, name, version, body, passed, deadline)))
-        flights.launch(asked)
         loop = asyncio.get_running_loop()
+        flights = _Flights(order, lambda node, shards: asyncio.ensure_future(
+            self._ask(node, shards, name, version, body, passed, deadline)), lambda: deadline - loop.time())
+        flights.launch(asked)
         try:
             while flights.tasks:
                 left = deadline - loop.time()
@@ -388,8 +392,7 @@ class FanOut:
                     self._settle(flights, task)
                 for node in flights.drop_answered():  # outrun by a replica: asked after it for a while
                     self._suspect[node] = loop.time()
-                if deadline - loop.time() > MIN_PART_S:  # else their nodes' failures stand as the reason
-                    flights.launch(flights.orphans())
+                flights.launch(flights.orphans())
         finally:
             for task in flights.tasks:
                 _abandon(task)
@@ -544,9 +547,10 @@ class _Flights:
     """The parts of one `_remote` call out at a time: each task with its node and shards, the shards answered,
     how far down each shard's node order the parts went, and each failed node's failure."""
 
-    def __init__(self, order: dict[int, list[str]], start: Any) -> None:
+    def __init__(self, order: dict[int, list[str]], start: Any, time_left: Callable[[], float]) -> None:
         self.order = order
         self.start = start  # (node, shards) -> the task asking it
+        self.time_left = time_left  # seconds to the search's deadline
         self.next = dict.fromkeys(order, 0)
         self.tasks: dict[asyncio.Future[Any], tuple[str, list[int]]] = {}
         self.hedged: set[asyncio.Future[Any]] = set()
@@ -556,7 +560,14 @@ class _Flights:
         self.reasked: set[int] = set()  # shards asked again of a node whose answer overlapped others' (`take`)
 
     def launch(self, shards: list[int]) -> None:
-        """Ask each shard's next node (one part per node); a shard with none left is not asked again."""
+        """Ask each shard's next node (one part per node); a shard with none left is not asked again. With less
+        than MIN_PART_S left to the deadline nothing is sent (it could not be answered, and its node would count
+        as failed unasked): the shards' next nodes are said to be not asked (NOT_ASKED, a retry may help)."""
+        if self.time_left() <= MIN_PART_S:
+            for shard in shards:
+                if self.next[shard] < len(self.order[shard]):
+                    self.failures.setdefault(self.order[shard][self.next[shard]], Failure(NOT_ASKED, kind=TIMEOUT))
+            return
         by_node: dict[str, list[int]] = {}
         for shard in shards:
             if self.next[shard] < len(self.order[shard]):
@@ -573,9 +584,11 @@ class _Flights:
         return [t for t, (_, shards) in self.tasks.items() if t not in self.hedged and self._open(shards)]
 
     def hedge(self, tasks: list[asyncio.Future[Any]]) -> None:
-        """Ask the next node of these parts' shards too."""
+        """Ask the next node of these parts' shards too, each part on its own: a hedge's shards then lie within
+        its part's, so whichever of the two answers last overlaps the other only within its own (`take`)."""
         self.hedged.update(tasks)
-        self.launch(sorted({s for t in tasks for s in self._open(self.tasks[t][1])}))
+        for task in tasks:
+            self.launch(self._open(self.tasks[task][1]))
 
     def orphans(self) -> list[int]:
         """Shards unanswered that no part out asks for (its node failed, or answered what was answered)."""
@@ -594,10 +607,15 @@ class _Flights:
         if overlap:
             inside = [a for a in self.answered if set(a[0]) <= set(shards)]
             if sum(len(a[0]) for a in inside) < len(overlap):
-                again = [s for s in shards if s not in self.done and s not in self.reasked]
+                open_shards = [s for s in shards if s not in self.done]
+                again = [s for s in open_shards if s not in self.reasked]
                 self.reasked.update(again)
-                if again:
+                if again and self.time_left() > MIN_PART_S:
                     self.tasks[self.start(node, again)] = (node, again)
+                elif open_shards:  # not asked again: said so, as a failure a retry may mend
+                    self.failures.setdefault(node, Failure(
+                        "answered shards other nodes had partly answered, and was not asked again in time",
+                        kind=TIMEOUT))
                 return
             self.answered = [a for a in self.answered if not any(a is b for b in inside)]
             self.done.difference_update(s for a in inside for s in a[0])

@@ -1114,8 +1114,10 @@ class SearchService:
         if self._loading:
             return
         for table in (self._heads, self._floors):
-            for source_id in [s for s in table if s not in self._served_sources]:
-                del table[source_id]
+            # list(table) in one step: `_catalog_head` adds floors without the lock, and a walk of the dict itself
+            # would fail ("changed size during iteration") should one land in the middle of it.
+            for source_id in [s for s in list(table) if s not in self._served_sources]:
+                table.pop(source_id, None)
 
     def _lru(self, loaded: tuple[int, str, str]) -> list[tuple[float, tuple[int, str, str]]]:
         """(last searched, key) of the indexes this service serves, `loaded` left out."""
