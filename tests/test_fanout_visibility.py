@@ -55,7 +55,9 @@ def test_a_failing_placed_node_shows_in_metrics_and_healthz_until_it_answers_aga
     `_placement` writes the nodes in name order). Stopped: a search of H is hedged to gamma (counted for beta), a
     search of R answers 503 (a timeout counted for beta, one missing shard), and /healthz says degraded, counting
     the node; resumed, its next answer clears it. Killed: the failure is counted as `connect`."""
-    settings = make_settings("local", redis_url=redis_url)  # a broker that answers: /healthz is "ok" at first
+    # A broker that answers. /healthz counts every tenant's shards of the session's catalog, which other tests may
+    # leave lagging with no worker alive: only the placed-node problem is this test's to judge.
+    settings = make_settings("local", redis_url=redis_url)
     settings = settings.model_copy(update={"anonymous_tenant": settings.tenant})
     _indexes(settings, ["R", "H"])
     ports = {"gamma": free_port(), "beta": free_port()}
@@ -75,7 +77,7 @@ def test_a_failing_placed_node_shows_in_metrics_and_healthz_until_it_answers_aga
             return httpx.post(f"{router}/api/v1/search/{name}/1", json=QUERY, timeout=30)
 
         assert _ids(search("R")) == NEAREST
-        assert _health(router)["status"] == "ok", _health(router)
+        assert _placed_problems(router) == []
         with _stopped(pb):
             assert _ids(search("H")) == NEAREST  # beta asked first, hedged to gamma, which answers
             assert _counter(router, "shoal_fanout_hedged_parts_total", node="beta") >= 1
@@ -94,7 +96,6 @@ def test_a_failing_placed_node_shows_in_metrics_and_healthz_until_it_answers_aga
         # Resumed: its next answer clears the problem at once (not held by the report's 5 s cache).
         wait_for(lambda: search("R").status_code == 200, 60, "node beta to answer R's shard 1 again")
         assert _placed_problems(router) == []
-        assert _health(router)["status"] == "ok", _health(router)
         # Killed: no connection can be made, counted as such.
         stop_process(pb)
         got = search("R")
